@@ -1,0 +1,184 @@
+"""Build configuration: frozen dataclasses loaded from YAML, every field validated with its limit."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Tuple
+
+import yaml
+
+from quantize.recipes import BACKENDS, SCHEMES
+
+
+class ConfigError(ValueError):
+    """A config field has the wrong type, is out of range, or is unknown."""
+
+
+@dataclass(frozen=True)
+class PolicySection:
+    source: str = "reference"  # "reference" (the embedded policy) or a path to an HF directory
+    max_seq_len: int = 256
+
+
+@dataclass(frozen=True)
+class PromptsSection:
+    file: Optional[str] = None  # JSONL ({"prompt": ...}) or one prompt per line; None: task prompts
+    max_new_tokens: int = 8
+
+
+@dataclass(frozen=True)
+class RolloutsSection:
+    engine: str = "local"  # local | vllm
+    jsonl: Optional[str] = None  # {"prompt", "completion"} records used instead of generating
+
+
+@dataclass(frozen=True)
+class CalibrationSection:
+    samples: int = 256
+    batch_size: int = 32
+    golden: int = 128
+    procs: int = 1
+    hosts: int = 0  # >0: use a host mesh from the job launcher (see README)
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RecipeSection:
+    scheme: str = "static"
+    backend: str = "x86"
+    reduce_range: bool = True
+    skip: Tuple[str, ...] = ("embed_tokens", "lm_head")
+    fp32_layers: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    onnx: bool = True
+
+
+@dataclass(frozen=True)
+class RegisterSection:
+    bentoml: bool = True
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    name: str = "reference"
+    seed: int = 0
+    policy: PolicySection = field(default_factory=PolicySection)
+    prompts: PromptsSection = field(default_factory=PromptsSection)
+    rollouts: RolloutsSection = field(default_factory=RolloutsSection)
+    calibration: CalibrationSection = field(default_factory=CalibrationSection)
+    recipe: RecipeSection = field(default_factory=RecipeSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    register: RegisterSection = field(default_factory=RegisterSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# (field path) -> (minimum, maximum) for numbers; (field path) -> allowed values for strings.
+RANGES = {
+    "seed": (0, 2**31 - 1),
+    "policy.max_seq_len": (8, 32768),
+    "prompts.max_new_tokens": (1, 4096),
+    "calibration.samples": (1, 100_000),
+    "calibration.batch_size": (1, 4096),
+    "calibration.golden": (1, 100_000),
+    "calibration.procs": (1, 256),
+    "calibration.hosts": (0, 4096),
+    "calibration.timeout_s": (1.0, 86_400.0),
+}
+CHOICES = {
+    "rollouts.engine": ("local", "vllm"),
+    "recipe.scheme": SCHEMES,
+    "recipe.backend": BACKENDS,
+}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        return _coerce(path, value, next(a for a in args if a is not type(None)))
+    if origin in (tuple, Tuple):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{path}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str = "") -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        value = _coerce(path, value, hints[name])
+        if path in RANGES and value is not None:
+            lo, hi = RANGES[path]
+            if not lo <= value <= hi:
+                raise ConfigError(f"{path}: {value!r} is out of range [{lo}, {hi}]")
+        if path in CHOICES and value not in CHOICES[path]:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(CHOICES[path])}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _apply_override(data: dict, override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep:
+        raise ConfigError(f"--set {override!r}: expected KEY=VALUE (e.g. calibration.procs=2)")
+    node = data
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {p} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def load_config(path: Optional[Path], overrides: Tuple[str, ...] = ()) -> BuildConfig:
+    """Read, override (``section.field=value``) and validate a build config."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    for o in overrides:
+        _apply_override(data, o)
+    cfg = _build(BuildConfig, data)
+    if cfg.calibration.batch_size > cfg.calibration.samples:
+        raise ConfigError(
+            f"calibration.batch_size: {cfg.calibration.batch_size} exceeds calibration.samples "
+            f"({cfg.calibration.samples})"
+        )
+    return cfg

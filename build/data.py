@@ -1,0 +1,178 @@
+"""Where build data comes from: the policy source, prompts, rollouts, golden set, calibration batches."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from build.config import BuildConfig, ConfigError
+from quantize import task
+from quantize.fidelity import GoldenItem
+from quantize.model import UnsupportedModelError, greedy_generate, load_hf_config
+
+GENERAL_PROMPTS = Path(__file__).parent / "prompts" / "general.txt"
+
+
+def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> Path:
+    """The HF directory of the FP32 policy: the embedded reference policy or a user path."""
+    if cfg.policy.source == "reference":
+        from quantize.reference import ensure_reference_policy
+
+        return ensure_reference_policy(log=log)
+    path = Path(cfg.policy.source).expanduser()
+    if not path.exists():
+        raise ConfigError(f"policy.source: {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"policy.source: {str(path)!r} is not a directory")
+    load_hf_config(path)  # raises UnsupportedModelError for e.g. GPT-2
+    if not list(path.glob("*.safetensors")):
+        raise UnsupportedModelError(f"policy.source: {path} holds no *.safetensors weights")
+    return path
+
+
+def is_task_policy(cfg: BuildConfig) -> bool:
+    return cfg.policy.source == "reference" and cfg.prompts.file is None
+
+
+def load_tokenizer(policy_dir: Path):
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return AutoTokenizer.from_pretrained(str(policy_dir), local_files_only=True)
+
+
+def read_prompts_file(path: Path) -> List[str]:
+    """JSONL records with a ``prompt`` field, or plain text with one prompt per line."""
+    if not path.is_file():
+        raise ConfigError(f"prompts.file: {str(path)!r} does not exist")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("{"):
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError):
+                raise ConfigError(f"prompts.file: {path}:{n} is not a JSON record with a 'prompt' field") from None
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ConfigError(f"prompts.file: {path} holds no prompts")
+    return prompts
+
+
+def encode_prompt(tok, prompt: str) -> List[int]:
+    """Token ids of a prompt; chat templates applied when the tokenizer has one."""
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return tok(prompt)["input_ids"]
+
+
+@dataclass
+class PromptSplit:
+    calibration: List[str]
+    golden: List[str]
+    golden_answers: Optional[List[str]]  # None when the policy has no task
+
+
+def split_prompts(cfg: BuildConfig) -> PromptSplit:
+    """Disjoint calibration and golden prompts (task prompts, a user file, or the shipped set)."""
+    n_cal, n_gold = cfg.calibration.samples, cfg.calibration.golden
+    if is_task_policy(cfg):
+        gold = task.golden_set(n_gold)
+        return PromptSplit(task.rollout_prompts(n_cal), [g.prompt for g in gold], [g.answer for g in gold])
+    path = Path(cfg.prompts.file) if cfg.prompts.file else GENERAL_PROMPTS
+    prompts = read_prompts_file(path)
+    if len(prompts) < 2:
+        raise ConfigError(f"prompts.file: {path} needs at least 2 prompts (calibration and golden)")
+    # The golden set takes the tail; calibration cycles over the rest when it asks for more.
+    n_gold = min(n_gold, max(1, len(prompts) // 4))
+    cal_pool = prompts[:-n_gold]
+    cal = [cal_pool[i % len(cal_pool)] for i in range(n_cal)]
+    return PromptSplit(cal, prompts[-n_gold:], None)
+
+
+@torch.no_grad()
+def local_rollouts(
+    policy, prompt_ids: Sequence[List[int]], max_new_tokens: int, eos: Optional[int], tick: Callable[[], None] = lambda: None
+) -> List[List[int]]:
+    """Greedy completions from our own KV-cache generate."""
+    outs = []
+    for ids in prompt_ids:
+        outs.append(greedy_generate(policy, ids, max_new_tokens, eos))
+        tick()
+    return outs
+
+
+def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tokens: int) -> List[List[int]]:
+    """Greedy completions from a vLLM engine (the CPU build here, CUDA vLLM on GPUs)."""
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError as exc:
+        raise ConfigError(f"rollouts.engine: 'vllm' but vllm cannot be imported ({exc})") from None
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    llm = LLM(model=str(policy_dir), dtype="float32", enforce_eager=True, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def read_rollouts_jsonl(path: Path, tok) -> List[List[int]]:
+    """Calibration sequences from TorchForge-style ``{"prompt", "completion"}`` records."""
+    if not path.is_file():
+        raise ConfigError(f"rollouts.jsonl: {str(path)!r} does not exist")
+    seqs = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            prompt, completion = str(rec["prompt"]), str(rec["completion"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(f"rollouts.jsonl: {path}:{n} needs 'prompt' and 'completion' fields") from None
+        seqs.append(encode_prompt(tok, prompt) + tok(completion, add_special_tokens=False)["input_ids"])
+    if not seqs:
+        raise ConfigError(f"rollouts.jsonl: {path} holds no records")
+    return seqs
+
+
+def calibration_batches(seqs: Sequence[List[int]], batch_size: int, max_len: int) -> List[Tensor]:
+    """Length-sorted batches, each truncated to its shortest member: no pad token reaches an observer.
+
+    The batches depend only on the data, never on how they are later sharded over processes.
+    """
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), seqs[i]))
+    batches = []
+    for s in range(0, len(order), batch_size):
+        chunk = [seqs[i][:max_len] for i in order[s : s + batch_size]]
+        t = min(len(c) for c in chunk)
+        batches.append(torch.tensor([c[:t] for c in chunk], dtype=torch.long))
+    return batches
+
+
+def golden_items(prompts: PromptSplit, prompt_ids: List[List[int]], completions: List[List[int]]) -> List[GoldenItem]:
+    answers = prompts.golden_answers or [None] * len(prompts.golden)
+    return [
+        GoldenItem(prompt=p, prompt_ids=list(ids), completion_ids=list(c), answer=a)
+        for p, ids, c, a in zip(prompts.golden, prompt_ids, completions, answers)
+    ]
+
+
+def write_golden_jsonl(items: Sequence[GoldenItem], path: Path) -> None:
+    with path.open("w") as f:
+        for it in items:
+            f.write(json.dumps({"prompt": it.prompt, "prompt_ids": it.prompt_ids,
+                                "completion_ids": it.completion_ids, "answer": it.answer}) + "\n")
+
+
+def read_golden_jsonl(path: Path) -> List[GoldenItem]:
+    return [GoldenItem(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]

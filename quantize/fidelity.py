@@ -1,0 +1,161 @@
+"""Fidelity metrics between a reference and a candidate policy: one implementation for the build
+gate and the live canary.
+
+task reward (and its delta) · top-1 next-token agreement · KL(reference || candidate) mean and p99
+per token · flips (right->wrong, wrong->right) · greedy-output agreement. Deterministic: greedy
+decoding and teacher forcing only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quantize.model import full_logits, greedy_generate
+
+
+@dataclass(frozen=True)
+class GoldenItem:
+    """One golden-set item: the prompt's ids, the reference completion's ids, and the task answer."""
+
+    prompt: str
+    prompt_ids: List[int]
+    completion_ids: List[int]
+    answer: Optional[str] = None  # None when the policy has no verifiable task
+
+
+@dataclass
+class FidelityReport:
+    items: int
+    tokens: int
+    top1_agreement: float
+    kl_mean: float
+    kl_p99: float
+    greedy_agreement: Optional[float] = None
+    reward_reference: Optional[float] = None
+    reward_candidate: Optional[float] = None
+    reward_delta: Optional[float] = None
+    flips_right_to_wrong: Optional[int] = None
+    flips_wrong_to_right: Optional[int] = None
+    notes: List[str] = field(default_factory=list)
+    kl_per_token: List[float] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("kl_per_token")
+        return d
+
+
+def kl_per_token(ref_logits: Tensor, cand_logits: Tensor) -> Tensor:
+    """KL(ref || cand) for each row of [N, V] logits, in nats."""
+    ref_lp = F.log_softmax(ref_logits.double(), dim=-1)
+    cand_lp = F.log_softmax(cand_logits.double(), dim=-1)
+    return (ref_lp.exp() * (ref_lp - cand_lp)).sum(-1).clamp_min(0.0)
+
+
+def top1_agreement(ref_logits: Tensor, cand_logits: Tensor) -> float:
+    return float((ref_logits.argmax(-1) == cand_logits.argmax(-1)).double().mean())
+
+
+def p99(values: Tensor) -> float:
+    return float(torch.quantile(values.double(), 0.99)) if values.numel() else 0.0
+
+
+LogitsFn = Callable[[Tensor], Tensor]
+
+
+def policy_logits_fn(policy) -> LogitsFn:
+    """Teacher-forced logits [B, T, V] from anything with the Policy interface (eager or TorchScript)."""
+    return lambda batch: full_logits(policy, batch)
+
+
+def _scored_positions(item: GoldenItem) -> tuple[List[int], int, int]:
+    """The item's full token ids, and the slice of logit rows that predict completion tokens."""
+    ids = item.prompt_ids + item.completion_ids
+    start = len(item.prompt_ids) - 1
+    return ids, start, len(ids) - 1
+
+
+@torch.no_grad()
+def teacher_forced_logits(logits_fn: LogitsFn, items: Sequence[GoldenItem], batch_size: int = 32) -> List[Tensor]:
+    """Per item: logits [n_completion, V] at the positions that predict the reference completion.
+
+    Items are grouped by length so no batch needs padding (padding would change nothing causally,
+    but exact equal-length batches keep the numbers independent of batch composition).
+    """
+    out: List[Optional[Tensor]] = [None] * len(items)
+    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].completion_ids))
+    groups: dict[int, List[int]] = {}
+    for i in order:
+        ids, _, _ = _scored_positions(items[i])
+        groups.setdefault(len(ids), []).append(i)
+    for length, idxs in groups.items():
+        for s in range(0, len(idxs), batch_size):
+            chunk = idxs[s : s + batch_size]
+            batch = torch.tensor([_scored_positions(items[i])[0] for i in chunk])
+            logits = logits_fn(batch).float()
+            for row, i in enumerate(chunk):
+                _, a, b = _scored_positions(items[i])
+                out[i] = logits[row, a:b]
+    return [t for t in out if t is not None]
+
+
+def compare_logits(ref: List[Tensor], cand: List[Tensor]) -> tuple[float, Tensor]:
+    r, c = torch.cat(ref), torch.cat(cand)
+    return top1_agreement(r, c), kl_per_token(r, c)
+
+
+Reward = Callable[[str, str], float]
+Decode = Callable[[List[int]], str]
+
+
+def greedy_completions(policy, items: Sequence[GoldenItem], max_new_tokens: int, eos: Optional[int]) -> List[List[int]]:
+    return [greedy_generate(policy, it.prompt_ids, max_new_tokens, eos) for it in items]
+
+
+def measure_fidelity(
+    reference,
+    candidate,
+    items: Sequence[GoldenItem],
+    *,
+    max_new_tokens: int,
+    eos_token_id: Optional[int],
+    decode: Decode,
+    reward: Optional[Reward] = None,
+    candidate_logits: Optional[LogitsFn] = None,
+    generate: bool = True,
+) -> FidelityReport:
+    """Compare ``candidate`` to ``reference`` on the golden ``items``.
+
+    ``reference``/``candidate`` follow the Policy interface. ``candidate_logits`` overrides how
+    the candidate's teacher-forced logits are computed (e.g. onnxruntime); with ``generate=False``
+    only the logit metrics are computed (for variants without a KV-cache decode).
+    """
+    ref_l = teacher_forced_logits(policy_logits_fn(reference), items)
+    cand_l = teacher_forced_logits(candidate_logits or policy_logits_fn(candidate), items)
+    agree, kl = compare_logits(ref_l, cand_l)
+    report = FidelityReport(
+        items=len(items), tokens=int(kl.numel()), top1_agreement=agree, kl_mean=float(kl.mean()),
+        kl_p99=p99(kl), kl_per_token=[float(v) for v in kl],
+    )
+    if not generate:
+        report.notes.append("logit metrics only: this variant has no KV-cache decode")
+        return report
+    ref_out = greedy_completions(reference, items, max_new_tokens, eos_token_id)
+    cand_out = greedy_completions(candidate, items, max_new_tokens, eos_token_id)
+    report.greedy_agreement = sum(a == b for a, b in zip(ref_out, cand_out)) / max(1, len(items))
+    if reward is None or any(it.answer is None for it in items):
+        report.notes.append("no task reward: this policy has no verifiable task")
+        return report
+    r_ref = [reward(it.prompt, decode(o)) for it, o in zip(items, ref_out)]
+    r_cand = [reward(it.prompt, decode(o)) for it, o in zip(items, cand_out)]
+    report.reward_reference = sum(r_ref) / len(items)
+    report.reward_candidate = sum(r_cand) / len(items)
+    report.reward_delta = report.reward_candidate - report.reward_reference
+    report.flips_right_to_wrong = sum(a > 0.5 >= b for a, b in zip(r_ref, r_cand))
+    report.flips_wrong_to_right = sum(b > 0.5 >= a for a, b in zip(r_ref, r_cand))
+    return report

@@ -1,0 +1,390 @@
+"""The policy model: a compact Llama-family decoder (Llama, Qwen2, Qwen3) that loads HF weights.
+
+In the spirit of gpt-fast's model.py: a dataclass config plus plain modules. Every projection is a
+plain ``nn.Linear`` so eager ``torch.ao.quantization`` can swap it, and the forward pass is written
+so ``torch.jit.script`` and ``torch.onnx.export`` both accept it. The KV cache is preallocated and
+passed in by the caller (one pair of tensors ``[layers, batch, kv_heads, max_seq, head_dim]``), so
+a scripted module can serve many independent sequences.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The directory holds a model this project cannot load (wrong architecture or feature)."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    family: str  # llama | qwen2 | qwen3
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    attention_bias: bool = False  # q/k/v bias (always on for Qwen2)
+    qk_norm: bool = False  # Qwen3 per-head RMSNorm on q and k
+    tie_embeddings: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "PolicyConfig":
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else hf.get("model_type", "?")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        n_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            intermediate_size=hf["intermediate_size"],
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            rope_theta=float(theta),
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def to_hf_dict(self) -> dict:
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
+        hf = {
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_seq_len,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.norm_eps,
+            "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.family == "llama":
+            hf["attention_bias"] = self.attention_bias
+            hf["mlp_bias"] = False
+        if self.family == "qwen3":
+            hf["attention_bias"] = False
+        return hf
+
+    def num_params(self) -> int:
+        d, f, v = self.dim, self.intermediate_size, self.vocab_size
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        return self.n_layers * per_layer + v * d * (1 if self.tie_embeddings else 2) + d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, q, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.dim, kv, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.dim, kv, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.dim, bias=False)
+        self.use_qk_norm = cfg.qk_norm
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)
+        v = v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # Write this step's keys/values into the caller's preallocated cache, then attend over it.
+        k_cache[:, :, start_pos : start_pos + t] = k
+        v_cache[:, :, start_pos : start_pos + t] = v
+        keys, values = k_cache, v_cache
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            keys = keys.repeat_interleave(rep, dim=1)
+            values = values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Policy(nn.Module):
+    """Decoder-only policy. ``forward(tokens, start_pos, k_cache, v_cache)`` returns logits [B, T, V]."""
+
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__()
+        self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        self.max_seq_len = cfg.max_seq_len
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    @torch.jit.export
+    def new_cache(self, batch_size: int, max_len: int = 0) -> Tuple[Tensor, Tensor]:
+        """Allocate an empty KV cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
+        n = max_len if max_len > 0 else self.max_seq_len
+        shape = [self.n_layers, batch_size, self.n_kv_heads, n, self.head_dim]
+        return torch.zeros(shape), torch.zeros(shape)
+
+    def forward(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        t = tokens.shape[1]
+        cache_len = k_cache.shape[3]
+        cos = self.rope_cos[start_pos : start_pos + t].to(k_cache.dtype)
+        sin = self.rope_sin[start_pos : start_pos + t].to(k_cache.dtype)
+        # Query i (absolute position start_pos+i) sees cache slots 0..start_pos+i.
+        q_pos = torch.arange(t).unsqueeze(1) + start_pos
+        mask = torch.arange(cache_len).unsqueeze(0) <= q_pos
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, start_pos, k_cache[i], v_cache[i])
+        return self.lm_head(self.norm(x))
+
+    @torch.jit.export
+    def prefill(self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.forward(tokens, 0, k_cache, v_cache)
+
+    @torch.jit.export
+    def decode(self, token: Tensor, pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.forward(token, pos, k_cache, v_cache)
+
+
+class FullSequence(nn.Module):
+    """Cache-free full-sequence forward (tokens -> logits), the shape ONNX export wants."""
+
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        p = self.policy
+        shape = [p.n_layers, tokens.shape[0], p.n_kv_heads, tokens.shape[1], p.head_dim]
+        k = torch.zeros(shape, dtype=torch.float32)
+        v = torch.zeros(shape, dtype=torch.float32)
+        return p(tokens, 0, k, v)
+
+
+def full_logits(policy: nn.Module, tokens: Tensor) -> Tensor:
+    """Teacher-forced logits for a [B, T] batch (fresh cache sized to T)."""
+    k, v = policy.new_cache(tokens.shape[0], tokens.shape[1])
+    return policy(tokens, 0, k, v)
+
+
+@torch.no_grad()
+def greedy_generate(
+    policy: nn.Module, prompt: List[int], max_new_tokens: int, eos_token_id: Optional[int] = None
+) -> List[int]:
+    """Greedy decoding with the KV cache: one prefill, then one decode step per new token."""
+    total = len(prompt) + max_new_tokens
+    k, v = policy.new_cache(1, total)
+    logits = policy.prefill(torch.tensor([prompt]), k, v)
+    out: List[int] = []
+    pos = len(prompt)
+    for _ in range(max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        if eos_token_id is not None and nxt == eos_token_id:
+            break
+        if pos >= total:
+            break
+        logits = policy.decode(torch.tensor([[nxt]]), pos, k, v)
+        pos += 1
+    return out
+
+
+# ---- HF weights in and out -------------------------------------------------------------------
+
+
+def load_hf_config(path: Path, max_seq_len: Optional[int] = None) -> PolicyConfig:
+    """The policy config of an HF directory, optionally with a shorter context (smaller caches)."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise UnsupportedModelError(f"{path}: no config.json (expected a HuggingFace model directory)")
+    cfg = PolicyConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    if max_seq_len and max_seq_len < cfg.max_seq_len:
+        cfg = PolicyConfig(**{**asdict(cfg), "max_seq_len": max_seq_len})
+    return cfg
+
+
+def _hf_key(ours: str) -> str:
+    return ours if ours.startswith("lm_head") else "model." + ours
+
+
+def load_policy(path: Path | str, max_seq_len: Optional[int] = None) -> Policy:
+    """Load a Llama/Qwen2/Qwen3 HF directory (safetensors) into an FP32 ``Policy`` in eval mode."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = load_hf_config(path, max_seq_len)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{path}: no *.safetensors weights found")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    policy = Policy(cfg)
+    state = {}
+    for name in policy.state_dict():
+        key = _hf_key(name)
+        if key not in weights:
+            if name == "lm_head.weight" and cfg.tie_embeddings:
+                continue
+            raise UnsupportedModelError(f"{path}: weight {key!r} missing from safetensors")
+        state[name] = weights[key].float()
+    policy.load_state_dict(state, strict=not cfg.tie_embeddings)
+    return policy.eval()
+
+
+def save_hf_weights(policy: Policy, cfg: PolicyConfig, out: Path, dtype: torch.dtype) -> None:
+    """Write config.json + model.safetensors in HF layout (tied lm_head stored once)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in policy.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue
+        tensors[_hf_key(name)] = t.detach().to(dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    hf["dtype"] = hf["torch_dtype"]
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def init_random_policy(cfg: PolicyConfig, seed: int) -> Policy:
+    """A seeded random policy (for tests and benchmarks), initialised like HF (normal, std 0.02)."""
+    g = torch.Generator().manual_seed(seed)
+    policy = Policy(cfg)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return policy.eval()
+
+
+def param_count(policy: nn.Module) -> int:
+    return sum(p.numel() for p in policy.parameters())
+
+
+def logit_scale(logits: Tensor) -> float:
+    return float(logits.abs().max().clamp_min(1e-6))
+
+
+__all__ = [
+    "PolicyConfig",
+    "Policy",
+    "FullSequence",
+    "UnsupportedModelError",
+    "load_policy",
+    "load_hf_config",
+    "save_hf_weights",
+    "greedy_generate",
+    "full_logits",
+    "init_random_policy",
+]

@@ -1,0 +1,209 @@
+"""Quantization recipes: which linears become INT8 and how (eager ``torch.ao.quantization``).
+
+One entry point per phase, torchao-style: ``prepare(policy, recipe)`` inserts observers,
+``calibrate`` feeds data, ``observer_state``/``merge_observer_states``/``load_observer_state`` move
+calibration results between processes, and ``convert(prepared, recipe)`` returns the INT8 module.
+
+- ``static``: W8A8 post-training static quantization. Per-channel symmetric int8 weights,
+  per-tensor affine uint8 activations from MinMax observers (their merge is exact, so a sharded
+  calibration gives bit-identical parameters). The Llama block has no Conv/BN/ReLU chain, so there
+  is no module fusion to do; every selected linear is wrapped as quant -> linear -> dequant.
+- ``dynamic``: int8 per-channel weights, activations quantized per batch at run time.
+
+Layer filters pick the linears: by default embeddings and ``lm_head`` stay in floating point.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.ao.quantization import (
+    DeQuantStub,
+    MinMaxObserver,
+    PerChannelMinMaxObserver,
+    QConfig,
+    QuantStub,
+    per_channel_dynamic_qconfig,
+)
+
+from quantize.model import full_logits
+
+SCHEMES = ("static", "dynamic")
+BACKENDS = ("x86", "fbgemm", "qnnpack")
+
+
+class RecipeError(ValueError):
+    """A recipe field holds a value outside what the recipe supports."""
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    scheme: str = "static"
+    backend: str = "x86"
+    # 7-bit activations avoid int16 overflow in x86/fbgemm kernels; qnnpack does not need it.
+    reduce_range: bool = True
+    skip: Tuple[str, ...] = ("embed_tokens", "lm_head")
+    fp32_layers: Tuple[str, ...] = field(default_factory=tuple)  # accuracy fallback keeps these in float
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise RecipeError(f"recipe.scheme: {self.scheme!r} is not one of {list(SCHEMES)}")
+        if self.backend not in BACKENDS:
+            raise RecipeError(f"recipe.backend: {self.backend!r} is not one of {list(BACKENDS)}")
+        if self.backend not in torch.backends.quantized.supported_engines:
+            raise RecipeError(
+                f"recipe.backend: {self.backend!r} is not supported by this torch build "
+                f"(available: {torch.backends.quantized.supported_engines})"
+            )
+
+
+class QuantizedLinearSlot(nn.Module):
+    """quant -> linear -> dequant: the eager-mode boundary that lets one linear run in INT8."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.quant = QuantStub()
+        self.linear = linear
+        self.dequant = DeQuantStub()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dequant(self.linear(self.quant(x)))
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    parts = name.split(".")
+    return any(fnmatch.fnmatch(name, p) or p in parts for p in patterns)
+
+
+def selected_linears(policy: nn.Module, recipe: RecipeConfig) -> List[str]:
+    """Names of the linears the recipe quantizes (filters applied), in model order."""
+    return [
+        name
+        for name, mod in policy.named_modules()
+        if isinstance(mod, nn.Linear) and not _matches(name, recipe.skip + recipe.fp32_layers)
+    ]
+
+
+def static_qconfig(recipe: RecipeConfig) -> QConfig:
+    act = MinMaxObserver.with_args(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=recipe.reduce_range)
+    weight = PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+    return QConfig(activation=act, weight=weight)
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def prepare(policy: nn.Module, recipe: RecipeConfig) -> nn.Module:
+    """A copy of ``policy`` with activation observers around every selected linear (static scheme).
+
+    The dynamic scheme also calibrates with these observers: it does not need them to convert, but
+    the build reports activation ranges for every recipe.
+    """
+    torch.backends.quantized.engine = recipe.backend
+    model = copy.deepcopy(policy).eval()
+    model.qconfig = None
+    qconfig = static_qconfig(recipe)
+    for name in selected_linears(model, recipe):
+        slot = QuantizedLinearSlot(model.get_submodule(name))
+        slot.qconfig = qconfig
+        _set_submodule(model, name, slot)
+    torch.ao.quantization.prepare(model, inplace=True)
+    return model
+
+
+@torch.no_grad()
+def calibrate(prepared: nn.Module, batches: Iterable[Tensor]) -> int:
+    """Run teacher-forced forwards so the observers see every batch; returns tokens seen."""
+    seen = 0
+    for batch in batches:
+        full_logits(prepared, batch)
+        seen += batch.numel()
+    return seen
+
+
+ObserverState = Dict[str, Tuple[Tensor, Tensor]]
+
+
+def observer_state(prepared: nn.Module) -> ObserverState:
+    """Per activation observer: (min, max). Small tensors that travel in actor messages."""
+    return {
+        name: (mod.min_val.clone(), mod.max_val.clone())
+        for name, mod in prepared.named_modules()
+        if isinstance(mod, MinMaxObserver)
+    }
+
+
+def merge_observer_states(states: List[ObserverState]) -> ObserverState:
+    """Elementwise min of mins and max of maxes: exact, and independent of shard order."""
+    if not states:
+        raise ValueError("merge_observer_states: no observer states to merge")
+    keys = set(states[0])
+    for s in states[1:]:
+        if set(s) != keys:
+            raise ValueError("merge_observer_states: shards observed different modules")
+    merged: ObserverState = {}
+    for k in sorted(keys):
+        mins = torch.stack([s[k][0] for s in states])
+        maxs = torch.stack([s[k][1] for s in states])
+        merged[k] = (mins.min(dim=0).values, maxs.max(dim=0).values)
+    return merged
+
+
+def load_observer_state(prepared: nn.Module, state: ObserverState) -> None:
+    mods = dict(prepared.named_modules())
+    for name, (lo, hi) in state.items():
+        obs = mods[name]
+        obs.min_val.resize_(lo.shape).copy_(lo)
+        obs.max_val.resize_(hi.shape).copy_(hi)
+
+
+def activation_ranges(state: ObserverState) -> Dict[str, List[float]]:
+    """Per quantized linear: [min, max] of its input activations (from its QuantStub observer)."""
+    out = {}
+    for name, (lo, hi) in state.items():
+        if name.endswith(".quant.activation_post_process"):
+            out[name.removesuffix(".quant.activation_post_process")] = [float(lo), float(hi)]
+    return out
+
+
+def convert(prepared: nn.Module, recipe: RecipeConfig) -> nn.Module:
+    """The INT8 module. Static: observers become scales/zero points. Dynamic: weights only."""
+    torch.backends.quantized.engine = recipe.backend
+    model = copy.deepcopy(prepared)
+    if recipe.scheme == "static":
+        return torch.ao.quantization.convert(model, inplace=False).eval()
+    # Dynamic: drop the calibration wrappers, then swap the selected linears for dynamic ones.
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, QuantizedLinearSlot):
+            lin = mod.linear
+            for attr in ("activation_post_process", "qconfig"):
+                if hasattr(lin, attr):
+                    delattr(lin, attr)
+            lin._forward_hooks.clear()
+            _set_submodule(model, name, lin)
+    spec = {name: per_channel_dynamic_qconfig for name in selected_linears(model, recipe)}
+    return torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8).eval()
+
+
+def quantized_parameters(int8: nn.Module) -> Dict[str, Dict[str, Tensor]]:
+    """Every quantized linear's int weights, weight scales/zero points and activation scale/zero point."""
+    out: Dict[str, Dict[str, Tensor]] = {}
+    for name, mod in int8.named_modules():
+        if hasattr(mod, "weight") and callable(getattr(mod, "weight", None)) and hasattr(mod, "_packed_params"):
+            w = mod.weight()
+            entry = {"int_weight": w.int_repr(), "weight_scales": w.q_per_channel_scales()}
+            entry["weight_zero_points"] = w.q_per_channel_zero_points()
+            if hasattr(mod, "scale") and not isinstance(getattr(mod, "scale"), property):
+                entry["out_scale"] = torch.tensor(float(mod.scale))
+                entry["out_zero_point"] = torch.tensor(int(mod.zero_point))
+            out[name] = entry
+        elif type(mod).__name__ == "Quantize":
+            out[name] = {"scale": mod.scale.clone(), "zero_point": mod.zero_point.clone()}
+    return out

