@@ -40,8 +40,9 @@ class CalibrationSection:
     samples: int = 256
     batch_size: int = 32
     golden: int = 128
-    procs: int = 1
-    hosts: int = 0  # >0: use a host mesh from the job launcher (see README)
+    procs: int = 2  # calibration actors per host on the Monarch mesh; 0 = in this process, no mesh
+    hosts: int = 0  # >0: a host mesh of this many hosts from ``launcher`` (see README)
+    launcher: str = "process"  # "process" (local ProcessJob) or the path of a saved Monarch job
     timeout_s: float = 600.0
 
 
@@ -88,7 +89,7 @@ RANGES = {
     "calibration.samples": (1, 100_000),
     "calibration.batch_size": (1, 4096),
     "calibration.golden": (1, 100_000),
-    "calibration.procs": (1, 256),
+    "calibration.procs": (0, 256),
     "calibration.hosts": (0, 4096),
     "calibration.timeout_s": (1.0, 86_400.0),
 }
@@ -176,6 +177,8 @@ def load_config(path: Optional[Path], overrides: Tuple[str, ...] = ()) -> BuildC
     for o in overrides:
         _apply_override(data, o)
     cfg = _build(BuildConfig, data)
+    if cfg.calibration.hosts and not cfg.calibration.procs:
+        raise ConfigError("calibration.procs: 0 (in-process) cannot be combined with calibration.hosts > 0")
     if cfg.calibration.batch_size > cfg.calibration.samples:
         raise ConfigError(
             f"calibration.batch_size: {cfg.calibration.batch_size} exceeds calibration.samples "

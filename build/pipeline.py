@@ -12,9 +12,10 @@ import platform
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -62,27 +63,27 @@ def versions() -> dict:
     return out
 
 
-def make_rollouts(cfg: BuildConfig, policy_dir: Path, policy: Policy, tok, prompt_ids: List[List[int]]) -> List[List[int]]:
-    """Completions for calibration prompts: on the Monarch mesh, via vLLM, or with local generate."""
+def make_rollouts(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok, prompt_ids: List[List[int]]) -> List[List[int]]:
+    """Completions for calibration prompts: on the Monarch mesh, or in-process (vLLM or local generate)."""
     max_new = cfg.prompts.max_new_tokens
-    if cfg.rollouts.engine == "vllm":
-        return data.vllm_rollouts(policy_dir, prompt_ids, max_new)
-    if cfg.calibration.procs > 1 or cfg.calibration.hosts:
+    if mesh is not None:
         from build.mesh import mesh_rollouts
 
-        return mesh_rollouts(cfg, policy_dir, prompt_ids)
+        return mesh_rollouts(mesh, prompt_ids, tok.eos_token_id)
+    if cfg.rollouts.engine == "vllm":
+        return data.vllm_rollouts(policy_dir, prompt_ids, max_new)
     b = bar(len(prompt_ids), "rollouts", "seq")
     outs = data.local_rollouts(policy, prompt_ids, max_new, tok.eos_token_id, tick=lambda: b.update(1))
     b.close()
     return outs
 
 
-def calibrate_observers(cfg: BuildConfig, policy_dir: Path, prepared, batches) -> recipes.ObserverState:
+def calibrate_observers(mesh, prepared, batches) -> recipes.ObserverState:
     """Observer state over all calibration batches: sharded over the Monarch mesh or in-process."""
-    if cfg.calibration.procs > 1 or cfg.calibration.hosts:
+    if mesh is not None:
         from build.mesh import mesh_calibrate
 
-        return mesh_calibrate(cfg, policy_dir, batches)
+        return mesh_calibrate(mesh, batches)
     b = bar(len(batches), "calibrate", "batch")
     for batch in batches:
         recipes.calibrate(prepared, [batch])
@@ -112,13 +113,31 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False) -> BuildResult:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def optional_mesh(cfg: BuildConfig, policy_dir: Path) -> Iterator[Any]:
+    """The Monarch calibration mesh when ``calibration.procs`` > 0, else None (in-process)."""
+    if cfg.calibration.procs == 0:
+        yield None
+        return
+    from build.mesh import calibration_mesh
+
+    with calibration_mesh(cfg, policy_dir) as mesh:
+        yield mesh
+
+
 def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages) -> BuildResult:
-    recipe = recipe_from(cfg)
     with stages.run("load policy") as s:
         policy_dir = data.resolve_policy_dir(cfg, log=log)
         policy = load_policy(policy_dir, max_seq_len=cfg.policy.max_seq_len)
         tok = data.load_tokenizer(policy_dir)
         s.detail = f"{policy_dir}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params"
+    with optional_mesh(cfg, policy_dir) as mesh:
+        return _quantize_and_export(cfg, mesh, policy_dir, policy, tok, tmp, final, stages)
+
+
+def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok, tmp: Path, final: Path,
+                         stages: Stages) -> BuildResult:
+    recipe = recipe_from(cfg)
 
     with stages.run("rollouts") as s:
         prompts = data.split_prompts(cfg)
@@ -129,9 +148,9 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages) -> Bui
             seqs = data.read_rollouts_jsonl(Path(cfg.rollouts.jsonl), tok)[: cfg.calibration.samples]
             source = f"jsonl {cfg.rollouts.jsonl}"
         else:
-            completions = make_rollouts(cfg, policy_dir, policy, tok, cal_ids)
+            completions = make_rollouts(cfg, mesh, policy_dir, policy, tok, cal_ids)
             seqs = [p + c for p, c in zip(cal_ids, completions)]
-            source = f"{cfg.rollouts.engine} generate"
+            source = f"{cfg.rollouts.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
         gold_completions = data.local_rollouts(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
         golden = data.golden_items(prompts, gold_ids, gold_completions)
         batches = data.calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)
@@ -145,7 +164,7 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages) -> Bui
 
     with stages.run("calibrate") as s:
         t0 = time.monotonic()
-        state = calibrate_observers(cfg, policy_dir, prepared, batches)
+        state = calibrate_observers(mesh, prepared, batches)
         recipes.load_observer_state(prepared, state)
         tokens = sum(b.numel() for b in batches)
         s.detail = (f"{len(seqs)} samples, {len(batches)} batches, {tokens} tokens, "

@@ -193,17 +193,19 @@ def convert(prepared: nn.Module, recipe: RecipeConfig) -> nn.Module:
 
 
 def quantized_parameters(int8: nn.Module) -> Dict[str, Dict[str, Tensor]]:
-    """Every quantized linear's int weights, weight scales/zero points and activation scale/zero point."""
+    """Every static-quantized linear's int8 weight, weight scales/zero points and output
+    scale/zero point, and every Quantize step's scale/zero point. Works on the eager INT8 module
+    and on a loaded TorchScript file alike (both hold the same packed params)."""
     out: Dict[str, Dict[str, Tensor]] = {}
     for name, mod in int8.named_modules():
-        if hasattr(mod, "weight") and callable(getattr(mod, "weight", None)) and hasattr(mod, "_packed_params"):
-            w = mod.weight()
-            entry = {"int_weight": w.int_repr(), "weight_scales": w.q_per_channel_scales()}
-            entry["weight_zero_points"] = w.q_per_channel_zero_points()
-            if hasattr(mod, "scale") and not isinstance(getattr(mod, "scale"), property):
-                entry["out_scale"] = torch.tensor(float(mod.scale))
-                entry["out_zero_point"] = torch.tensor(int(mod.zero_point))
-            out[name] = entry
-        elif type(mod).__name__ == "Quantize":
-            out[name] = {"scale": mod.scale.clone(), "zero_point": mod.zero_point.clone()}
+        packed = getattr(getattr(mod, "_packed_params", None), "_packed_params", None)
+        if packed is not None:
+            w, _ = torch.ops.quantized.linear_unpack(packed)
+            out[name] = {"int_weight": w.int_repr(), "weight_scales": w.q_per_channel_scales(),
+                         "weight_zero_points": w.q_per_channel_zero_points()}
+            if hasattr(mod, "zero_point"):  # static linears requantize their output
+                out[name]["out_scale"] = torch.tensor(float(mod.scale))
+                out[name]["out_zero_point"] = torch.tensor(int(mod.zero_point))
+        elif name.endswith(".quant") and hasattr(mod, "scale"):
+            out[name] = {"scale": torch.as_tensor(mod.scale).clone(), "zero_point": torch.as_tensor(mod.zero_point).clone()}
     return out

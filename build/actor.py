@@ -1,0 +1,92 @@
+"""The calibration actor: one process's share of rollouts and calibration on the Monarch mesh.
+
+Imported only where Monarch runs (the controller and the mesh processes); ``quantize/`` never
+imports Monarch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+from monarch.actor import Actor, current_rank, endpoint
+from torch import Tensor
+
+from quantize import recipes
+
+FAULT_ENV = "POLICY_BUNDLE_TEST_FAULT"  # test-only: "kill:rank=1:after=1" or "raise:shard=1"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # kill | raise
+    rank: int = -1
+    shard: int = -1
+    after: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> Optional["Fault"]:
+        if not spec:
+            return None
+        kind, *fields = spec.split(":")
+        kv = dict(f.split("=", 1) for f in fields)
+        return cls(kind, int(kv.get("rank", -1)), int(kv.get("shard", -1)), int(kv.get("after", 0)))
+
+
+class CalibrationActor(Actor):
+    """Holds one prepared copy of the policy; all endpoints are sync (Monarch refuses mixed actors)."""
+
+    def __init__(self) -> None:
+        self.policy = self.prepared = self.tok = None
+        self.fault: Optional[Fault] = None
+        self.generation = 0
+
+    @endpoint
+    def setup(self, policy_dir: str, max_seq_len: int, recipe: Dict[str, Any], threads: int,
+              fault: str, generation: int) -> Dict[str, int]:
+        from quantize.model import load_policy
+
+        torch.set_num_threads(threads)
+        self.policy_dir = policy_dir
+        self.policy = load_policy(policy_dir, max_seq_len=max_seq_len)
+        self.prepared = recipes.prepare(self.policy, recipes.RecipeConfig(**recipe))
+        self.fault, self.generation = Fault.parse(fault), generation
+        return {"rank": current_rank().rank, "pid": os.getpid()}
+
+    def _maybe_fail(self, shard: int, done: int) -> None:
+        f = self.fault
+        if f is None or self.generation > 0:
+            return
+        if f.kind == "kill" and current_rank().rank == f.rank and done >= f.after:
+            os._exit(17)  # a hard crash: no cleanup, no reply
+        if f.kind == "raise" and shard == f.shard:
+            raise RuntimeError(f"injected fault in shard {shard}")
+
+    @endpoint
+    def rollouts(self, shard: int, prompt_ids: List[List[int]], max_new_tokens: int,
+                 eos: Optional[int], engine: str) -> List[List[int]]:
+        from quantize.model import greedy_generate
+
+        if engine == "vllm":  # one engine per actor, on this actor's share of the prompts
+            from build.data import vllm_rollouts
+
+            self._maybe_fail(shard, 0)
+            return vllm_rollouts(self.policy_dir, prompt_ids, max_new_tokens)
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            self._maybe_fail(shard, i)
+            out.append(greedy_generate(self.policy, ids, max_new_tokens, eos))
+        return out
+
+    @endpoint
+    def calibrate(self, shard: int, batches: List[Tensor]) -> recipes.ObserverState:
+        for mod in self.prepared.modules():  # each shard reports only its own data
+            if isinstance(mod, torch.ao.quantization.MinMaxObserver):
+                mod.reset_min_max_vals()
+        for i, batch in enumerate(batches):
+            self._maybe_fail(shard, i)
+            recipes.calibrate(self.prepared, [batch])
+        return recipes.observer_state(self.prepared)
+

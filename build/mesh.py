@@ -1,0 +1,196 @@
+"""Rollouts and calibration on a Monarch actor mesh: calibration actors, controller, fault handling.
+
+Each ``CalibrationActor`` loads the policy from its path (models never travel in messages), then
+works on shards: greedy rollouts for a slice of prompts, or calibration over a slice of batches
+returning per-observer (min, max) tensors. The controller splits work, gathers, re-runs the shard of
+a process that died on a surviving (or respawned) process, and merges observer state exactly.
+
+Meshes: ``calibration.procs`` processes per host on this host (``this_host().spawn_procs``), or,
+with ``calibration.hosts`` set, on a host mesh from a Monarch job: ``calibration.launcher:
+process`` runs the hosts as local processes (``monarch.job.ProcessJob``), any other value is the
+path of a job a scheduler launcher saved with ``job.dump(path)`` (e.g. ``SlurmJob``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Sequence
+
+from torch import Tensor
+
+from build.config import BuildConfig
+
+from build.progress import log
+from quantize import recipes
+
+
+
+class MeshError(RuntimeError):
+    """A shard failed on the mesh (its endpoint raised, timed out, or every process died)."""
+
+
+def _import_monarch():
+    import monarch.actor
+
+    # Monarch's default hook exits the client when a worker process dies; we recover instead.
+    monarch.actor.unhandled_fault_hook = lambda failure: log(f"[mesh] supervision: {failure.report().splitlines()[0]}")
+    return monarch.actor
+
+
+@dataclass
+class Worker:
+    rank: int
+    actor: Any  # a one-actor slice of the mesh
+    alive: bool = True
+
+
+class CalibrationMesh:
+    """The controller's handle on the actors; ``run_shards`` handles timeouts, crashes and re-runs."""
+
+    def __init__(self, cfg: BuildConfig, policy_dir: str):
+        self.cfg, self.policy_dir = cfg, policy_dir
+        self.meshes: List[Any] = []
+        self.jobs: List[Any] = []
+        self.workers: List[Worker] = []
+        self.generation = 0
+        from build.actor import FAULT_ENV
+
+        self.fault = os.environ.get(FAULT_ENV, "")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> float:
+        t0 = time.monotonic()
+        _import_monarch()
+        c = self.cfg.calibration
+        self.workers = self._spawn_workers(self._spawn_procs(c.procs), c.procs * max(1, c.hosts))
+        return time.monotonic() - t0
+
+    def _spawn_procs(self, per_host: int):
+        from monarch.actor import this_host
+
+        c = self.cfg.calibration
+        if c.hosts:
+            from monarch.job import ProcessJob, job_load
+
+            job = ProcessJob({"hosts": c.hosts}) if c.launcher == "process" else job_load(c.launcher)
+            self.jobs.append(job)
+            hosts = job.state(cached_path=None).hosts
+            procs = hosts.spawn_procs(per_host={"procs": per_host})
+        else:
+            procs = this_host().spawn_procs(per_host={"procs": per_host})
+        self.meshes.append(procs)
+        return procs
+
+    def _spawn_workers(self, procs, count: int) -> List[Worker]:
+        from build.actor import CalibrationActor
+
+        mesh = procs.spawn(f"calibration{self.generation}", CalibrationActor)
+        threads = max(1, (os.cpu_count() or 1) // max(1, self.cfg.calibration.procs))
+        r = self.cfg.recipe
+        recipe = dict(scheme=r.scheme, backend=r.backend, reduce_range=r.reduce_range, skip=r.skip,
+                      fp32_layers=r.fp32_layers)
+        flat = mesh.flatten("rank")
+        workers = [Worker(len(self.workers) + i, flat.slice(rank=i)) for i in range(count)]
+        futures = [w.actor.setup.call_one(self.policy_dir, self.cfg.policy.max_seq_len, recipe, threads,
+                                          self.fault, self.generation) for w in workers]
+        for w, f in zip(workers, futures):
+            self._get(f, f"setup of rank {w.rank}")
+        return workers
+
+    def respawn(self) -> Worker:
+        self.generation += 1
+        worker = self._spawn_workers(self._spawn_procs(1), 1)[0]
+        self.workers.append(worker)
+        return worker
+
+    def stop(self) -> None:
+        for m in reversed(self.meshes):
+            try:
+                m.stop().get(timeout=30)
+            except Exception as exc:  # noqa: BLE001 - a dead mesh may refuse a stop; keep going
+                log(f"[mesh] stop: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        for job in self.jobs:
+            job.kill()
+        self.meshes, self.jobs = [], []
+
+    # -- work -----------------------------------------------------------------------------------
+    def _get(self, fut, what: str):
+        try:
+            return fut.get(timeout=self.cfg.calibration.timeout_s)
+        except TimeoutError:
+            raise MeshError(f"{what}: no answer within calibration.timeout_s={self.cfg.calibration.timeout_s}s") from None
+
+    def run_shards(self, endpoint: str, shards: Sequence[tuple], sizes: Sequence[int], unit: str) -> List[Any]:
+        """Run ``endpoint(shard_id, *args)`` for every shard, one per live worker at a time."""
+        results: List[Any] = [None] * len(shards)
+        pending = list(range(len(shards)))
+        t0, done, samples = time.monotonic(), 0, 0
+        while pending:
+            live = [w for w in self.workers if w.alive] or [self.respawn()]
+            batch = [(s, live[i % len(live)]) for i, s in enumerate(pending[: len(live)])]
+            pending = pending[len(live):]
+            calls = [(s, w, getattr(w.actor, endpoint).call_one(s, *shards[s])) for s, w in batch]
+            for s, w, fut in calls:
+                try:
+                    results[s] = self._get(fut, f"shard {s} ({endpoint}) on rank {w.rank}")
+                except MeshError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - sorted into crash vs endpoint error below
+                    reason = str(exc).strip().splitlines()
+                    if type(exc).__name__ == "SupervisionError":
+                        w.alive = False
+                        why = next((ln.strip() for ln in reason if "exited" in ln or "died" in ln), reason[-1] if reason else "")
+                        log(f"[mesh] shard {s} re-run: its process (rank {w.rank}) died: {why}")
+                        pending.append(s)
+                        continue
+                    last = next((ln for ln in reversed(reason) if ln.strip()), type(exc).__name__)
+                    raise MeshError(f"shard {s} ({endpoint}) failed on rank {w.rank}: {last.strip()}") from None
+                done += 1
+                samples += sizes[s]
+                rate = samples / max(1e-9, time.monotonic() - t0)
+                log(f"[mesh] {endpoint}: shards {done}/{len(shards)} done, {samples} {unit}, {rate:.1f} {unit}/s")
+        return results
+
+
+@contextmanager
+def calibration_mesh(cfg: BuildConfig, policy_dir) -> Iterator[CalibrationMesh]:
+    mesh = CalibrationMesh(cfg, str(policy_dir))
+    try:
+        startup = mesh.start()
+        log(f"[mesh] {len(mesh.workers)} calibration actors up in {startup:.2f}s")
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def shard(items: Sequence, n: int) -> List[List]:
+    """Contiguous, near-equal shards (at most ``n``, none empty)."""
+    n = max(1, min(n, len(items)))
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+def mesh_rollouts(mesh: CalibrationMesh, prompt_ids: Sequence[List[int]], eos: Optional[int]) -> List[List[int]]:
+    """Greedy completions, sharded over the actors; the order of results follows ``prompt_ids``."""
+    cfg = mesh.cfg
+    shards = shard(prompt_ids, len(mesh.workers))
+    args = [(s, cfg.prompts.max_new_tokens, eos, cfg.rollouts.engine) for s in shards]
+    outs = mesh.run_shards("rollouts", args, [len(s) for s in shards], "seq")
+    return [c for part in outs for c in part]
+
+
+def mesh_calibrate(mesh: CalibrationMesh, batches: Sequence[Tensor]) -> recipes.ObserverState:
+    """Observer state of every batch, sharded over the actors and merged (exact for min/max)."""
+    shards = shard(batches, len(mesh.workers))
+    states = mesh.run_shards("calibrate", [(s,) for s in shards], [sum(len(b) for b in s) for s in shards], "samples")
+    return recipes.merge_observer_states(states)
+
+
