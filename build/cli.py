@@ -48,6 +48,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_fp16(args: argparse.Namespace) -> int:
+    from build.fp16check import check_fp16
+
+    res = check_fp16(Path(args.bundle), args.engine)
+    ok = res.greedy_agreement >= args.min_agreement
+    print(f"{'ok' if ok else 'FAIL'}: FP16 via {res.engine}: greedy outputs equal FP32 on "
+          f"{res.greedy_agreement:.1%} of {res.items} golden prompts (minimum {args.min_agreement:.0%})")
+    return 0 if ok else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="policy-bundle", description="Turn a trained policy into a verified INT8 + FP16 bundle.")
     common = argparse.ArgumentParser(add_help=False)
@@ -65,6 +75,12 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", parents=[common], help="re-hash every bundle file against bundle.json")
     v.add_argument("bundle")
     v.set_defaults(func=cmd_verify)
+
+    f = sub.add_parser("check-fp16", parents=[common], help="greedy FP16 (transformers or vLLM) vs FP32 on the golden set")
+    f.add_argument("bundle")
+    f.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    f.add_argument("--min-agreement", type=float, default=0.95)
+    f.set_defaults(func=cmd_check_fp16)
     return p
 
 

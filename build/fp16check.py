@@ -1,0 +1,68 @@
+"""Check the bundle's FP16 HF directory the way its consumers load it: transformers or vLLM.
+
+Greedy completions of the golden prompts are compared with the FP32 policy's (stored in
+golden.jsonl at build time); the bundle is fit to serve when they agree on >= ``min_agreement``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from build.data import read_golden_jsonl
+from build.manifest import read_manifest, verify_files
+
+
+@dataclass(frozen=True)
+class Fp16Check:
+    engine: str
+    items: int
+    greedy_agreement: float
+
+
+def _trim(ids: List[int], eos: Optional[int]) -> List[int]:
+    return ids[: ids.index(eos) + 1] if eos is not None and eos in ids else ids
+
+
+def transformers_completions(fp16_dir: Path, prompts: List[List[int]], max_new: int, eos: Optional[int]) -> List[List[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(fp16_dir), dtype=torch.float16, local_files_only=True).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                               eos_token_id=eos, pad_token_id=eos)
+            outs.append(_trim(y[0, len(ids):].tolist(), eos))
+    return outs
+
+
+def vllm_completions(fp16_dir: Path, prompts: List[List[int]], max_new: int, eos: Optional[int]) -> List[List[int]]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(fp16_dir), dtype="float16", enforce_eager=True, seed=0, max_model_len=None)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [_trim(list(o.outputs[0].token_ids), eos) for o in outs]
+
+
+def check_fp16(bundle: Path, engine: str = "transformers") -> Fp16Check:
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    verify_files(bundle, manifest, subdir="fp16")
+    golden = read_golden_jsonl(bundle / "golden.jsonl")
+    max_new = manifest["config"]["prompts"]["max_new_tokens"]
+    eos = manifest["policy"]["config"].get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    prompts = [g.prompt_ids for g in golden]
+    run = vllm_completions if engine == "vllm" else transformers_completions
+    outs = run(bundle / "fp16", prompts, max_new, eos)
+    same = sum(_trim(g.completion_ids, eos) == o for g, o in zip(golden, outs))
+    return Fp16Check(engine, len(golden), same / max(1, len(golden)))
