@@ -44,22 +44,24 @@ class CalibrationActor(Actor):
         self.generation = 0
 
     @endpoint
-    def setup(self, policy_dir: str, max_seq_len: int, recipe: Dict[str, Any], threads: int,
+    def setup(self, rank: int, policy_dir: str, max_seq_len: int, recipe: Dict[str, Any], threads: int,
               fault: str, generation: int) -> Dict[str, int]:
+        """Load the policy and prepare observers. ``rank`` is the controller's worker number (the
+        Monarch rank of a one-actor slice is always 0)."""
         from quantize.model import load_policy
 
         torch.set_num_threads(threads)
         self.policy_dir = policy_dir
         self.policy = load_policy(policy_dir, max_seq_len=max_seq_len)
         self.prepared = recipes.prepare(self.policy, recipes.RecipeConfig(**recipe))
-        self.fault, self.generation = Fault.parse(fault), generation
-        return {"rank": current_rank().rank, "pid": os.getpid()}
+        self.rank, self.fault, self.generation = rank, Fault.parse(fault), generation
+        return {"rank": rank, "mesh_rank": current_rank().rank, "pid": os.getpid()}
 
     def _maybe_fail(self, shard: int, done: int) -> None:
         f = self.fault
         if f is None or self.generation > 0:
             return
-        if f.kind == "kill" and current_rank().rank == f.rank and done >= f.after:
+        if f.kind == "kill" and self.rank == f.rank and done >= f.after:
             os._exit(17)  # a hard crash: no cleanup, no reply
         if f.kind == "raise" and shard == f.shard:
             raise RuntimeError(f"injected fault in shard {shard}")

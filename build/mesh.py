@@ -94,7 +94,7 @@ class CalibrationMesh:
                       fp32_layers=r.fp32_layers)
         flat = mesh.flatten("rank")
         workers = [Worker(len(self.workers) + i, flat.slice(rank=i)) for i in range(count)]
-        futures = [w.actor.setup.call_one(self.policy_dir, self.cfg.policy.max_seq_len, recipe, threads,
+        futures = [w.actor.setup.call_one(w.rank, self.policy_dir, self.cfg.policy.max_seq_len, recipe, threads,
                                           self.fault, self.generation) for w in workers]
         for w, f in zip(workers, futures):
             self._get(f, f"setup of rank {w.rank}")

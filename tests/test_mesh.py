@@ -1,0 +1,120 @@
+"""Calibration and rollouts on a real Monarch mesh: equivalence with one process, faults, cleanup."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from build import data
+from build.config import load_config
+from build.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
+from build.pipeline import recipe_from
+from quantize import recipes
+from quantize.model import load_policy
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendant pids of ``pid`` (from /proc), zombies excluded."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def config(procs: int):
+    return load_config("build/configs/reference.yaml", (f"calibration.procs={procs}", "calibration.timeout_s=120"))
+
+
+@pytest.fixture(scope="module")
+def setup(reference_dir):
+    cfg = config(0)
+    policy = load_policy(reference_dir, max_seq_len=cfg.policy.max_seq_len)
+    tok = data.load_tokenizer(reference_dir)
+    prompts = [data.encode_prompt(tok, p) for p in data.split_prompts(cfg).calibration[:96]]
+    seqs = [p + c for p, c in zip(prompts, data.local_rollouts(policy, prompts, 6, tok.eos_token_id))]
+    return policy, tok, prompts, data.calibration_batches(seqs, 16, 32)
+
+
+def in_process_state(policy, batches):
+    prepared = recipes.prepare(policy, recipe_from(config(0)))
+    recipes.calibrate(prepared, batches)
+    return recipes.observer_state(prepared)
+
+
+def int8_from(policy, state):
+    recipe = recipe_from(config(0))
+    prepared = recipes.prepare(policy, recipe)
+    recipes.load_observer_state(prepared, state)
+    return recipes.convert(prepared, recipe)
+
+
+def assert_same_quantization(a, b, tmp_path):
+    pa, pb = recipes.quantized_parameters(a), recipes.quantized_parameters(b)
+    assert pa.keys() == pb.keys() and pa
+    assert all(torch.equal(pa[m][f], pb[m][f]) for m in pa for f in pa[m])
+    # ... and in the exported TorchScript files, as a consumer loads them.
+    for name, mod in (("a", a), ("b", b)):
+        torch.jit.save(torch.jit.script(mod), str(tmp_path / f"{name}.ts"))
+    ta = recipes.quantized_parameters(torch.jit.load(str(tmp_path / "a.ts")))
+    tb = recipes.quantized_parameters(torch.jit.load(str(tmp_path / "b.ts")))
+    assert all(torch.equal(ta[m][f], tb[m][f]) for m in ta for f in ta[m])
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_mesh_calibration_is_bit_identical_to_one_process(setup, reference_dir, procs, tmp_path):
+    policy, _, _, batches = setup
+    with calibration_mesh(config(procs), reference_dir) as mesh:
+        assert len(mesh.workers) == procs
+        state = mesh_calibrate(mesh, batches)
+    assert_same_quantization(int8_from(policy, in_process_state(policy, batches)), int8_from(policy, state), tmp_path)
+
+
+def test_mesh_rollouts_equal_local_greedy_rollouts(setup, reference_dir):
+    policy, tok, prompts, _ = setup
+    local = data.local_rollouts(policy, prompts[:40], 6, tok.eos_token_id)
+    with calibration_mesh(config(2), reference_dir) as mesh:
+        assert mesh_rollouts(mesh, prompts[:40], tok.eos_token_id) == local
+
+
+def test_killed_worker_shard_is_rerun_and_result_is_identical(setup, reference_dir, monkeypatch, capsys, tmp_path):
+    policy, _, _, batches = setup
+    monkeypatch.setenv("POLICY_BUNDLE_TEST_FAULT", "kill:rank=1:after=1")
+    with calibration_mesh(config(2), reference_dir) as mesh:
+        state = mesh_calibrate(mesh, batches)
+    err = capsys.readouterr().err
+    assert "shard 1 re-run: its process (rank 1) died" in err
+    assert_same_quantization(int8_from(policy, in_process_state(policy, batches)), int8_from(policy, state), tmp_path)
+
+
+def test_raising_endpoint_fails_with_shard_and_original_error(setup, reference_dir, monkeypatch):
+    _, _, _, batches = setup
+    monkeypatch.setenv("POLICY_BUNDLE_TEST_FAULT", "raise:shard=1")
+    with pytest.raises(MeshError, match=r"shard 1 \(calibrate\) failed on rank 1: .*injected fault in shard 1"):
+        with calibration_mesh(config(2), reference_dir) as mesh:
+            mesh_calibrate(mesh, batches)
+
+
+def test_no_mesh_processes_outlive_the_mesh(setup, reference_dir, monkeypatch):
+    _, _, _, batches = setup
+    before = set(descendants(os.getpid()))
+    monkeypatch.setenv("POLICY_BUNDLE_TEST_FAULT", "kill:rank=0:after=0")
+    with calibration_mesh(config(2), reference_dir) as mesh:
+        assert set(descendants(os.getpid())) - before  # the mesh really runs in other processes
+        mesh_calibrate(mesh, batches)
+    import time
+
+    deadline = time.monotonic() + 20
+    while set(descendants(os.getpid())) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(descendants(os.getpid())) - before
