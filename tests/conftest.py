@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "build.cli"]
-
-
-def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run the real ``policy-bundle`` CLI in a fresh process."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(CLI + list(args), cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+from cli_helpers import SMALL, run_cli
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +22,6 @@ def reference_dir() -> Path:
     from quantize.reference import ensure_reference_policy
 
     return ensure_reference_policy()
-
-
-SMALL = ("--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,18 @@
+"""Helpers shared by the tests: run the real CLI in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "build.cli"]
+SMALL = ("--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64")
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the real ``policy-bundle`` CLI in a fresh process."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(CLI + list(args), cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
