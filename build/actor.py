@@ -7,33 +7,14 @@ imports Monarch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 from torch import Tensor
 
+from build.faults import Fault
 from quantize import recipes
-
-FAULT_ENV = "POLICY_BUNDLE_TEST_FAULT"  # test-only: "kill:rank=1:after=1" or "raise:shard=1"
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str  # kill | raise
-    rank: int = -1
-    shard: int = -1
-    after: int = 0
-
-    @classmethod
-    def parse(cls, spec: str) -> Optional["Fault"]:
-        if not spec:
-            return None
-        kind, *fields = spec.split(":")
-        kv = dict(f.split("=", 1) for f in fields)
-        return cls(kind, int(kv.get("rank", -1)), int(kv.get("shard", -1)), int(kv.get("after", 0)))
-
 
 class CalibrationActor(Actor):
     """Holds one prepared copy of the policy; all endpoints are sync (Monarch refuses mixed actors)."""

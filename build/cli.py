@@ -58,6 +58,37 @@ def cmd_check_fp16(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_canary(args: argparse.Namespace) -> int:
+    from build.canary import metrics_table
+    from build.config import config_from_dict
+    from build.data import load_tokenizer, read_golden_jsonl
+    from build.manifest import read_manifest, verify_bundle
+    from build.pipeline import fidelity_kwargs
+    from quantize.fidelity import evaluate_gate, measure_fidelity
+    from quantize.model import load_policy
+
+    bundle = Path(args.bundle)
+    verify_bundle(bundle)
+    manifest = read_manifest(bundle)
+    cfg = config_from_dict(manifest["config"], tuple(args.set or ()))
+    source = Path(manifest["policy"]["source"])
+    if not (source / "config.json").is_file():
+        print(f"note: FP32 source {source} is gone; using the bundle's FP16 weights upcast to FP32 as reference")
+        source = bundle / "fp16"
+    import torch
+
+    reference = load_policy(source, max_seq_len=cfg.policy.max_seq_len)
+    candidate = torch.jit.load(str(bundle / manifest["artifacts"]["int8_torchscript"]))
+    golden = read_golden_jsonl(bundle / "golden.jsonl")
+    report = measure_fidelity(reference, candidate, golden, **fidelity_kwargs(cfg, load_tokenizer(bundle / "int8")))
+    verdict = evaluate_gate(report, cfg.canary.thresholds())
+    print(metrics_table([("INT8 vs FP32", report.summary())]))
+    for note in report.notes:
+        print(f"note: {note}")
+    print(f"verdict: {verdict.label.upper()}" + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
+    return 0 if verdict.passed else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="policy-bundle", description="Turn a trained policy into a verified INT8 + FP16 bundle.")
     common = argparse.ArgumentParser(add_help=False)
@@ -75,6 +106,11 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", parents=[common], help="re-hash every bundle file against bundle.json")
     v.add_argument("bundle")
     v.set_defaults(func=cmd_verify)
+
+    c = sub.add_parser("canary", parents=[common], help="re-run the accuracy canary on a bundle (exit 0 pass, 1 fail)")
+    c.add_argument("--bundle", required=True)
+    c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a threshold, e.g. canary.max_kl_mean=0.01")
+    c.set_defaults(func=cmd_canary)
 
     f = sub.add_parser("check-fp16", parents=[common], help="greedy FP16 (transformers or vLLM) vs FP32 on the golden set")
     f.add_argument("bundle")

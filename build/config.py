@@ -56,6 +56,25 @@ class RecipeSection:
 
 
 @dataclass(frozen=True)
+class CanarySection:
+    """The build's accuracy gate (same metric names as the live canary)."""
+
+    enabled: bool = True
+    max_reward_drop: float = 0.02
+    min_top1_agreement: float = 0.95
+    max_kl_mean: float = 0.05
+    max_kl_p99: float = 0.5
+    min_greedy_agreement: float = 0.90
+    max_fp_layers: int = 8  # layer fallback budget; 0 = no fallback, fail at once
+
+    def thresholds(self):
+        from quantize.fidelity import GateThresholds
+
+        return GateThresholds(self.max_reward_drop, self.min_top1_agreement, self.max_kl_mean, self.max_kl_p99,
+                              self.min_greedy_agreement)
+
+
+@dataclass(frozen=True)
 class ExportSection:
     onnx: bool = True
 
@@ -74,6 +93,7 @@ class BuildConfig:
     rollouts: RolloutsSection = field(default_factory=RolloutsSection)
     calibration: CalibrationSection = field(default_factory=CalibrationSection)
     recipe: RecipeSection = field(default_factory=RecipeSection)
+    canary: CanarySection = field(default_factory=CanarySection)
     export: ExportSection = field(default_factory=ExportSection)
     register: RegisterSection = field(default_factory=RegisterSection)
 
@@ -92,6 +112,12 @@ RANGES = {
     "calibration.procs": (0, 256),
     "calibration.hosts": (0, 4096),
     "calibration.timeout_s": (1.0, 86_400.0),
+    "canary.max_reward_drop": (0.0, 1.0),
+    "canary.min_top1_agreement": (0.0, 1.0),
+    "canary.max_kl_mean": (0.0, 100.0),
+    "canary.max_kl_p99": (0.0, 100.0),
+    "canary.min_greedy_agreement": (0.0, 1.0),
+    "canary.max_fp_layers": (0, 10_000),
 }
 CHOICES = {
     "rollouts.engine": ("local", "vllm"),
@@ -174,6 +200,12 @@ def load_config(path: Optional[Path], overrides: Tuple[str, ...] = ()) -> BuildC
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    return config_from_dict(data, overrides)
+
+
+def config_from_dict(data: dict, overrides: Tuple[str, ...] = ()) -> BuildConfig:
+    """Validate a config mapping (e.g. the resolved config stored in a bundle manifest)."""
+    data = dict(data)
     for o in overrides:
         _apply_override(data, o)
     cfg = _build(BuildConfig, data)

@@ -56,7 +56,7 @@ class CalibrationMesh:
         self.jobs: List[Any] = []
         self.workers: List[Worker] = []
         self.generation = 0
-        from build.actor import FAULT_ENV
+        from build.faults import FAULT_ENV
 
         self.fault = os.environ.get(FAULT_ENV, "")
 

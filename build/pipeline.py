@@ -13,19 +13,21 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
 import torch
 
 from build import data
+from build.canary import CanaryGateError, CanaryOutcome, gate_with_fallback, write_report
 from build.config import BuildConfig
+from build.faults import apply_scale_fault
 from build.manifest import manifest_hash, write_manifest
 from build.progress import Stages, bar, log
 from quantize import recipes, task
 from quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
-from quantize.fidelity import FidelityReport, measure_fidelity
+from quantize.fidelity import FidelityReport, GateVerdict, measure_fidelity
 from quantize.model import Policy, load_hf_config, load_policy
 
 INT8_TS = "int8/policy.ts"
@@ -159,31 +161,32 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
 
     with stages.run("prepare") as s:
         prepared = recipes.prepare(policy, recipe)
-        selected = recipes.selected_linears(policy, recipe)
-        s.detail = f"{recipe.scheme}/{recipe.backend}, {len(selected)} linears observed"
+        s.detail = f"{recipe.scheme}/{recipe.backend}, {len(recipes.selected_linears(policy, recipe))} linears observed"
 
     with stages.run("calibrate") as s:
         t0 = time.monotonic()
-        state = calibrate_observers(mesh, prepared, batches)
+        state = apply_scale_fault(calibrate_observers(mesh, prepared, batches))
         recipes.load_observer_state(prepared, state)
         tokens = sum(b.numel() for b in batches)
         s.detail = (f"{len(seqs)} samples, {len(batches)} batches, {tokens} tokens, "
                     f"procs={cfg.calibration.procs}, {tokens / max(1e-9, time.monotonic() - t0):.0f} tok/s")
 
-    with stages.run("convert + export INT8") as s:
-        int8 = recipes.convert(prepared, recipe)
-        export_torchscript(int8, tmp / INT8_TS)
+    with stages.run("convert + accuracy canary") as s:
+        outcome = gate_candidate(cfg, policy, prepared, recipe, tok, golden, tmp, final)
+        recipe = replace(recipe, fp32_layers=recipe.fp32_layers + tuple(outcome.fp32_layers))
+        s.detail = f"{outcome.verdict.label}, {len(outcome.fp32_layers)} layers kept in float"
+
+    with stages.run("export INT8 (TorchScript, ONNX) + FP16 HF") as s:
+        export_torchscript(outcome.int8, tmp / INT8_TS)
         shutil.copy(policy_dir / "config.json", tmp / "int8" / "config.json")
         copy_tokenizer_files(policy_dir, tmp / "int8")
         if cfg.export.onnx:
             export_onnx_int8(policy, tmp / "int8", batches, keep_float=list(recipe.skip + recipe.fp32_layers))
-        s.detail = ", ".join(f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in sorted((tmp / "int8").glob("policy*")))
+        export_fp16_hf(policy, load_hf_config(policy_dir), policy_dir, tmp / "fp16")
+        s.detail = ", ".join(f"{p.relative_to(tmp)} {p.stat().st_size / 1e6:.1f} MB"
+                             for p in sorted(tmp.glob("*/*")) if p.suffix in (".ts", ".onnx", ".safetensors"))
 
-    with stages.run("export FP16 HF") as s:
-        export_fp16_hf(policy, load_hf_config(policy_dir, cfg.policy.max_seq_len), policy_dir, tmp / "fp16")
-        s.detail = f"model.safetensors {(tmp / 'fp16' / 'model.safetensors').stat().st_size / 1e6:.1f} MB"
-
-    with stages.run("fidelity") as s:
+    with stages.run("fidelity of the exported artifacts") as s:
         fidelity = quick_fidelity(cfg, policy, tok, golden, tmp)
         data.write_golden_jsonl(golden, tmp / "golden.jsonl")
         ts = fidelity["int8_torchscript"]
@@ -199,7 +202,11 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
             "versions": versions(),
             "config": cfg.to_dict(),
             "recipe": {"scheme": recipe.scheme, "backend": recipe.backend, "reduce_range": recipe.reduce_range,
-                       "quantized_linears": selected, "fp32_layers": list(recipe.fp32_layers)},
+                       "quantized_linears": recipes.selected_linears(policy, recipe),
+                       "fp32_layers": list(recipe.fp32_layers)},
+            "canary": {"verdict": outcome.verdict.label if cfg.canary.enabled else "not-run",
+                       "failures": outcome.verdict.failures, "fallback_layers": outcome.fp32_layers,
+                       "report": "canary_report.md" if cfg.canary.enabled else None},
             "calibration": {"samples": len(seqs), "batches": len(batches), "tokens": sum(b.numel() for b in batches),
                             "observer": "MinMaxObserver (per-tensor affine quint8)",
                             "weight_observer": "PerChannelMinMaxObserver (per-channel symmetric qint8)",
@@ -225,11 +232,36 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
     return BuildResult(final, sha, int8_tag, fp16_tag, fidelity)
 
 
-def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
-    """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set."""
+def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
     reward = task.reward if data.is_task_policy(cfg) else None
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    kw = dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
+    return dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
+
+
+def gate_candidate(cfg: BuildConfig, policy: Policy, prepared, recipe, tok, golden, tmp: Path, final: Path):
+    """Convert, gate on the golden set, fall back sensitive layers; a rejected build raises with its report."""
+    kw = fidelity_kwargs(cfg, tok)
+    measure = lambda m: measure_fidelity(policy, m, golden, **kw)  # noqa: E731
+    if not cfg.canary.enabled:
+        int8 = recipes.convert(prepared, recipe)
+        return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
+    c = cfg.canary
+    outcome = gate_with_fallback(policy, prepared, recipe, golden, c.thresholds(), c.max_fp_layers, measure)
+    if not outcome.verdict.passed:
+        rejected = final.parent / f"{final.name}.canary-rejected"
+        shutil.rmtree(rejected, ignore_errors=True)
+        report = write_report(rejected, outcome, c.thresholds())
+        top = outcome.sensitivity[0][0] if outcome.sensitivity else "n/a"
+        raise CanaryGateError(f"accuracy gate failed ({'; '.join(outcome.verdict.failures)}) after keeping "
+                              f"{len(outcome.fp32_layers)} layer(s) in float (canary.max_fp_layers="
+                              f"{c.max_fp_layers}); most sensitive layer: {top}; report: {report}")
+    write_report(tmp, outcome, c.thresholds())
+    return outcome
+
+
+def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
+    """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set."""
+    kw = fidelity_kwargs(cfg, tok)
     scripted = torch.jit.load(str(bundle / INT8_TS))
     out = {"int8_torchscript": measure_fidelity(policy, scripted, golden, **kw).summary()}
     if cfg.export.onnx:

@@ -159,3 +159,50 @@ def measure_fidelity(
     report.flips_right_to_wrong = sum(a > 0.5 >= b for a, b in zip(r_ref, r_cand))
     report.flips_wrong_to_right = sum(b > 0.5 >= a for a, b in zip(r_ref, r_cand))
     return report
+
+
+# ---- the gate -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    """Limits a candidate must meet. KL rejects; task reward ranks (and rejects large drops)."""
+
+    max_reward_drop: float = 0.02
+    min_top1_agreement: float = 0.95
+    max_kl_mean: float = 0.05
+    max_kl_p99: float = 0.5
+    min_greedy_agreement: float = 0.90
+
+
+@dataclass
+class GateVerdict:
+    passed: bool
+    failures: List[str]
+
+    @property
+    def label(self) -> str:
+        return "pass" if self.passed else "fail"
+
+
+def evaluate_gate(report: FidelityReport, t: GateThresholds) -> GateVerdict:
+    """Every threshold the report misses, as 'metric value vs limit' lines."""
+    fails = []
+    if report.top1_agreement < t.min_top1_agreement:
+        fails.append(f"top1_agreement {report.top1_agreement:.4f} < min {t.min_top1_agreement}")
+    if report.kl_mean > t.max_kl_mean:
+        fails.append(f"kl_mean {report.kl_mean:.5f} > max {t.max_kl_mean}")
+    if report.kl_p99 > t.max_kl_p99:
+        fails.append(f"kl_p99 {report.kl_p99:.5f} > max {t.max_kl_p99}")
+    if report.greedy_agreement is not None and report.greedy_agreement < t.min_greedy_agreement:
+        fails.append(f"greedy_agreement {report.greedy_agreement:.4f} < min {t.min_greedy_agreement}")
+    if report.reward_delta is not None and -report.reward_delta > t.max_reward_drop:
+        fails.append(f"reward_drop {-report.reward_delta:.4f} > max {t.max_reward_drop}")
+    return GateVerdict(not fails, fails)
+
+
+def kl_only(reference, candidate, items: Sequence[GoldenItem]) -> tuple[float, float]:
+    """(KL mean, top-1 agreement) on teacher-forced golden sequences: the cheap sensitivity probe."""
+    agree, kl = compare_logits(teacher_forced_logits(policy_logits_fn(reference), items),
+                               teacher_forced_logits(policy_logits_fn(candidate), items))
+    return float(kl.mean()), agree

@@ -81,12 +81,14 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def selected_linears(policy: nn.Module, recipe: RecipeConfig) -> List[str]:
-    """Names of the linears the recipe quantizes (filters applied), in model order."""
-    return [
-        name
-        for name, mod in policy.named_modules()
-        if isinstance(mod, nn.Linear) and not _matches(name, recipe.skip + recipe.fp32_layers)
-    ]
+    """Names of the linears the recipe quantizes (filters applied), in model order. A prepared
+    model's calibration slots count under the name of the linear they wrap."""
+    names = []
+    for name, mod in policy.named_modules():
+        if isinstance(mod, QuantizedLinearSlot) or (isinstance(mod, nn.Linear) and not name.endswith(".linear")):
+            if not _matches(name, recipe.skip + recipe.fp32_layers):
+                names.append(name)
+    return names
 
 
 def static_qconfig(recipe: RecipeConfig) -> QConfig:
@@ -173,21 +175,31 @@ def activation_ranges(state: ObserverState) -> Dict[str, List[float]]:
     return out
 
 
+def _unwrap_slot(model: nn.Module, name: str, slot: QuantizedLinearSlot) -> None:
+    """Put the plain float linear back where a calibration slot was."""
+    lin = slot.linear
+    for attr in ("activation_post_process", "qconfig"):
+        if hasattr(lin, attr):
+            delattr(lin, attr)
+    lin._forward_hooks.clear()
+    _set_submodule(model, name, lin)
+
+
 def convert(prepared: nn.Module, recipe: RecipeConfig) -> nn.Module:
-    """The INT8 module. Static: observers become scales/zero points. Dynamic: weights only."""
+    """The INT8 module. Static: observers become scales/zero points. Dynamic: weights only.
+
+    Layers in ``recipe.fp32_layers`` stay in floating point even when ``prepared`` observed them,
+    so the accuracy fallback re-converts one calibrated model without calibrating again.
+    """
     torch.backends.quantized.engine = recipe.backend
     model = copy.deepcopy(prepared)
+    keep = set(selected_linears(model, recipe)) if recipe.scheme == "static" else set()
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, QuantizedLinearSlot) and name not in keep:
+            _unwrap_slot(model, name, mod)
     if recipe.scheme == "static":
         return torch.ao.quantization.convert(model, inplace=False).eval()
-    # Dynamic: drop the calibration wrappers, then swap the selected linears for dynamic ones.
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, QuantizedLinearSlot):
-            lin = mod.linear
-            for attr in ("activation_post_process", "qconfig"):
-                if hasattr(lin, attr):
-                    delattr(lin, attr)
-            lin._forward_hooks.clear()
-            _set_submodule(model, name, lin)
+    # Dynamic: every slot is unwrapped above; swap the selected linears for dynamic ones.
     spec = {name: per_channel_dynamic_qconfig for name in selected_linears(model, recipe)}
     return torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8).eval()
 

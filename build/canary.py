@@ -1,0 +1,188 @@
+"""The accuracy canary at build time: gate the INT8 candidate, fall back sensitive layers, report.
+
+As Intel Neural Compressor does: when the candidate misses a threshold, rank the quantized layers
+by sensitivity (KL(FP32 || model with only that layer quantized) on the golden set), keep the most
+sensitive in floating point one at a time, and re-check until the gate passes or
+``canary.max_fp_layers`` is reached.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from build.progress import log
+from quantize import recipes
+from quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, GoldenItem, evaluate_gate, kl_only
+
+
+class CanaryGateError(RuntimeError):
+    """The INT8 candidate failed the accuracy gate even after layer fallback."""
+
+
+@dataclass
+class Attempt:
+    fp32_layers: List[str]
+    metrics: dict
+    verdict: str
+    failures: List[str]
+
+
+@dataclass
+class CanaryOutcome:
+    verdict: GateVerdict
+    report: FidelityReport
+    fp32_layers: List[str]
+    int8: nn.Module
+    attempts: List[Attempt] = field(default_factory=list)
+    sensitivity: List[Tuple[str, float]] = field(default_factory=list)
+    reasons: dict = field(default_factory=dict)  # layer kept in float -> why
+
+
+def layer_sensitivity(policy: nn.Module, prepared: nn.Module, recipe: recipes.RecipeConfig,
+                      golden: Sequence[GoldenItem]) -> List[Tuple[str, float]]:
+    """Per quantized layer: KL mean of the model with only that layer quantized, most sensitive first."""
+    layers = recipes.selected_linears(prepared, recipe)
+    scores = []
+    for name in layers:
+        alone = replace(recipe, fp32_layers=recipe.fp32_layers + tuple(n for n in layers if n != name))
+        kl, _ = kl_only(policy, recipes.convert(prepared, alone), golden)
+        scores.append((name, kl))
+    return sorted(scores, key=lambda s: -s[1])
+
+
+def gate_with_fallback(
+    policy: nn.Module,
+    prepared: nn.Module,
+    recipe: recipes.RecipeConfig,
+    golden: Sequence[GoldenItem],
+    thresholds: GateThresholds,
+    max_fp_layers: int,
+    measure: Callable[[nn.Module], FidelityReport],
+) -> CanaryOutcome:
+    int8 = recipes.convert(prepared, recipe)
+    report = measure(int8)
+    verdict = evaluate_gate(report, thresholds)
+    outcome = CanaryOutcome(verdict, report, [], int8)
+    outcome.attempts.append(Attempt([], report.summary(), verdict.label, verdict.failures))
+    log(f"[canary] INT8 candidate: {verdict.label}" + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
+    if verdict.passed:
+        return outcome
+    outcome.sensitivity = layer_sensitivity(policy, prepared, recipe, golden)
+    top = ", ".join(f"{n} {kl:.4g}" for n, kl in outcome.sensitivity[:3])
+    log(f"[canary] sensitivity (KL mean with only that layer quantized): {top}")
+    kept: List[str] = []
+    for name, kl in outcome.sensitivity[:max_fp_layers]:
+        kept.append(name)
+        outcome.reasons[name] = f"sensitivity rank {len(kept)}: KL mean {kl:.4g} when quantized alone"
+        trial = replace(recipe, fp32_layers=recipe.fp32_layers + tuple(kept))
+        int8 = recipes.convert(prepared, trial)
+        report = measure(int8)
+        verdict = evaluate_gate(report, thresholds)
+        outcome.attempts.append(Attempt(list(kept), report.summary(), verdict.label, verdict.failures))
+        log(f"[canary] fallback {len(kept)} layer(s) to float ({name}): {verdict.label}")
+        outcome.verdict, outcome.report, outcome.fp32_layers, outcome.int8 = verdict, report, list(kept), int8
+        if verdict.passed:
+            break
+    return outcome
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+METRICS = ("top1_agreement", "kl_mean", "kl_p99", "greedy_agreement", "reward_reference", "reward_candidate",
+           "reward_delta", "flips_right_to_wrong", "flips_wrong_to_right")
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def report_json(outcome: CanaryOutcome, thresholds: GateThresholds, extra: Optional[dict] = None) -> dict:
+    return {
+        "verdict": outcome.verdict.label,
+        "failures": outcome.verdict.failures,
+        "thresholds": asdict(thresholds),
+        "metrics": outcome.report.summary(),
+        "fp32_layers": [{"layer": n, "reason": outcome.reasons.get(n, "")} for n in outcome.fp32_layers],
+        "sensitivity": [{"layer": n, "kl_mean_alone": kl} for n, kl in outcome.sensitivity],
+        "attempts": [asdict(a) for a in outcome.attempts],
+        **(extra or {}),
+    }
+
+
+def metrics_table(rows: Sequence[Tuple[str, dict]]) -> str:
+    head = "| metric | " + " | ".join(name for name, _ in rows) + " |"
+    sep = "|---" * (len(rows) + 1) + "|"
+    lines = [head, sep]
+    for m in METRICS:
+        lines.append(f"| {m} | " + " | ".join(_fmt(r.get(m)) for _, r in rows) + " |")
+    return "\n".join(lines)
+
+
+def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThresholds, extra: Optional[dict] = None) -> Path:
+    """canary_report.json, canary_report.md and its two PNGs (sensitivity, per-token KL)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    body = report_json(outcome, thresholds, extra)
+    (out_dir / "canary_report.json").write_text(json.dumps(body, indent=2))
+    pngs = _plots(out_dir, outcome)
+    md = [f"# Accuracy canary: **{body['verdict'].upper()}**", ""]
+    if body["failures"]:
+        md += ["Missed thresholds:", ""] + [f"- {f}" for f in body["failures"]] + [""]
+    md += ["## Final candidate vs FP32 (golden set)", "", metrics_table([("INT8", body["metrics"])]), ""]
+    md += ["## Thresholds", "", "\n".join(f"- `canary.{k}`: {v}" for k, v in body["thresholds"].items()), ""]
+    if outcome.fp32_layers:
+        md += ["## Layers kept in floating point", ""] + [f"- `{r['layer']}`: {r['reason']}" for r in body["fp32_layers"]] + [""]
+    else:
+        md += ["No layer fallback was needed.", ""]
+    if len(outcome.attempts) > 1:
+        md += ["## Fallback attempts", "", "| float layers | top-1 | KL mean | KL p99 | reward | verdict |", "|---|---|---|---|---|---|"]
+        for a in outcome.attempts:
+            m = a.metrics
+            md.append(f"| {len(a.fp32_layers)} | {_fmt(m['top1_agreement'])} | {_fmt(m['kl_mean'])} | "
+                      f"{_fmt(m['kl_p99'])} | {_fmt(m.get('reward_candidate'))} | {a.verdict} |")
+        md.append("")
+    md += [f"![{p.stem}]({p.name})" for p in pngs]
+    (out_dir / "canary_report.md").write_text("\n".join(md) + "\n")
+    return out_dir / "canary_report.md"
+
+
+def _plots(out_dir: Path, outcome: CanaryOutcome) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    if outcome.sensitivity:
+        names = [n for n, _ in outcome.sensitivity][::-1]
+        vals = [v for _, v in outcome.sensitivity][::-1]
+        fig, ax = plt.subplots(figsize=(8, max(3, 0.22 * len(names))))
+        colors = ["tab:red" if n in outcome.fp32_layers else "tab:blue" for n in names]
+        ax.barh(names, vals, color=colors)
+        ax.set_xscale("log")
+        ax.set_xlabel("KL(FP32 || only this layer INT8), mean per token (red: kept in float)")
+        ax.tick_params(axis="y", labelsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / "sensitivity.png")
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+    kl = [max(v, 1e-12) for v in outcome.report.kl_per_token]
+    if kl:
+        import numpy as np
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.hist(np.log10(kl), bins=40, color="tab:purple")
+        ax.set_xlabel("log10 KL(FP32 || INT8) per token")
+        ax.set_ylabel("tokens")
+        ax.set_title(f"mean {np.mean(kl):.3g}, p99 {np.quantile(kl, 0.99):.3g}, {len(kl)} tokens")
+        fig.tight_layout()
+        paths.append(out_dir / "kl_distribution.png")
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+    return paths
