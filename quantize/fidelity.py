@@ -147,6 +147,15 @@ def measure_fidelity(
         return report
     ref_out = greedy_completions(reference, items, max_new_tokens, eos_token_id)
     cand_out = greedy_completions(candidate, items, max_new_tokens, eos_token_id)
+    return completion_metrics(report, items, ref_out, cand_out, decode, reward)
+
+
+def completion_metrics(report: FidelityReport, items: Sequence[GoldenItem], ref_out: List[List[int]],
+                       cand_out: List[List[int]], decode: Decode, reward: Optional[Reward]) -> FidelityReport:
+    """Greedy agreement, task reward per side, its delta and flips, from two sets of completions.
+
+    Shared by the build gate (local generation) and the live canary (completions from the two
+    served variants)."""
     report.greedy_agreement = sum(a == b for a, b in zip(ref_out, cand_out)) / max(1, len(items))
     if reward is None or any(it.answer is None for it in items):
         report.notes.append("no task reward: this policy has no verifiable task")

