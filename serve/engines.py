@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterator, List, Optional
@@ -50,40 +50,43 @@ def pick_token(logits: Tensor, params: SamplingParams, gen: Optional[torch.Gener
 class CachedPolicyEngine:
     """Runs anything with the Policy interface (INT8 TorchScript or the FP policy) with its KV cache.
 
-    One lock: the module and its threads are shared, and CPU decode is compute-bound anyway.
+    Every request owns its KV cache, so requests interleave token by token on one dedicated
+    thread: fair to concurrent clients, and no oversubscription of the CPU (decode is compute-bound).
     """
 
     def __init__(self, module, max_seq_len: int, name: str):
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
-        self.lock = threading.Lock()
+        # Grad mode is per thread: switch it off once on the decode thread (not per generator, whose
+        # context managers would interleave across requests).
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-decode",
+                                           initializer=torch.set_grad_enabled, initargs=(False,))
 
     def _run(self, prompt_ids: List[int], params: SamplingParams) -> Iterator[Step]:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         total = min(self.max_seq_len, len(prompt_ids) + params.max_tokens)
-        with torch.inference_mode(), self.lock:
-            k, v = self.module.new_cache(1, total)
-            logits = self.module.prefill(torch.tensor([prompt_ids]), k, v)
-            pos = len(prompt_ids)
-            for _ in range(total - len(prompt_ids)):
-                step = pick_token(logits[0, -1], params, gen)
-                yield step
-                if step.token_id == params.stop_token_id or pos >= total:
-                    return
-                logits = self.module.decode(torch.tensor([[step.token_id]]), pos, k, v)
-                pos += 1
+        k, v = self.module.new_cache(1, total)
+        logits = self.module.prefill(torch.tensor([prompt_ids]), k, v)
+        pos = len(prompt_ids)
+        for _ in range(total - len(prompt_ids)):
+            step = pick_token(logits[0, -1], params, gen)
+            yield step
+            if step.token_id == params.stop_token_id or pos >= total:
+                return
+            logits = self.module.decode(torch.tensor([[step.token_id]]), pos, k, v)
+            pos += 1
 
     async def generate(self, prompt_ids: List[int], params: SamplingParams) -> AsyncIterator[Step]:
         loop = asyncio.get_running_loop()
         it = self._run(prompt_ids, params)
         while True:
-            step = await loop.run_in_executor(None, next, it, None)
+            step = await loop.run_in_executor(self.executor, next, it, None)
             if step is None:
                 return
             yield step
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:
         """Teacher-forced last-position logits for equal-length sequences (the batchable forward)."""
-        with torch.inference_mode(), self.lock:
+        with torch.inference_mode():
             x = torch.tensor(batch)
             k, v = self.module.new_cache(x.shape[0], x.shape[1])
             return self.module(x, 0, k, v)[:, -1].float().tolist()

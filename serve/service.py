@@ -101,6 +101,20 @@ class PolicyRouter:
     def _svc(self, name: str):
         return self.int8 if name == "int8" else self.fp16
 
+    async def call_variant(self, name: str, **kwargs) -> dict:
+        """``generate`` on a variant with the request timeout. A connection the variant closed while
+        idle (keep-alive race) is retried once: the request never reached it, and generate is pure."""
+        import aiohttp
+
+        for attempt in (0, 1):
+            try:
+                return await asyncio.wait_for(self._svc(name).to_async.generate(**kwargs),
+                                              self.settings.request_timeout_s)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
     # -- routing -------------------------------------------------------------------------------
     def choose(self, user: Optional[str]) -> str:
         weight = self.controller.state.weight
@@ -208,9 +222,7 @@ class PolicyRouter:
         last = None
         for name in order:
             try:
-                res = await asyncio.wait_for(self._svc(name).to_async.generate(**kwargs),
-                                             self.settings.request_timeout_s)
-                return name, res
+                return name, await self.call_variant(name, **kwargs)
             except Exception as exc:  # noqa: BLE001 - any variant failure is retried on the other
                 last = exc
                 self._record_error(name, exc)
@@ -299,7 +311,7 @@ class PolicyRouter:
     async def _shadow(self, served: str, kwargs: dict, primary_ids: List[int]) -> None:
         other = "fp16" if served == "int8" else "int8"
         try:
-            res = await asyncio.wait_for(self._svc(other).to_async.generate(**kwargs), self.settings.request_timeout_s)
+            res = await self.call_variant(other, **kwargs)
         except Exception as exc:  # noqa: BLE001 - shadow failures count, the client already has its answer
             self._record_error(other, exc)
             return
@@ -318,8 +330,8 @@ class PolicyRouter:
         self.golden_cursor += n
         outs = {}
         for name in VARIANTS:
-            res = await asyncio.gather(*[self._svc(name).to_async.generate(
-                prompt_ids=it.prompt_ids, max_tokens=self.max_new_default, temperature=0.0,
+            res = await asyncio.gather(*[self.call_variant(
+                name, prompt_ids=it.prompt_ids, max_tokens=self.max_new_default, temperature=0.0,
                 stop_token_id=self.tok.eos_token_id) for it in items])
             outs[name] = [r["token_ids"] for r in res]
         decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -414,7 +426,11 @@ class PolicyRouter:
             if action == "analyse":
                 return self.analyse_now()
             if action == "golden-canary":
-                self.window.golden = await self.run_golden_canary()
+                try:
+                    self.window.golden = await self.run_golden_canary()
+                except Exception as exc:  # noqa: BLE001 - report, don't 500
+                    raise ApiError(503, f"golden canary run failed: {type(exc).__name__}: {exc}"[:300],
+                                   code="service_unavailable") from None
                 return {"golden": self.window.golden}
             weight = body.get("weight")
             if action == "set-weight" and not (isinstance(weight, (int, float)) and 0 <= weight <= 100):

@@ -1,0 +1,303 @@
+"""Serving over real `bentoml serve` processes: OpenAI API, routing, shadow, rollout, admin, bad input."""
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+import yaml
+
+from cli_helpers import SMALL, run_cli
+from serve_helpers import Server, bundle_version
+
+ADMIN = {"Authorization": "Bearer test-admin-token"}
+FORCE_INT8 = {"x-policy-variant": "int8", "x-admin-token": "test-admin-token"}
+
+
+def router_config(tmp_path, name, **overrides):
+    rollout = {"steps": [1, 5, 25, 50, 100], "analysis_interval_s": 3600, "golden_interval_s": 3600,
+               "min_samples": 10, "failure_limit": 2, "golden_items": 16, "shadow_fraction": 0.25,
+               **overrides.pop("rollout", {})}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"rollout": rollout, **overrides}))
+    return path
+
+
+def env_for(tmp_path, name, version, admin=True, vllm=True, **cfg):
+    env = {"POLICY_ROUTER_CONFIG": str(router_config(tmp_path, name, **cfg)),
+           "POLICY_BUNDLE_STATE_DIR": str(tmp_path / f"{name}-state"), "POLICY_BUNDLE_VERSION": version,
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    if admin:
+        env["POLICY_BUNDLE_ADMIN_TOKEN"] = "test-admin-token"
+    if not vllm:
+        env["POLICY_BUNDLE_DISABLE_VLLM"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def good(small_bundle, state):
+    """The main server: good bundle, vLLM for FP16 where installed, admin token, shadow on a quarter of requests."""
+    server = Server(env_for(state, "good", bundle_version(small_bundle)), state / "good.log").wait_ready()
+    yield server
+    server.stop()
+
+
+def admin(server, action, **extra):
+    r = httpx.post(f"{server.url}/admin/rollout", json={"action": action, **extra}, headers=ADMIN, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(server, prompt="358+64=", headers=None, **body):
+    return httpx.post(f"{server.url}/v1/completions", headers=headers or {}, timeout=60,
+                      json={"model": "policy", "prompt": prompt, "temperature": 0, **body})
+
+
+def test_openai_client_completion_chat_and_streaming(good):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{good.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == ["policy"]
+    done = client.completions.create(model="policy", prompt="358+64=", max_tokens=6, temperature=0, logprobs=1)
+    assert done.choices[0].text == "998" and done.model_extra["policy_variant"] in ("int8", "fp16")
+    assert len(done.choices[0].logprobs.token_logprobs) == done.usage.completion_tokens
+    chat = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34="}],
+                                          max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == "46"
+    streamed = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34="}],
+                                              max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "46"
+    streamed = client.completions.create(model="policy", prompt="358+64=", max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "998"
+
+
+def test_every_response_names_its_variant(good):
+    r = complete(good)
+    assert r.headers["x-policy-variant"] == r.json()["policy_variant"] in ("int8", "fp16")
+
+
+def test_forced_variant_needs_the_admin_token(good):
+    assert complete(good, headers=FORCE_INT8).headers["x-policy-variant"] == "int8"
+    forced_fp16 = {"x-policy-variant": "fp16", "x-admin-token": "test-admin-token"}
+    assert complete(good, headers=forced_fp16).headers["x-policy-variant"] == "fp16"
+    assert complete(good, headers={"x-policy-variant": "int8"}).status_code == 403
+    assert complete(good, headers={"x-policy-variant": "int8", "x-admin-token": "wrong"}).status_code == 403
+
+
+def test_fp16_variant_runs_on_vllm_when_installed(good):
+    import importlib.util
+
+    status = httpx.get(f"{good.url}/status", timeout=30).json()
+    expected = "vllm" if importlib.util.find_spec("vllm") else "policy-module-fp32"
+    assert status["variants"]["fp16"]["engine"] == expected and status["ready"]
+
+
+async def _burst(url, bodies, headers=None, concurrency=8):
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=180) as client:
+        async def one(body):
+            async with sem:
+                return await client.post(f"{url}/v1/completions", json=body, headers=headers or {})
+        return await asyncio.gather(*[one(b) for b in bodies])
+
+
+def test_weighted_split_and_sticky_users(good):
+    admin(good, "set-weight", weight=30)
+    try:
+        bodies = [{"model": "policy", "prompt": "12+34=", "temperature": 0, "max_tokens": 4} for _ in range(300)]
+        responses = asyncio.run(_burst(good.url, bodies))
+        assert all(r.status_code == 200 for r in responses)
+        share = sum(r.headers["x-policy-variant"] == "int8" for r in responses) / len(responses)
+        assert 0.22 <= share <= 0.38
+        for user in ("alice", "bob", "carol"):
+            seen = {complete(good, user=user, max_tokens=2).headers["x-policy-variant"] for _ in range(15)}
+            assert len(seen) == 1
+        by_header = {complete(good, headers={"x-policy-user": "dave"}, max_tokens=2).headers["x-policy-variant"]
+                     for _ in range(10)}
+        assert len(by_header) == 1
+        users = {complete(good, user=f"user-{i}", max_tokens=2).headers["x-policy-variant"] for i in range(40)}
+        assert users == {"int8", "fp16"}
+    finally:
+        admin(good, "restart")
+
+
+def test_shadow_comparisons_appear_in_metrics(good):
+    for _ in range(24):
+        assert complete(good, max_tokens=4).status_code == 200
+    for _ in range(60):
+        metrics = httpx.get(f"{good.url}/metrics", timeout=10).text
+        m = re.findall(r'^policy_shadow_comparisons_total\{[^}]*outcome="same"[^}]*\} (\S+)', metrics, re.M)
+        if m and float(m[0]) >= 1:
+            break
+        asyncio.run(asyncio.sleep(0.5))
+    assert m and float(m[0]) >= 1
+    assert re.search(r'^policy_requests_total\{[^}]*variant="(int8|fp16)"', metrics, re.M)
+    assert "policy_int8_weight_percent" in metrics
+
+
+def test_rollout_promotes_through_every_step_with_a_good_bundle(good):
+    admin(good, "restart")
+    weights = []
+    for _ in range(6):
+        admin(good, "golden-canary")
+        result = admin(good, "analyse")
+        assert result["verdict"] == "pass", result
+        weights.append(admin(good, "status") if False else httpx.get(f"{good.url}/admin/rollout", headers=ADMIN).json()["state"])
+    assert [w["weight"] for w in weights] == [5.0, 25.0, 50.0, 100.0, 100.0, 100.0]
+    assert weights[-1]["status"] == "promoted"
+    events = [e["event"] for e in httpx.get(f"{good.url}/admin/rollout/history", headers=ADMIN).json()["history"]]
+    assert events[-5:] == ["start", "promote", "promote", "promote", "promote"][-4:] + ["promoted"] or "promoted" in events
+
+
+def test_admin_api_needs_the_bearer_token(good):
+    assert httpx.get(f"{good.url}/admin/rollout").status_code == 401
+    assert httpx.get(f"{good.url}/admin/rollout", headers={"Authorization": "Bearer nope"}).status_code == 403
+    assert httpx.get(f"{good.url}/admin/rollout", headers=ADMIN).status_code == 200
+    bad = httpx.post(f"{good.url}/admin/rollout", json={"action": "set-weight", "weight": 101}, headers=ADMIN)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight"
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "policy", "prompt": "1+1=", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "policy", "prompt": "1+1=", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "policy", "prompt": "1+1=", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"model": "policy", "prompt": "   "}, 400, "prompt"),
+        ({"model": "policy", "prompt": "1" * 40 + "+1="}, 400, "prompt"),
+        ({"model": "policy", "prompt": "1+1=", "temperature": 9}, 400, "temperature"),
+        ({"model": "gpt-4", "prompt": "1+1="}, 404, "model"),
+        ({"prompt": "1+1="}, 400, "model"),
+    ],
+)
+def test_bad_input_gets_a_clear_4xx(good, body, status, param):
+    r = httpx.post(f"{good.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param)
+
+
+def test_prompt_too_long_names_the_limit(good):
+    err = complete(good, prompt="1" * 40 + "+1=").json()["error"]
+    assert err["limit"] == 32 and err["value"] > 32
+
+
+def test_oversized_and_malformed_bodies(good):
+    big = httpx.post(f"{good.url}/v1/completions", content=b"{" + b" " * 70000 + b"}",
+                     headers={"content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["limit"] == 65536
+    broken = httpx.post(f"{good.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "body"
+
+
+def test_restart_resumes_the_rollout_with_its_history(good, small_bundle, state):
+    admin(good, "restart")
+    admin(good, "promote")
+    before = httpx.get(f"{good.url}/admin/rollout", headers=ADMIN).json()["state"]
+    history = httpx.get(f"{good.url}/admin/rollout/history", headers=ADMIN).json()["history"]
+    good.stop()
+    again = Server(env_for(state, "good", bundle_version(small_bundle)), state / "good2.log").wait_ready()
+    try:
+        after = httpx.get(f"{again.url}/admin/rollout", headers=ADMIN).json()["state"]
+        assert {k: after[k] for k in ("weight", "step_index", "status")} == {k: before[k] for k in ("weight", "step_index", "status")}
+        assert httpx.get(f"{again.url}/admin/rollout/history", headers=ADMIN).json()["history"] == history
+    finally:
+        again.stop()
+
+
+# ---- a second server: API keys, no admin token, a concurrency cap of 1, no vLLM ---------------
+
+
+@pytest.fixture(scope="module")
+def locked(small_bundle, state):
+    env = env_for(state, "locked", bundle_version(small_bundle), admin=False, vllm=False, max_inflight=1)
+    env["POLICY_BUNDLE_API_KEYS"] = "key-one,key-two"
+    server = Server(env, state / "locked.log").wait_ready()
+    yield server
+    server.stop()
+
+
+def test_api_keys_guard_inference_routes(locked):
+    assert complete(locked).status_code == 401
+    assert complete(locked, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert complete(locked, headers={"Authorization": "Bearer key-two"}).status_code == 200
+
+
+def test_admin_api_is_disabled_without_a_token(locked):
+    r = httpx.get(f"{locked.url}/admin/rollout", headers={"Authorization": "Bearer anything"})
+    assert r.status_code == 403 and "disabled" in r.json()["error"]["message"]
+    assert complete(locked, headers={"Authorization": "Bearer key-one", **FORCE_INT8}).status_code == 403
+
+
+def test_fp16_fallback_is_reported_without_vllm(locked):
+    status = httpx.get(f"{locked.url}/status", timeout=30).json()
+    assert status["variants"]["fp16"]["engine"] == "policy-module-fp32" and status["variants"]["fp16"]["fallback"]
+    assert re.search(r"^policy_fp16_fallback 1\.0", httpx.get(f"{locked.url}/metrics").text, re.M)
+
+
+def test_concurrency_cap_answers_429_with_retry_after(locked):
+    body = {"model": "policy", "prompt": "358+64=", "temperature": 0, "max_tokens": 6}
+    responses = asyncio.run(_burst(locked.url, [body] * 12, {"Authorization": "Bearer key-one"}, concurrency=12))
+    codes = [r.status_code for r in responses]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+    limited = next(r for r in responses if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1" and limited.json()["error"]["limit"] == 1
+
+
+# ---- a third server: a deliberately broken INT8 bundle must be rolled back --------------------
+
+
+@pytest.fixture(scope="module")
+def broken_version(tmp_path_factory, small_bundle):
+    out = tmp_path_factory.mktemp("broken") / "bundle"
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+                  "--set", "canary.enabled=false", "--set", "calibration.procs=0", "--set", "export.onnx=false",
+                  env={"POLICY_BUNDLE_TEST_FAULT": "scale:layer=layers.0.mlp.down_proj:factor=400"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    return bundle_version(out)
+
+
+def test_broken_bundle_is_rolled_back_while_every_request_succeeds(broken_version, state):
+    server = Server(env_for(state, "broken", broken_version, vllm=False, rollout={"golden_items": 32}),
+                    state / "broken.log").wait_ready()
+    try:
+        admin(server, "set-weight", weight=50)
+        admin(server, "resume")
+        verdicts = []
+        for _ in range(2):
+            bodies = [{"model": "policy", "prompt": p, "temperature": 0, "max_tokens": 6, "user": f"u{i}"}
+                      for i, p in enumerate(["358+64=", "12+34=", "999+1=", "5+5="] * 5)]
+            responses = asyncio.run(_burst(server.url, bodies))
+            assert all(r.status_code == 200 for r in responses)
+            admin(server, "golden-canary")
+            verdicts.append(admin(server, "analyse")["verdict"])
+        state_now = httpx.get(f"{server.url}/admin/rollout", headers=ADMIN).json()["state"]
+        assert verdicts == ["fail", "fail"] and state_now["weight"] == 0.0 and state_now["status"] == "rolled-back"
+        history = httpx.get(f"{server.url}/admin/rollout/history", headers=ADMIN).json()["history"]
+        assert history[-1]["event"] == "rollback" and "failed analyses" in history[-1]["reason"]
+        assert all(complete(server, user=f"u{i}").headers["x-policy-variant"] == "fp16" for i in range(10))
+    finally:
+        server.stop()
+
+
+def test_tampered_store_entry_stops_the_variant_from_starting(small_bundle):
+    import bentoml
+
+    from serve.variants import verified_artifact
+
+    model = bentoml.models.get(f"policy-int8:{bundle_version(small_bundle)}")
+    target = model.path_of("int8/config.json")
+    original = open(target).read()
+    try:
+        open(target, "w").write(original + " ")
+        with pytest.raises(SystemExit, match="failed verification"):
+            verified_artifact(bentoml.models.BentoModel(str(model.tag)), "int8")
+    finally:
+        open(target, "w").write(original)
+    json.loads(original)
