@@ -18,9 +18,13 @@ class Metrics:
         self.tokens = m.Counter(name="policy_tokens_total", documentation="Completion tokens", labelnames=["variant"])
         self.shadow = m.Counter(name="policy_shadow_comparisons_total", documentation="Shadow pairs compared",
                                 labelnames=["outcome"])
-        self.shadow_agreement = m.Gauge(name="policy_shadow_agreement", documentation="Greedy agreement, last window")
+        self.shadow_agreement = m.Gauge(name="policy_shadow_agreement", documentation="Greedy agreement, last window",
+                                          multiprocess_mode="livemostrecent")
         self.verdicts = m.Counter(name="policy_canary_verdicts_total", documentation="Rollout analyses",
                                   labelnames=["verdict"])
-        self.weight = m.Gauge(name="policy_int8_weight_percent", documentation="Traffic share of INT8")
-        self.inflight = m.Gauge(name="policy_inflight_requests", documentation="Requests in flight")
-        self.fp16_fallback = m.Gauge(name="policy_fp16_fallback", documentation="1 when FP16 runs without vLLM")
+        self.weight = m.Gauge(name="policy_int8_weight_percent", documentation="Traffic share of INT8",
+                               multiprocess_mode="livemostrecent")
+        self.inflight = m.Gauge(name="policy_inflight_requests", documentation="Requests in flight",
+                                 multiprocess_mode="livemostrecent")
+        self.fp16_fallback = m.Gauge(name="policy_fp16_fallback", documentation="1 when FP16 runs without vLLM",
+                                      multiprocess_mode="livemostrecent")

@@ -72,6 +72,7 @@ class PolicyRouter:
         self.inflight = 0
         self.metrics = Metrics()
         self.golden_cursor = 0
+        self.metrics.weight.set(self.controller.state.weight)
         self.tasks: List[asyncio.Task] = []
         self.variant_health: dict = {}
         log.info("router up: INT8 weight %.1f%% (%s, resumed=%s)", self.controller.state.weight,

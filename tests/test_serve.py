@@ -238,7 +238,7 @@ def test_admin_api_is_disabled_without_a_token(locked):
 def test_fp16_fallback_is_reported_without_vllm(locked):
     status = httpx.get(f"{locked.url}/status", timeout=30).json()
     assert status["variants"]["fp16"]["engine"] == "policy-module-fp32" and status["variants"]["fp16"]["fallback"]
-    assert re.search(r"^policy_fp16_fallback 1\.0", httpx.get(f"{locked.url}/metrics").text, re.M)
+    assert re.search(r"^policy_fp16_fallback(\{[^}]*\})? 1\.0", httpx.get(f"{locked.url}/metrics").text, re.M)
 
 
 def test_concurrency_cap_answers_429_with_retry_after(locked):
