@@ -34,7 +34,8 @@ class CalibrationActor(Actor):
         torch.set_num_threads(threads)
         self.policy_dir = policy_dir
         self.policy = load_policy(policy_dir, max_seq_len=max_seq_len)
-        self.prepared = recipes.prepare(self.policy, recipes.RecipeConfig(**recipe))
+        self.recipe = recipes.RecipeConfig(**recipe)
+        self.prepared = recipes.prepare(self.policy, self.recipe)
         self.rank, self.fault, self.generation = rank, Fault.parse(fault), generation
         return {"rank": rank, "mesh_rank": current_rank().rank, "pid": os.getpid()}
 
@@ -73,3 +74,18 @@ class CalibrationActor(Actor):
             recipes.calibrate(self.prepared, [batch])
         return recipes.observer_state(self.prepared)
 
+    @endpoint
+    def channel_stats(self, shard: int, batches: List[Tensor]) -> Dict[str, Tensor]:
+        """Per input channel max |x| of the smoothing groups' linears over this shard."""
+        from quantize.smooth import collect_channel_absmax
+
+        self._maybe_fail(shard, 0)
+        return collect_channel_absmax(self.policy, batches)
+
+    @endpoint
+    def smooth(self, scales: Dict[str, Tensor]) -> bool:
+        """Re-prepare from the smoothed policy (the same scales the controller applies)."""
+        from quantize.smooth import apply_smoothing
+
+        self.prepared = recipes.prepare(apply_smoothing(self.policy, scales), self.recipe)
+        return True

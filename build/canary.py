@@ -147,6 +147,17 @@ def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThreshol
             md.append(f"| {len(a.fp32_layers)} | {_fmt(m['top1_agreement'])} | {_fmt(m['kl_mean'])} | "
                       f"{_fmt(m['kl_p99'])} | {_fmt(m.get('reward_candidate'))} | {a.verdict} |")
         md.append("")
+    cands = (extra or {}).get("candidates") or []
+    if len(cands) > 1:
+        md += ["## Recipe candidates (auto)", "", f"Winner: **{extra.get('winner')}**: {extra.get('why')}.", "",
+               "| recipe | verdict | float layers | top-1 | KL mean | KL p99 | reward | decode tok/s |",
+               "|---|---|---|---|---|---|---|---|"]
+        for cand in cands:
+            m = cand["metrics"]
+            md.append(f"| {cand['scheme']} | {cand['verdict']} | {len(cand['fp32_layers'])} | "
+                      f"{_fmt(m['top1_agreement'])} | {_fmt(m['kl_mean'])} | {_fmt(m['kl_p99'])} | "
+                      f"{_fmt(m.get('reward_candidate'))} | {_fmt(cand['decode_tok_s'])} |")
+        md.append("")
     md += [f"![{p.stem}]({p.name})" for p in pngs]
     (out_dir / "canary_report.md").write_text("\n".join(md) + "\n")
     return out_dir / "canary_report.md"

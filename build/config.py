@@ -6,11 +6,11 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
-from quantize.recipes import BACKENDS, SCHEMES
+from quantize.recipes import BACKENDS, MODES, SCHEMES, RecipeConfig
 
 
 class ConfigError(ValueError):
@@ -53,6 +53,9 @@ class RecipeSection:
     reduce_range: bool = True
     skip: Tuple[str, ...] = ("embed_tokens", "lm_head")
     fp32_layers: Tuple[str, ...] = ()
+    smooth_alpha: float = 0.65
+    overrides: Dict[str, str] = field(default_factory=dict)  # layer pattern -> static|dynamic|weight-only|fp32
+    auto_candidates: Tuple[str, ...] = ("static", "smooth-static", "dynamic", "smooth-dynamic", "weight-only")
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,14 @@ class BuildConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def recipe_config(self, scheme: Optional[str] = None) -> RecipeConfig:
+        """The quantize-library recipe (``scheme`` replaces the configured one, e.g. per auto candidate)."""
+        r = self.recipe
+        scheme = scheme or (r.scheme if r.scheme != "auto" else r.auto_candidates[0])
+        return RecipeConfig(scheme=scheme, backend=r.backend, reduce_range=r.reduce_range, skip=r.skip,
+                            fp32_layers=r.fp32_layers, smooth_alpha=r.smooth_alpha,
+                            overrides=tuple(r.overrides.items()))
+
 
 # (field path) -> (minimum, maximum) for numbers; (field path) -> allowed values for strings.
 RANGES = {
@@ -112,6 +123,7 @@ RANGES = {
     "calibration.procs": (0, 256),
     "calibration.hosts": (0, 4096),
     "calibration.timeout_s": (1.0, 86_400.0),
+    "recipe.smooth_alpha": (0.0, 1.0),
     "canary.max_reward_drop": (0.0, 1.0),
     "canary.min_top1_agreement": (0.0, 1.0),
     "canary.max_kl_mean": (0.0, 100.0),
@@ -121,7 +133,7 @@ RANGES = {
 }
 CHOICES = {
     "rollouts.engine": ("local", "vllm"),
-    "recipe.scheme": SCHEMES,
+    "recipe.scheme": SCHEMES + ("auto",),
     "recipe.backend": BACKENDS,
 }
 
@@ -136,9 +148,19 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if value is None:
             return None
         return _coerce(path, value, next(a for a in args if a is not type(None)))
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ConfigError(f"{path}: expected a mapping of strings, got {value!r}")
+        for k, v in value.items():
+            if path == "recipe.overrides" and v not in MODES:
+                raise ConfigError(f"{path}.{k}: {v!r} is not one of {list(MODES)}")
+        return dict(value)
     if origin in (tuple, Tuple):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{path}: expected a list of strings, got {value!r}")
+        if path == "recipe.auto_candidates" and any(v not in SCHEMES for v in value):
+            bad = next(v for v in value if v not in SCHEMES)
+            raise ConfigError(f"{path}: {bad!r} is not one of {list(SCHEMES)}")
         return tuple(value)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)

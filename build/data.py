@@ -37,7 +37,11 @@ def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> 
 
 
 def is_task_policy(cfg: BuildConfig) -> bool:
-    return cfg.policy.source == "reference" and cfg.prompts.file is None
+    """The reference policy, or a directory derived from it (marked by its reference.json), scored
+    on the task unless the config names its own prompts."""
+    if cfg.prompts.file is not None:
+        return False
+    return cfg.policy.source == "reference" or (Path(cfg.policy.source) / "reference.json").is_file()
 
 
 def load_tokenizer(policy_dir: Path):

@@ -13,6 +13,7 @@ path of a job a scheduler launcher saved with ``job.dump(path)`` (e.g. ``SlurmJo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from contextlib import contextmanager
@@ -56,6 +57,7 @@ class CalibrationMesh:
         self.jobs: List[Any] = []
         self.workers: List[Worker] = []
         self.generation = 0
+        self.smoothing = None  # scales every (re)spawned actor applies before calibrating
         from build.faults import FAULT_ENV
 
         self.fault = os.environ.get(FAULT_ENV, "")
@@ -89,15 +91,16 @@ class CalibrationMesh:
 
         mesh = procs.spawn(f"calibration{self.generation}", CalibrationActor)
         threads = max(1, (os.cpu_count() or 1) // max(1, self.cfg.calibration.procs))
-        r = self.cfg.recipe
-        recipe = dict(scheme=r.scheme, backend=r.backend, reduce_range=r.reduce_range, skip=r.skip,
-                      fp32_layers=r.fp32_layers)
+        recipe = dataclasses.asdict(self.cfg.recipe_config())
         flat = mesh.flatten("rank")
         workers = [Worker(len(self.workers) + i, flat.slice(rank=i)) for i in range(count)]
         futures = [w.actor.setup.call_one(w.rank, self.policy_dir, self.cfg.policy.max_seq_len, recipe, threads,
                                           self.fault, self.generation) for w in workers]
         for w, f in zip(workers, futures):
             self._get(f, f"setup of rank {w.rank}")
+        if self.smoothing is not None:
+            for w in workers:
+                self._get(w.actor.smooth.call_one(self.smoothing), f"smoothing on rank {w.rank}")
         return workers
 
     def respawn(self) -> Worker:
@@ -194,3 +197,18 @@ def mesh_calibrate(mesh: CalibrationMesh, batches: Sequence[Tensor]) -> recipes.
     return recipes.merge_observer_states(states)
 
 
+def mesh_channel_stats(mesh: CalibrationMesh, batches: Sequence[Tensor]):
+    """Per-channel max |x| for smoothing, sharded over the actors and merged (exact max)."""
+    from quantize.smooth import merge_channel_stats
+
+    shards = shard(batches, len(mesh.workers))
+    parts = mesh.run_shards("channel_stats", [(s,) for s in shards], [sum(len(b) for b in s) for s in shards],
+                            "samples")
+    return merge_channel_stats(parts)
+
+
+def mesh_apply_smoothing(mesh: CalibrationMesh, scales) -> None:
+    """Every live actor re-prepares its policy with the same smoothing scales before calibrating."""
+    for w in [w for w in mesh.workers if w.alive]:
+        mesh._get(w.actor.smooth.call_one(scales), f"smoothing on rank {w.rank}")
+    mesh.smoothing = scales

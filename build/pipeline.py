@@ -47,12 +47,6 @@ class BuildResult:
     fidelity: dict
 
 
-def recipe_from(cfg: BuildConfig) -> recipes.RecipeConfig:
-    r = cfg.recipe
-    return recipes.RecipeConfig(scheme=r.scheme, backend=r.backend, reduce_range=r.reduce_range,
-                                skip=r.skip, fp32_layers=r.fp32_layers)
-
-
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -139,7 +133,7 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages) -> Bui
 
 def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok, tmp: Path, final: Path,
                          stages: Stages) -> BuildResult:
-    recipe = recipe_from(cfg)
+    recipe = cfg.recipe_config()
 
     with stages.run("rollouts") as s:
         prompts = data.split_prompts(cfg)
@@ -159,22 +153,28 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
         s.detail = (f"{len(seqs)} calibration sequences from {source}, {len(golden)} golden items, "
                     f"{len(seqs) / max(1e-9, time.monotonic() - t0):.1f} seq/s")
 
+    schemes = list(cfg.recipe.auto_candidates) if cfg.recipe.scheme == "auto" else [cfg.recipe.scheme]
+    candidates = [cfg.recipe_config(scheme) for scheme in schemes]
+    calibrated = CalibratedModels(cfg, mesh, policy, batches)
     with stages.run("prepare") as s:
-        prepared = recipes.prepare(policy, recipe)
-        s.detail = f"{recipe.scheme}/{recipe.backend}, {len(recipes.selected_linears(policy, recipe))} linears observed"
+        if any(c.smooth for c in candidates):
+            calibrated.smoothing_scales(recipe.smooth_alpha)
+        s.detail = (f"candidates {schemes}, {len(recipes.selected_linears(policy, recipe))} linears observed"
+                    + (", smoothing scales from per-channel stats" if calibrated.scales else ""))
 
     with stages.run("calibrate") as s:
         t0 = time.monotonic()
-        state = apply_scale_fault(calibrate_observers(mesh, prepared, batches))
-        recipes.load_observer_state(prepared, state)
+        for smooth in sorted({c.smooth for c in candidates}):  # plain first: the actors start plain
+            calibrated.get(smooth)
         tokens = sum(b.numel() for b in batches)
         s.detail = (f"{len(seqs)} samples, {len(batches)} batches, {tokens} tokens, "
                     f"procs={cfg.calibration.procs}, {tokens / max(1e-9, time.monotonic() - t0):.0f} tok/s")
 
     with stages.run("convert + accuracy canary") as s:
-        outcome = gate_candidate(cfg, policy, prepared, recipe, tok, golden, tmp, final)
+        outcome, recipe, trials = choose_recipe(cfg, policy, calibrated, candidates, tok, golden, tmp, final)
+        state = calibrated.get(recipe.smooth)[1]
         recipe = replace(recipe, fp32_layers=recipe.fp32_layers + tuple(outcome.fp32_layers))
-        s.detail = f"{outcome.verdict.label}, {len(outcome.fp32_layers)} layers kept in float"
+        s.detail = f"{recipe.scheme}: {outcome.verdict.label}, {len(outcome.fp32_layers)} layers kept in float"
 
     with stages.run("export INT8 (TorchScript, ONNX) + FP16 HF") as s:
         export_torchscript(outcome.int8, tmp / INT8_TS)
@@ -202,6 +202,8 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
             "versions": versions(),
             "config": cfg.to_dict(),
             "recipe": {"scheme": recipe.scheme, "backend": recipe.backend, "reduce_range": recipe.reduce_range,
+                       "smooth_alpha": recipe.smooth_alpha if recipe.smooth else None,
+                       "overrides": dict(recipe.overrides), "candidates": trials,
                        "quantized_linears": recipes.selected_linears(policy, recipe),
                        "fp32_layers": list(recipe.fp32_layers)},
             "canary": {"verdict": outcome.verdict.label if cfg.canary.enabled else "not-run",
@@ -238,25 +240,103 @@ def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
     return dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
 
 
-def gate_candidate(cfg: BuildConfig, policy: Policy, prepared, recipe, tok, golden, tmp: Path, final: Path):
-    """Convert, gate on the golden set, fall back sensitive layers; a rejected build raises with its report."""
+class CalibratedModels:
+    """Prepared + calibrated models, one per smoothing choice, computed once and shared by candidates."""
+
+    def __init__(self, cfg: BuildConfig, mesh, policy: Policy, batches):
+        self.cfg, self.mesh, self.policy, self.batches = cfg, mesh, policy, batches
+        self.scales = None
+        self.cache: dict = {}
+
+    def smoothing_scales(self, alpha: float):
+        from quantize.smooth import collect_channel_absmax, smoothing_scales
+
+        if self.mesh is not None:
+            from build.mesh import mesh_channel_stats
+
+            stats = mesh_channel_stats(self.mesh, self.batches)
+        else:
+            stats = collect_channel_absmax(self.policy, self.batches)
+        self.scales = smoothing_scales(self.policy, stats, alpha)
+        return self.scales
+
+    def get(self, smooth: bool):
+        """(prepared, observer state) of the plain or the smoothed policy."""
+        if smooth not in self.cache:
+            from quantize.smooth import apply_smoothing
+
+            base = apply_smoothing(self.policy, self.scales) if smooth else self.policy
+            prepared = recipes.prepare(base, self.cfg.recipe_config())
+            if smooth and self.mesh is not None:
+                from build.mesh import mesh_apply_smoothing
+
+                mesh_apply_smoothing(self.mesh, self.scales)
+            state = apply_scale_fault(calibrate_observers(self.mesh, prepared, self.batches))
+            recipes.load_observer_state(prepared, state)
+            self.cache[smooth] = (prepared, state)
+        return self.cache[smooth]
+
+
+def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int = 3, warmup: int = 3) -> float:
+    """Batch-1 decode tokens/s of the candidate as TorchScript (what ships), median of ``repeats``
+    after ``warmup`` runs (TorchScript's profiling executor optimises the graph on early calls)."""
+    import statistics
+
+    scripted = torch.jit.script(int8)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + warmup):
+            k, v = scripted.new_cache(1, prompt_len + new_tokens)
+            logits = scripted.prefill(torch.ones(1, prompt_len, dtype=torch.long), k, v)
+            t = time.perf_counter()
+            for i in range(new_tokens):
+                logits = scripted.decode(logits[:, -1:].argmax(-1), prompt_len + i, k, v)
+            times.append(time.perf_counter() - t)
+    return new_tokens / statistics.median(times[warmup:])
+
+
+def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, candidates, tok, golden,
+                  tmp: Path, final: Path):
+    """Gate every candidate (with layer fallback); the fastest one that passes wins.
+
+    A single candidate (no ``auto``) skips the speed measurement. A rejected build raises with its
+    report written next to the output directory.
+    """
     kw = fidelity_kwargs(cfg, tok)
     measure = lambda m: measure_fidelity(policy, m, golden, **kw)  # noqa: E731
-    if not cfg.canary.enabled:
-        int8 = recipes.convert(prepared, recipe)
-        return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
     c = cfg.canary
-    outcome = gate_with_fallback(policy, prepared, recipe, golden, c.thresholds(), c.max_fp_layers, measure)
-    if not outcome.verdict.passed:
+    trials = []
+    for recipe in candidates:
+        prepared, _ = calibrated.get(recipe.smooth)
+        if not c.enabled:
+            int8 = recipes.convert(prepared, recipe)
+            outcome = CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
+        else:
+            outcome = gate_with_fallback(policy, prepared, recipe, golden, c.thresholds(), c.max_fp_layers, measure)
+        speed = decode_speed(outcome.int8) if len(candidates) > 1 else None
+        trials.append({"recipe": recipe, "outcome": outcome, "decode_tok_s": speed})
+        log(f"[auto] {recipe.scheme}: {outcome.verdict.label}, {len(outcome.fp32_layers)} float layers"
+            + (f", decode {speed:.1f} tok/s" if speed else ""))
+    passing = [t for t in trials if t["outcome"].verdict.passed]
+    summary = [{"scheme": t["recipe"].scheme, "verdict": t["outcome"].verdict.label,
+                "failures": t["outcome"].verdict.failures, "fp32_layers": t["outcome"].fp32_layers,
+                "decode_tok_s": t["decode_tok_s"], "metrics": t["outcome"].report.summary()} for t in trials]
+    if not passing:
+        best = trials[0]["outcome"]
         rejected = final.parent / f"{final.name}.canary-rejected"
         shutil.rmtree(rejected, ignore_errors=True)
-        report = write_report(rejected, outcome, c.thresholds())
-        top = outcome.sensitivity[0][0] if outcome.sensitivity else "n/a"
-        raise CanaryGateError(f"accuracy gate failed ({'; '.join(outcome.verdict.failures)}) after keeping "
-                              f"{len(outcome.fp32_layers)} layer(s) in float (canary.max_fp_layers="
+        report = write_report(rejected, best, c.thresholds(), {"candidates": summary})
+        top = best.sensitivity[0][0] if best.sensitivity else "n/a"
+        raise CanaryGateError(f"accuracy gate failed ({'; '.join(best.verdict.failures)}) after keeping "
+                              f"{len(best.fp32_layers)} layer(s) in float (canary.max_fp_layers="
                               f"{c.max_fp_layers}); most sensitive layer: {top}; report: {report}")
-    write_report(tmp, outcome, c.thresholds())
-    return outcome
+    winner = max(passing, key=lambda t: t["decode_tok_s"] or 0.0)
+    why = (f"{winner['recipe'].scheme} is the fastest of {len(passing)} passing candidate(s)"
+           if len(candidates) > 1 else "the configured recipe")
+    if c.enabled:
+        write_report(tmp, winner["outcome"], c.thresholds(), {"candidates": summary, "winner": winner["recipe"].scheme,
+                                                            "why": why})
+    return winner["outcome"], winner["recipe"], summary
 
 
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +33,8 @@ from torch.ao.quantization import (
 
 from quantize.model import full_logits
 
-SCHEMES = ("static", "dynamic")
+SCHEMES = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic")
+MODES = ("static", "dynamic", "weight-only", "fp32")  # per-layer overrides
 BACKENDS = ("x86", "fbgemm", "qnnpack")
 
 
@@ -49,10 +50,17 @@ class RecipeConfig:
     reduce_range: bool = True
     skip: Tuple[str, ...] = ("embed_tokens", "lm_head")
     fp32_layers: Tuple[str, ...] = field(default_factory=tuple)  # accuracy fallback keeps these in float
+    smooth_alpha: float = 0.65  # SmoothQuant migration strength (smooth-* schemes)
+    overrides: Tuple[Tuple[str, str], ...] = ()  # (layer pattern, mode): e.g. ("down_proj", "weight-only")
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise RecipeError(f"recipe.scheme: {self.scheme!r} is not one of {list(SCHEMES)}")
+        for pattern, mode in self.overrides:
+            if mode not in MODES:
+                raise RecipeError(f"recipe.overrides.{pattern}: {mode!r} is not one of {list(MODES)}")
+        if not 0.0 <= self.smooth_alpha <= 1.0:
+            raise RecipeError(f"recipe.smooth_alpha: {self.smooth_alpha} is out of range [0, 1]")
         if self.backend not in BACKENDS:
             raise RecipeError(f"recipe.backend: {self.backend!r} is not one of {list(BACKENDS)}")
         if self.backend not in torch.backends.quantized.supported_engines:
@@ -60,6 +68,47 @@ class RecipeConfig:
                 f"recipe.backend: {self.backend!r} is not supported by this torch build "
                 f"(available: {torch.backends.quantized.supported_engines})"
             )
+
+
+    @property
+    def smooth(self) -> bool:
+        return self.scheme.startswith("smooth-")
+
+    @property
+    def base_mode(self) -> str:
+        return self.scheme.removeprefix("smooth-")
+
+    def layer_mode(self, name: str) -> str:
+        """The mode of one layer: the first matching override, else the scheme's."""
+        for pattern, mode in self.overrides:
+            if _matches(name, (pattern,)):
+                return mode
+        return self.base_mode
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    """int8 per-channel weights, float activations (``torch._weight_int8pack_mm``); scriptable."""
+
+    def __init__(self, weight_int8: Tensor, scales: Tensor, bias: Optional[Tensor]):
+        super().__init__()
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.out_features = int(weight_int8.shape[0])
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> "WeightOnlyInt8Linear":
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
+        q = torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales, linear.bias.detach().clone() if linear.bias is not None else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(x.shape[:-1] + (self.out_features,))
 
 
 class QuantizedLinearSlot(nn.Module):
@@ -86,7 +135,7 @@ def selected_linears(policy: nn.Module, recipe: RecipeConfig) -> List[str]:
     names = []
     for name, mod in policy.named_modules():
         if isinstance(mod, QuantizedLinearSlot) or (isinstance(mod, nn.Linear) and not name.endswith(".linear")):
-            if not _matches(name, recipe.skip + recipe.fp32_layers):
+            if not _matches(name, recipe.skip + recipe.fp32_layers) and recipe.layer_mode(name) != "fp32":
                 names.append(name)
     return names
 
@@ -186,22 +235,26 @@ def _unwrap_slot(model: nn.Module, name: str, slot: QuantizedLinearSlot) -> None
 
 
 def convert(prepared: nn.Module, recipe: RecipeConfig) -> nn.Module:
-    """The INT8 module. Static: observers become scales/zero points. Dynamic: weights only.
-
-    Layers in ``recipe.fp32_layers`` stay in floating point even when ``prepared`` observed them,
-    so the accuracy fallback re-converts one calibrated model without calibrating again.
+    """The INT8 module: each selected layer in its mode (static: observers become scales/zero
+    points; dynamic: int8 weights, activations quantized at run time; weight-only: int8 weights,
+    float activations). Layers in ``recipe.fp32_layers`` stay in floating point even when
+    ``prepared`` observed them, so the accuracy fallback re-converts without calibrating again.
     """
     torch.backends.quantized.engine = recipe.backend
     model = copy.deepcopy(prepared)
-    keep = set(selected_linears(model, recipe)) if recipe.scheme == "static" else set()
+    modes = {name: recipe.layer_mode(name) for name in selected_linears(model, recipe)}
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, QuantizedLinearSlot) and name not in keep:
+        if isinstance(mod, QuantizedLinearSlot) and modes.get(name) != "static":
             _unwrap_slot(model, name, mod)
-    if recipe.scheme == "static":
-        return torch.ao.quantization.convert(model, inplace=False).eval()
-    # Dynamic: every slot is unwrapped above; swap the selected linears for dynamic ones.
-    spec = {name: per_channel_dynamic_qconfig for name in selected_linears(model, recipe)}
-    return torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8).eval()
+    if "static" in modes.values():
+        model = torch.ao.quantization.convert(model, inplace=False)
+    dynamic = {n: per_channel_dynamic_qconfig for n, m in modes.items() if m == "dynamic"}
+    if dynamic:
+        model = torch.ao.quantization.quantize_dynamic(model, dynamic, dtype=torch.qint8)
+    for name, mode in modes.items():
+        if mode == "weight-only":
+            _set_submodule(model, name, WeightOnlyInt8Linear.from_float(model.get_submodule(name)))
+    return model.eval()
 
 
 def quantized_parameters(int8: nn.Module) -> Dict[str, Dict[str, Tensor]]:

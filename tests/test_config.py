@@ -14,7 +14,9 @@ def test_reference_config_loads_with_mesh_by_default():
     "override, message",
     [
         ("calibration.samples=0", r"calibration.samples: 0 is out of range \[1, 100000\]"),
-        ("recipe.scheme=int4", r"recipe.scheme: 'int4' is not one of \['static', 'dynamic'\]"),
+        ("recipe.scheme=int4", r"recipe.scheme: 'int4' is not one of \['static', 'dynamic', 'weight-only'"),
+        ("recipe.overrides={down_proj: int4}", r"recipe.overrides.down_proj: 'int4' is not one of"),
+        ("recipe.smooth_alpha=1.5", r"recipe.smooth_alpha: 1.5 is out of range \[0.0, 1.0\]"),
         ("calibration.batch_size=abc", r"calibration.batch_size: expected int, got str 'abc'"),
         ("calibration.bogus=1", r"calibration.bogus: unknown field"),
         ("export.onnx=3", r"export.onnx: expected bool"),

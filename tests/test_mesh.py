@@ -9,7 +9,6 @@ import torch
 from build import data
 from build.config import load_config
 from build.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
-from build.pipeline import recipe_from
 from quantize import recipes
 from quantize.model import load_policy
 
@@ -47,13 +46,13 @@ def setup(reference_dir):
 
 
 def in_process_state(policy, batches):
-    prepared = recipes.prepare(policy, recipe_from(config(0)))
+    prepared = recipes.prepare(policy, config(0).recipe_config())
     recipes.calibrate(prepared, batches)
     return recipes.observer_state(prepared)
 
 
 def int8_from(policy, state):
-    recipe = recipe_from(config(0))
+    recipe = config(0).recipe_config()
     prepared = recipes.prepare(policy, recipe)
     recipes.load_observer_state(prepared, state)
     return recipes.convert(prepared, recipe)
