@@ -58,7 +58,9 @@ def test_overrides_pick_each_layers_mode_in_torchscript(gqa_bias_policy, tmp_pat
     mods = dict(torch.jit.load(str(tmp_path / "p.ts")).named_modules())
     assert mods["layers.0.mlp.down_proj"].original_name == "WeightOnlyInt8Linear"
     assert mods["layers.0.self_attn.o_proj"].original_name == "Linear"
-    assert mods["layers.0.mlp.gate_proj"].original_name == "DynamicQuantizedLinear"
+    assert not hasattr(mods["layers.0.self_attn.o_proj"], "_packed_params")  # plain float
+    gate = mods["layers.0.mlp.gate_proj"]  # torch.ao.nn.quantized.dynamic.Linear: packed int8, no output scale
+    assert gate.original_name == "Linear" and hasattr(gate, "_packed_params")  # int8, not in a static slot
     assert mods["layers.0.self_attn.q_proj"].original_name == "QuantizedLinearSlot"
     x = torch.randint(0, 64, (1, 9))
     assert torch.equal(full_logits(int8, x), full_logits(mods[""], x))
