@@ -12,12 +12,16 @@ RANDOM_100M = PolicyConfig(family="llama", vocab_size=16000, dim=768, n_layers=1
                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def random_100m_dir() -> Path:
-    """A seeded random Llama-family model (~100M params) saved once as an FP32 HF directory."""
-    out = default_cache_dir() / "random-100m"
+def random_policy_dir(name: str, cfg: PolicyConfig) -> Path:
+    """A seeded random policy of shape ``cfg``, saved once as an FP32 HF directory."""
+    out = default_cache_dir() / name
     if not (out / "config.json").is_file():
-        write_policy_dir(init_random_policy(RANDOM_100M, seed=0), RANDOM_100M, out)
+        write_policy_dir(init_random_policy(cfg, seed=0), cfg, out)
     return out
+
+
+def random_100m_dir() -> Path:
+    return random_policy_dir("random-100m", RANDOM_100M)
 
 
 def outlier_reference_dir(channels: int = 4, factor: float = 100.0) -> Path:
@@ -52,7 +56,4 @@ RANDOM_135M = PolicyConfig(family="llama", vocab_size=49152, dim=576, n_layers=3
 
 
 def random_135m_dir() -> Path:
-    out = default_cache_dir() / "random-135m"
-    if not (out / "config.json").is_file():
-        write_policy_dir(init_random_policy(RANDOM_135M, seed=0), RANDOM_135M, out)
-    return out
+    return random_policy_dir("random-135m", RANDOM_135M)

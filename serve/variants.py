@@ -46,6 +46,24 @@ def _params(max_tokens: int, temperature: float, top_p: float, seed: Optional[in
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_id=stop)
 
 
+def generation_apis():
+    """The ``generate`` and ``stream`` APIs both variants expose over their ``self.engine``."""
+
+    @bentoml.api
+    async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> dict:
+        return await _collect(self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
+
+    @bentoml.api
+    async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> AsyncGenerator[str, None]:
+        params = _params(max_tokens, temperature, top_p, seed, stop_token_id)
+        async for s in self.engine.generate(prompt_ids, params):
+            yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
+
+    return generate, stream
+
+
 @bentoml.service(name="int8-policy", workers=1, traffic={"timeout": 120})
 class Int8Policy:
     model = bentoml.models.BentoModel(f"policy-int8:{VERSION}")
@@ -60,17 +78,7 @@ class Int8Policy:
         self.ready = True
         log.info("INT8 TorchScript loaded from %s (verified)", path)
 
-    @bentoml.api
-    async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
-                       top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> dict:
-        return await _collect(self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
-
-    @bentoml.api
-    async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                     seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> AsyncGenerator[str, None]:
-        params = _params(max_tokens, temperature, top_p, seed, stop_token_id)
-        async for s in self.engine.generate(prompt_ids, params):
-            yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
+    generate, stream = generation_apis()
 
     @bentoml.api(batchable=True, max_batch_size=32, max_latency_ms=20)
     def score(self, sequences: List[List[int]]) -> List[List[float]]:
@@ -113,17 +121,7 @@ class Fp16Policy:
         await _collect(self.engine, [1, 2, 3], SamplingParams(max_tokens=1))  # a real forward
         self.ready = True
 
-    @bentoml.api
-    async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
-                       top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> dict:
-        return await _collect(self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
-
-    @bentoml.api
-    async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                     seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> AsyncGenerator[str, None]:
-        params = _params(max_tokens, temperature, top_p, seed, stop_token_id)
-        async for s in self.engine.generate(prompt_ids, params):
-            yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
+    generate, stream = generation_apis()
 
     @bentoml.api
     def health(self) -> dict:

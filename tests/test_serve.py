@@ -77,6 +77,21 @@ def test_openai_client_completion_chat_and_streaming(good):
     assert "".join(c.choices[0].text for c in streamed) == "998"
 
 
+def test_locust_scenario_runs_headless_without_failures(good, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    locust = Path(sys.executable).parent / "locust"
+    res = subprocess.run([str(locust), "-f", "loadtest/locustfile.py", "--headless", "-u", "4", "-r", "4", "-t", "8s",
+                          "--host", good.url, "--csv", str(tmp_path / "run"), "--only-summary"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = (tmp_path / "run_stats.csv").read_text().splitlines()
+    total = next(r for r in rows if ",Aggregated," in r).split(",")
+    assert int(total[2]) > 0 and int(total[3]) == 0  # requests, failures
+
+
 def test_every_response_names_its_variant(good):
     r = complete(good)
     assert r.headers["x-policy-variant"] == r.json()["policy_variant"] in ("int8", "fp16")

@@ -1,0 +1,111 @@
+"""A drill's report: report.md, PNG plots and a JSON of the raw figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+BUCKET_S = 5.0
+
+
+def _buckets(run):
+    end = max([r["t"] for r in run.requests] + [s["t"] for s in run.states] + [1.0])
+    return np.arange(0.0, end + BUCKET_S, BUCKET_S)
+
+
+def plot_traffic(run, path: Path) -> None:
+    edges = _buckets(run)
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    for variant, color in (("int8", "tab:orange"), ("fp16", "tab:blue")):
+        counts = np.histogram([r["t"] for r in run.requests if r["variant"] == variant], edges)[0]
+        total = np.maximum(np.histogram([r["t"] for r in run.requests], edges)[0], 1)
+        ax.step(edges[:-1], 100 * counts / total, where="post", color=color, label=f"{variant} share of requests")
+    if run.states:
+        ax.plot([s["t"] for s in run.states], [s["weight"] for s in run.states], "k--", label="INT8 weight (rollout)")
+    for e in run.history:
+        if e["event"] in ("promote", "rollback", "analysis-failed", "promoted", "waiting"):
+            t = e["ts"] - run.wall_t0
+            ax.axvline(t, color={"rollback": "red", "analysis-failed": "tab:red"}.get(e["event"], "green"), alpha=0.4)
+            ax.text(t, 102, e["event"], rotation=90, fontsize=7, va="bottom")
+    ax.set_ylim(0, 125)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("% of traffic")
+    ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_latency(run, path: Path) -> None:
+    edges = _buckets(run)
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for variant, color in (("int8", "tab:orange"), ("fp16", "tab:blue")):
+        for q, style in ((50, "-"), (95, "--"), (99, ":")):
+            xs, ys = [], []
+            for lo, hi in zip(edges[:-1], edges[1:]):
+                lat = [r["latency"] for r in run.requests if r["variant"] == variant and lo <= r["t"] < hi]
+                if lat:
+                    xs.append(lo)
+                    ys.append(1000 * np.percentile(lat, q))
+            ax.plot(xs, ys, style, color=color, label=f"{variant} p{q}")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("latency (ms)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_canary(run, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    rows = [(e["ts"] - run.wall_t0, e["metrics"]) for e in run.history if e.get("metrics")]
+    for key, label in (("shadow_agreement", "shadow greedy agreement"), ("int8_error_rate", "INT8 error rate")):
+        pts = [(t, m[key]) for t, m in rows if m.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=label)
+    pts = [(t, m["golden"]["greedy_agreement"]) for t, m in rows if (m.get("golden") or {}).get("greedy_agreement") is not None]
+    if pts:
+        ax.plot(*zip(*pts), "s-", label="golden greedy agreement (INT8 vs FP32)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("seconds")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_report(run) -> Path:
+    import time
+
+    run.wall_t0 = time.time() - (time.monotonic() - run.t0)
+    plots = {"traffic.png": plot_traffic, "latency.png": plot_latency, "canary.png": plot_canary}
+    for name, fn in plots.items():
+        fn(run, run.out / name)
+    ok = sum(r["status"] == 200 for r in run.requests)
+    by_variant = {v: sum(r["variant"] == v for r in run.requests) for v in ("int8", "fp16")}
+    lat = {v: [r["latency"] for r in run.requests if r["variant"] == v and r["status"] == 200] for v in ("int8", "fp16")}
+    figures = {"drill": run.name, "passed": run.passed, "checks": run.checks, "requests": len(run.requests),
+               "ok": ok, "by_variant": by_variant,
+               "latency_ms": {v: {f"p{q}": 1000 * float(np.percentile(x, q)) for q in (50, 95, 99)}
+                              for v, x in lat.items() if x},
+               "history": run.history, "states": run.states}
+    (run.out / "report.json").write_text(json.dumps(figures, indent=2, default=str))
+    md = [f"# Drill `{run.name}`: {'PASSED' if run.passed else 'FAILED'}", ""]
+    md += [f"- {'✅' if okk else '❌'} {what}" for what, okk in run.checks] + [""]
+    md += [f"{len(run.requests)} requests, {ok} answered 200; by variant: {by_variant}.", ""]
+    md += ["| variant | p50 ms | p95 ms | p99 ms |", "|---|---|---|---|"]
+    for v, q in figures["latency_ms"].items():
+        md.append(f"| {v} | {q['p50']:.0f} | {q['p95']:.0f} | {q['p99']:.0f} |")
+    md += ["", "## Rollout history", "", "| t (s) | event | weight | reason |", "|---|---|---|---|"]
+    for e in run.history:
+        md.append(f"| {e['ts'] - run.wall_t0:.0f} | {e['event']} | {e['from_weight']} → {e['to_weight']} | "
+                  f"{e['reason'][:120]} |")
+    md += ["", "![traffic](traffic.png)", "", "![latency](latency.png)", "", "![canary](canary.png)", ""]
+    (run.out / "report.md").write_text("\n".join(md))
+    return run.out / "report.md"
