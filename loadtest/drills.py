@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,7 +74,9 @@ def start_server(run: DrillRun, home: Path, version: str, log_name: str, interva
     cfg = run.out / "router.yaml"
     cfg.write_text(yaml.safe_dump({"rollout": {"analysis_interval_s": interval, "golden_interval_s": interval * 0.8,
                                                "min_samples": 8, "failure_limit": 2, "golden_items": 16,
-                                               "shadow_fraction": 0.3}}))
+                                               "shadow_fraction": 0.3,
+                                               # 4 s windows on a shared 2-core box: p99 is noise here
+                                               "max_p99_latency_ratio": 10.0}}))
     env = {"BENTOML_HOME": str(home), "POLICY_BUNDLE_VERSION": version, "POLICY_BUNDLE_ADMIN_TOKEN": TOKEN,
            "POLICY_BUNDLE_STATE_DIR": str(run.out / "state"), "POLICY_ROUTER_CONFIG": str(cfg),
            "POLICY_BUNDLE_DISABLE_VLLM": os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "1"),
@@ -225,8 +228,15 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
             run.crash_t = time.monotonic() - run.t0
-            await asyncio.sleep(2)
-            status = httpx.get(f"{server.url}/status", timeout=30).json()
+            # BentoML's watcher restarts a dead worker within seconds: look while it is down.
+            degraded = []
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(20):
+                    degraded.append((await client.get(f"{server.url}/status")).json())
+                    if degraded[-1]["variants"]["int8"]["ready"] is False:
+                        break
+                    await asyncio.sleep(0.1)
+            status = degraded[-1]
             state = await watch(run, server.url, seconds / 2, until="rolled-back")
             stop.set()
             await load
@@ -241,7 +251,9 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
     after = [r for r in run.requests if r["t"] > run.crash_t]
     run.check(f"clients kept getting answers from FP16 ({len(after)} requests after the crash)",
               after and all(r["status"] == 200 for r in after))
-    run.check("the rollout recorded the failure", any(e["event"] in ("analysis-failed", "rollback") for e in run.history))
+    run.check("the rollout history recorded the INT8 failures",
+              any(e["event"] in ("variant-down", "variant-errors", "analysis-failed", "rollback")
+                  and "int8" in e["reason"] for e in run.history))
 
 
 DRILLS = {"promote": drill_promote, "bad-build": drill_bad_build, "restart": drill_restart, "crash": drill_crash}
@@ -254,7 +266,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / ".cache" / "drills")
     args = ap.parse_args(argv)
     out = args.out / args.drill
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # a drill starts from no rollout state and no old report
+    out.mkdir(parents=True)
     run = DrillRun(args.drill, out)
     DRILLS[args.drill](run, args.out / "home", args.seconds)
     from loadtest.report import write_report

@@ -94,6 +94,7 @@ def write_report(run) -> Path:
                "ok": ok, "by_variant": by_variant,
                "latency_ms": {v: {f"p{q}": 1000 * float(np.percentile(x, q)) for q in (50, 95, 99)}
                               for v, x in lat.items() if x},
+               "failures": [r for r in run.requests if r["status"] != 200],
                "history": run.history, "states": run.states}
     (run.out / "report.json").write_text(json.dumps(figures, indent=2, default=str))
     md = [f"# Drill `{run.name}`: {'PASSED' if run.passed else 'FAILED'}", ""]

@@ -123,7 +123,8 @@ def analyse(window: Window, cfg: RolloutConfig) -> Tuple[str, List[str], dict]:
     fails = []
     if n_int8 and err > cfg.max_error_rate:
         fails.append(f"int8 error rate {err:.3f} > max {cfg.max_error_rate}")
-    if ratio is not None and n_int8 >= cfg.min_samples and ratio > cfg.max_p99_latency_ratio:
+    enough_both = n_int8 >= cfg.min_samples and window.requests["fp16"] >= cfg.min_samples
+    if ratio is not None and enough_both and ratio > cfg.max_p99_latency_ratio:
         fails.append(f"p99 latency ratio {ratio:.2f} > max {cfg.max_p99_latency_ratio}")
     if shadow is not None and window.shadow_pairs >= max(3, cfg.min_samples // 4) and shadow < t.min_greedy_agreement:
         fails.append(f"shadow greedy agreement {shadow:.3f} < min {t.min_greedy_agreement}")
@@ -191,6 +192,11 @@ class RolloutController:
                     self._set(s.weight, "promoted", "all steps passed", metrics, status="promoted")
                 else:
                     self._move(s.step_index + 1, "promote", "analysis passed", metrics, status="progressing")
+
+    def note(self, event: str, reason: str, metrics: dict) -> None:
+        """Record something that happened without a transition (e.g. variant failures), in any status."""
+        with self.lock:
+            self._set(self.state.weight, event, reason, metrics)
 
     # -- operator commands ---------------------------------------------------------------------
     def command(self, action: str, weight: Optional[float] = None, reason: str = "operator") -> RolloutState:

@@ -79,11 +79,14 @@ class PolicyRouter:
                  self.controller.state.status, self.controller.resumed)
 
     # -- lifecycle -----------------------------------------------------------------------------
-    @bentoml.on_startup
-    async def start_loops(self) -> None:
-        self.tasks = [asyncio.create_task(self._analysis_loop()), asyncio.create_task(self._golden_loop())]
+    def ensure_loops(self) -> None:
+        """Start the analysis and golden-canary loops from a request's context (the dependency
+        clients are bound to the serving event loop; a startup-hook task saw them closed)."""
+        if not self.tasks:
+            self.tasks = [asyncio.create_task(self._analysis_loop()), asyncio.create_task(self._golden_loop())]
 
     async def __is_ready__(self) -> bool:
+        self.ensure_loops()
         health = await self._variant_health()
         return all(h.get("ready") for h in health.values())
 
@@ -94,6 +97,11 @@ class PolicyRouter:
                 out[name] = await asyncio.wait_for(self._svc(name).to_async.health(), 5)
             except Exception as exc:  # noqa: BLE001 - a dead variant is a state to report, not raise
                 out[name] = {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        for name, health in out.items():  # a variant going down or coming back is rollout history
+            was = self.variant_health.get(name, {}).get("ready")
+            if was is not None and was != bool(health.get("ready")):
+                event = "variant-up" if health.get("ready") else "variant-down"
+                self.controller.note(event, f"{name}: {health.get('error') or 'ready again'}", {"variant": name})
         self.variant_health = out
         fallback = 1.0 if out.get("fp16", {}).get("fallback") else 0.0
         self.metrics.fp16_fallback.set(fallback)
@@ -111,9 +119,11 @@ class PolicyRouter:
             try:
                 return await asyncio.wait_for(self._svc(name).to_async.generate(**kwargs),
                                               self.settings.request_timeout_s)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt:
                     raise
+                if isinstance(exc, aiohttp.ClientConnectorError):  # refused: the variant's process is down
+                    self._record_error(name, exc)
         raise AssertionError("unreachable")
 
     # -- routing -------------------------------------------------------------------------------
@@ -171,6 +181,7 @@ class PolicyRouter:
 
     # -- the shared request path ---------------------------------------------------------------
     async def handle(self, request: Request, chat: bool):
+        self.ensure_loops()
         t0 = time.perf_counter()
         endpoint = "chat" if chat else "completions"
         try:
@@ -367,6 +378,10 @@ class PolicyRouter:
     def analyse_now(self) -> dict:
         window, self.window = self.window, Window()
         verdict, reasons, metrics = analyse(window, self.settings.rollout)
+        failures = {v: n for v, n in window.errors.items() if n}
+        if failures:  # crashes and timeouts are history even when the rollout is paused or done
+            self.controller.note("variant-errors", ", ".join(f"{n} {v} failure(s)" for v, n in failures.items())
+                                 + " in the last window (requests retried on the other variant)", metrics)
         if self.controller.state.status in ("progressing", "waiting"):
             self.metrics.verdicts.labels(verdict=verdict).inc()
             self.controller.apply(verdict, reasons, metrics)
