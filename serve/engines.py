@@ -129,7 +129,7 @@ class VllmEngine:
 
 
 def vllm_available() -> bool:
-    if os.environ.get("POLICY_BUNDLE_DISABLE_VLLM"):
+    if os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "") not in ("", "0"):
         return False
     try:
         import vllm  # noqa: F401
