@@ -75,6 +75,7 @@ class PolicyRouter:
         self.metrics.weight.set(self.controller.state.weight)
         self.tasks: List[asyncio.Task] = []
         self.variant_health: dict = {}
+        self.variants_down: set = set()
         log.info("router up: INT8 weight %.1f%% (%s, resumed=%s)", self.controller.state.weight,
                  self.controller.state.status, self.controller.resumed)
 
@@ -97,11 +98,14 @@ class PolicyRouter:
                 out[name] = await asyncio.wait_for(self._svc(name).to_async.health(), 5)
             except Exception as exc:  # noqa: BLE001 - a dead variant is a state to report, not raise
                 out[name] = {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-        for name, health in out.items():  # a variant going down or coming back is rollout history
-            was = self.variant_health.get(name, {}).get("ready")
-            if was is not None and was != bool(health.get("ready")):
-                event = "variant-up" if health.get("ready") else "variant-down"
-                self.controller.note(event, f"{name}: {health.get('error') or 'ready again'}", {"variant": name})
+        for name, health in out.items():  # a ready variant going down (and back) is rollout history;
+            was = self.variant_health.get(name, {}).get("ready")  # start-up is not
+            if was is True and not health.get("ready"):
+                self.variants_down.add(name)
+                self.controller.note("variant-down", f"{name}: {health.get('error')}", {"variant": name})
+            elif name in self.variants_down and health.get("ready"):
+                self.variants_down.discard(name)
+                self.controller.note("variant-up", f"{name}: ready again", {"variant": name})
         self.variant_health = out
         fallback = 1.0 if out.get("fp16", {}).get("fallback") else 0.0
         self.metrics.fp16_fallback.set(fallback)
