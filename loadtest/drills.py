@@ -147,13 +147,21 @@ def all_answered(run: DrillRun, since: float = 0.0) -> bool:
 # ---- the drills ------------------------------------------------------------------------------
 
 
-def drill_promote(run: DrillRun, home: Path, seconds: float) -> None:
-    server = start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0)
+def serve_until(run: DrillRun, home: Path, broken: bool, seconds: float, until: str) -> dict:
+    """Build and serve a bundle, drive load until the rollout reaches ``until`` (or time runs out),
+    keep its history; returns the last rollout state."""
+    bundle = run.out / ("broken" if broken else "good")
+    server = start_server(run, home, build_bundle(home, bundle, broken=broken), "server.log", 4.0)
     try:
-        state = asyncio.run(load_and_watch(run, server.url, seconds, until="promoted"))
+        state = asyncio.run(load_and_watch(run, server.url, seconds, until=until))
         run.history = history(server.url)
     finally:
         server.stop()
+    return state
+
+
+def drill_promote(run: DrillRun, home: Path, seconds: float) -> None:
+    state = serve_until(run, home, broken=False, seconds=seconds, until="promoted")
     events = [e["event"] for e in run.history]
     run.check("INT8 promoted from 1 % to 100 % through every step", state.get("status") == "promoted"
               and [e["to_weight"] for e in run.history if e["event"] == "promote"] == [5.0, 25.0, 50.0, 100.0])
@@ -162,12 +170,7 @@ def drill_promote(run: DrillRun, home: Path, seconds: float) -> None:
 
 
 def drill_bad_build(run: DrillRun, home: Path, seconds: float) -> None:
-    server = start_server(run, home, build_bundle(home, run.out / "broken", broken=True), "server.log", 4.0)
-    try:
-        state = asyncio.run(load_and_watch(run, server.url, seconds, until="rolled-back"))
-        run.history = history(server.url)
-    finally:
-        server.stop()
+    state = serve_until(run, home, broken=True, seconds=seconds, until="rolled-back")
     failed = [e for e in run.history if e["event"] in ("analysis-failed", "rollback")]
     run.check("the broken INT8 bundle was rolled back to 0 %", state.get("status") == "rolled-back"
               and state.get("weight") == 0.0)
