@@ -1,6 +1,6 @@
 """Rollout drills: build what is needed, serve it, drive load, assert the outcome, write a report.
 
-    .venv/bin/python -m loadtest.drills promote|bad-build|restart|crash [--seconds N] [--out DIR]
+    .venv/bin/python -m loadtest.drills promote|bad-build|restart|crash|overload|bad-input [--seconds N] [--out DIR]
 
 Each drill uses its own BentoML home and state dir under ``--out`` (default ``.cache/drills``),
 sends traffic only to the loopback server it started, and stops by itself. The load driver is an
@@ -43,6 +43,9 @@ class DrillRun:
     states: List[dict] = field(default_factory=list)  # t, weight, status
     history: List[dict] = field(default_factory=list)
     checks: List[tuple] = field(default_factory=list)
+    rss: List[dict] = field(default_factory=list)  # t, mb (server process tree)
+    marks: List[dict] = field(default_factory=list)  # t, label: phase changes drawn on the plots
+    figures: dict = field(default_factory=dict)  # drill-specific numbers for report.json / report.md
     t0: float = field(default_factory=time.monotonic)
 
     def check(self, what: str, ok: bool) -> None:
@@ -70,9 +73,11 @@ def build_bundle(home: Path, out: Path, broken: bool) -> str:
     return f"{'broken' if broken else 'good'}-{manifest_hash(out)[:12]}"
 
 
-def start_server(run: DrillRun, home: Path, version: str, log_name: str, interval: float) -> Server:
+def start_server(run: DrillRun, home: Path, version: str, log_name: str, interval: float,
+                 router: Optional[dict] = None) -> Server:
     cfg = run.out / "router.yaml"
-    cfg.write_text(yaml.safe_dump({"rollout": {"analysis_interval_s": interval, "golden_interval_s": interval * 0.8,
+    cfg.write_text(yaml.safe_dump({**(router or {}),
+                                   "rollout": {"analysis_interval_s": interval, "golden_interval_s": interval * 0.8,
                                                "min_samples": 8, "failure_limit": 2, "golden_items": 16,
                                                "shadow_fraction": 0.3,
                                                # 4 s windows on a shared 2-core box: p99 is noise here
@@ -260,7 +265,234 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
                   and "int8" in e["reason"] for e in run.history))
 
 
-DRILLS = {"promote": drill_promote, "bad-build": drill_bad_build, "restart": drill_restart, "crash": drill_crash}
+# ---- overload --------------------------------------------------------------------------------
+
+
+def tree_rss_mb(root_pid: int) -> float:
+    """Resident memory of a process and all its descendants (the server and every worker), in MB."""
+    parent, rss = {}, {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            info = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+            pid = int(status.parent.name)
+            parent[pid] = int(info["PPid"])
+            rss[pid] = int(info.get("VmRSS", "0 kB").split()[0])
+        except (OSError, KeyError, ValueError):
+            continue
+
+    def under_root(pid: int) -> bool:
+        while pid > 1:
+            if pid == root_pid:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return sum(kb for pid, kb in rss.items() if under_root(pid)) / 1024
+
+
+async def sample_rss(run: DrillRun, server: Server, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        run.rss.append({"t": time.monotonic() - run.t0, "mb": tree_rss_mb(server.proc.pid)})
+        await asyncio.sleep(0.5)
+
+
+def _body(rng: random.Random, prompts: List[str], i: int) -> dict:
+    return {"model": "policy", "prompt": rng.choice(prompts), "max_tokens": 6, "temperature": 0,
+            "user": f"overload-user-{i % 50}"}
+
+
+async def _post(run: DrillRun, session, url: str, phase: str, body: dict) -> None:
+    """One request, recorded. aiohttp rather than httpx here: the load generator shares the CPU with
+    the server, and aiohttp costs a fraction of httpx per request, so more of the offered load is real."""
+    import aiohttp
+
+    t = time.monotonic()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            await r.read()
+            status, variant, retry_after = r.status, r.headers.get("x-policy-variant"), r.headers.get("retry-after")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        status, variant, retry_after = f"error: {type(exc).__name__}", None, None
+    run.requests.append({"t": t - run.t0, "phase": phase, "latency": time.monotonic() - t, "status": status,
+                         "variant": variant, "retry_after": retry_after})
+
+
+def _session():
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000),
+                                 timeout=aiohttp.ClientTimeout(total=60))
+
+
+async def closed_loop(run: DrillRun, url: str, phase: str, clients: int, seconds: float) -> None:
+    """``clients`` users, each sending its next request as soon as the last one is answered."""
+    prompts, deadline = rollout_prompts(256), time.monotonic() + seconds
+    async with _session() as session:
+        async def user(i: int) -> None:
+            rng = random.Random(i)
+            while time.monotonic() < deadline:
+                await _post(run, session, url, phase, _body(rng, prompts, i))
+        await asyncio.gather(*[user(i) for i in range(clients)])
+
+
+async def open_loop(run: DrillRun, url: str, phase: str, rate: float, seconds: float) -> None:
+    """Poisson arrivals at ``rate`` requests/s whatever the server does (offered load, not a closed loop)."""
+    prompts, rng = rollout_prompts(256), random.Random(7)
+    deadline, tasks = time.monotonic() + seconds, []
+    async with _session() as session:
+        i, due = 0, time.monotonic()
+        while due < deadline:  # an absolute schedule: a late loop catches up instead of offering less
+            tasks.append(asyncio.create_task(_post(run, session, url, phase, _body(rng, prompts, i))))
+            i += 1
+            due += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+        await asyncio.gather(*tasks)
+
+
+def _phase(run: DrillRun, phase: str) -> List[dict]:
+    return [r for r in run.requests if r.get("phase") == phase]
+
+
+def _pct(values: List[float], q: float) -> float:
+    return float(sorted(values)[min(len(values) - 1, int(q * len(values)))]) if values else float("nan")
+
+
+def drill_overload(run: DrillRun, home: Path, seconds: float) -> None:
+    """Measure capacity with a closed loop at the admission cap, offer twice that as open-loop
+    arrivals, then drop the load and check the server recovers."""
+    cap = 8
+    server = start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0,
+                          router={"max_inflight": cap, "request_timeout_s": 30.0})
+    try:
+        for action in ({"action": "set-weight", "weight": 50}, ):  # a fixed split: this drill is about load
+            httpx.post(f"{server.url}/admin/rollout", json=action, headers=ADMIN, timeout=10).raise_for_status()
+
+        async def scenario() -> dict:
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(sample_rss(run, server, stop))
+            await closed_loop(run, server.url, "warm-up", cap, 3)
+            measure_s = max(6.0, seconds * 0.2)
+            await closed_loop(run, server.url, "capacity", cap, measure_s)
+            capacity = sum(r["status"] == 200 for r in _phase(run, "capacity")) / measure_s
+            run.marks.append({"t": time.monotonic() - run.t0, "label": f"offer 2x ({2 * capacity:.0f}/s)"})
+            rss_before = max(x["mb"] for x in run.rss)
+            await open_loop(run, server.url, "overload", 2 * capacity, max(10.0, seconds * 0.5))
+            run.marks.append({"t": time.monotonic() - run.t0, "label": f"load drops ({cap // 2} users)"})
+            await asyncio.sleep(1.0)
+            async with httpx.AsyncClient(timeout=10) as client:
+                inflight_after = (await client.get(f"{server.url}/status")).json()["inflight"]
+            await closed_loop(run, server.url, "recovery", cap // 2, max(6.0, seconds * 0.2))
+            stop.set()
+            await sampler
+            return {"capacity": capacity, "rss_before": rss_before, "inflight_after": inflight_after}
+
+        f = asyncio.run(scenario())
+        ready_after = httpx.get(f"{server.url}/readyz", timeout=10).status_code
+        run.history = history(server.url)
+    finally:
+        server.stop()
+    base, over, rec = _phase(run, "capacity"), _phase(run, "overload"), _phase(run, "recovery")
+    base_lat = [r["latency"] for r in base if r["status"] == 200]
+    admitted = [r["latency"] for r in over if r["status"] == 200]
+    rejected = [r for r in over if r["status"] != 200]
+    over_rss = [x["mb"] for x in run.rss if x["t"] >= over[0]["t"]] if over else [0.0]
+    rss_bound = 1.10 * f["rss_before"] + 64
+    arrivals_s = max(1e-9, max(r["t"] for r in over) - min(r["t"] for r in over)) if over else 1.0
+    run.figures.update({
+        "capacity_rps": f["capacity"], "offered_rps": len(over) / arrivals_s,
+        "admitted_rps": len(admitted) / arrivals_s, "rejected": len(rejected), "overload_requests": len(over),
+        "p50_at_capacity_ms": 1000 * _pct(base_lat, 0.5), "p99_at_capacity_ms": 1000 * _pct(base_lat, 0.99),
+        "p50_admitted_ms": 1000 * _pct(admitted, 0.5), "p99_admitted_ms": 1000 * _pct(admitted, 0.99),
+        "p50_recovery_ms": 1000 * _pct([r["latency"] for r in rec if r["status"] == 200], 0.5),
+        "rss_before_mb": f["rss_before"], "rss_peak_overload_mb": max(over_rss), "rss_bound_mb": rss_bound,
+        "inflight_after_overload": f["inflight_after"]})
+    fig = run.figures
+    print(f"[overload] capacity {fig['capacity_rps']:.1f} req/s at {cap} in flight; offered "
+          f"{fig['offered_rps']:.1f}/s, admitted {fig['admitted_rps']:.1f}/s, {len(rejected)} of {len(over)} rejected",
+          flush=True)
+    run.check(f"offered about twice capacity ({fig['offered_rps']:.1f} vs {fig['capacity_rps']:.1f} req/s)",
+              1.6 <= fig["offered_rps"] / max(fig["capacity_rps"], 1e-9) <= 2.4)
+    run.check(f"excess requests were turned away ({len(rejected)} of {len(over)}), every one with 429/503 and "
+              "Retry-After", bool(rejected) and all(r["status"] in (429, 503) and r["retry_after"] for r in rejected))
+    run.check(f"admitted requests kept a bounded p99 ({fig['p99_admitted_ms']:.0f} ms vs "
+              f"{fig['p99_at_capacity_ms']:.0f} ms at capacity; bound 3x)",
+              bool(admitted) and fig["p99_admitted_ms"] <= 3 * fig["p99_at_capacity_ms"])
+    run.check(f"memory stayed bounded (peak {fig['rss_peak_overload_mb']:.0f} MB vs {fig['rss_before_mb']:.0f} MB "
+              f"before; bound {rss_bound:.0f} MB)", fig["rss_peak_overload_mb"] <= rss_bound)
+    run.check(f"nothing leaked: in-flight count back to {fig['inflight_after_overload']} after the burst, "
+              f"/readyz {ready_after}", fig["inflight_after_overload"] == 0 and ready_after == 200)
+    run.check(f"recovered when load dropped: {len(rec)} requests all 200, p50 {fig['p50_recovery_ms']:.0f} ms "
+              f"(at capacity {fig['p50_at_capacity_ms']:.0f} ms)",
+              bool(rec) and all(r["status"] == 200 for r in rec))
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+FUZZ_CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
+               "response_schema_conformance", "negative_data_rejection", "allow_header_conformance")
+
+
+def drill_bad_input(run: DrillRun, home: Path, seconds: float) -> None:
+    """Schemathesis against the served OpenAPI spec (``/docs.json``) for a bounded number of cases,
+    admin token included, while well-formed users keep sending traffic."""
+    import json
+
+    server = start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0)
+    report_dir = run.out / "schemathesis"
+    timeout_s = 30
+    cmd = [str(Path(sys.executable).parent / "schemathesis"), "run", f"{server.url}/docs.json",
+           "--checks", ",".join(FUZZ_CHECKS), "--max-examples", str(max(10, int(seconds))),
+           "--request-timeout", str(timeout_s), "--header", f"Authorization: Bearer {TOKEN}", "--seed", "20261130",
+           "--report", "junit,har", "--report-dir", str(report_dir), "--generation-database", "none", "--no-color",
+           "--max-failures", "50"]
+    try:
+        async def scenario():
+            stop = asyncio.Event()
+            load = asyncio.create_task(drive(run, server.url, 10 * seconds, users=3, stop=stop))
+            proc = await asyncio.create_subprocess_exec(*cmd, cwd=run.out, stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT)
+            try:
+                out, _ = await asyncio.wait_for(proc.communicate(), timeout=max(300.0, 10 * seconds))
+            except asyncio.TimeoutError:
+                proc.kill()
+                out = b"schemathesis did not finish in time"
+            stop.set()
+            await load
+            return proc.returncode, out.decode(errors="replace")
+
+        rc, output = asyncio.run(scenario())
+        ready_after = httpx.get(f"{server.url}/readyz", timeout=10).status_code
+        probe = httpx.post(f"{server.url}/v1/completions", json={"model": "policy", "prompt": "12+34=",
+                                                                 "max_tokens": 6, "temperature": 0}, timeout=30)
+        run.history = history(server.url)
+    finally:
+        server.stop()
+    (run.out / "schemathesis.txt").write_text(output)
+    entries = []
+    for har in report_dir.glob("har-*.json"):
+        entries += json.loads(har.read_text())["log"]["entries"]
+    statuses: dict = {}
+    for e in entries:
+        statuses[e["response"]["status"]] = statuses.get(e["response"]["status"], 0) + 1
+    slowest = max((e["time"] for e in entries), default=0.0) / 1000
+    summary = [line.strip() for line in output.splitlines() if "generated" in line or "passed" in line]
+    run.figures.update({"fuzz_cases": len(entries), "fuzz_statuses": {str(k): v for k, v in sorted(statuses.items())},
+                        "fuzz_slowest_s": slowest, "schemathesis_exit": rc, "schemathesis_summary": summary[-3:]})
+    print(f"[bad-input] {len(entries)} fuzzed requests, statuses {dict(sorted(statuses.items()))}, "
+          f"slowest {slowest:.2f}s; schemathesis exit {rc}", flush=True)
+    run.check(f"schemathesis ran {len(entries)} cases against /docs.json and every check passed "
+              f"({', '.join(FUZZ_CHECKS)})", rc == 0 and len(entries) >= 50)
+    run.check(f"no 5xx among the fuzzed requests (statuses: {dict(sorted(statuses.items()))})",
+              bool(entries) and not any(s >= 500 for s in statuses))
+    run.check(f"no hang: slowest fuzzed request {slowest:.2f}s (timeout {timeout_s}s)", slowest < timeout_s)
+    run.check(f"server still ready ({ready_after}) and answering ({probe.status_code}) after the fuzzing",
+              ready_after == 200 and probe.status_code == 200)
+    run.check(f"well-formed users were unaffected ({len(run.requests)} requests during the fuzzing, all 200)",
+              bool(run.requests) and all_answered(run))
+
+
+DRILLS = {"promote": drill_promote, "bad-build": drill_bad_build, "restart": drill_restart, "crash": drill_crash,
+          "overload": drill_overload, "bad-input": drill_bad_input}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -80,11 +80,42 @@ def plot_canary(run, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_load(run, path: Path) -> None:
+    """Offered load by outcome per second, admitted latency and the server's memory (overload drill)."""
+    end = max([r["t"] for r in run.requests] + [1.0])
+    edges = np.arange(0.0, end + 1.0, 1.0)
+    fig, (ax, ax_lat, ax_mem) = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
+    outcomes = (("200", lambda r: r["status"] == 200, "tab:green"),
+                ("429/503 + Retry-After", lambda r: r["status"] in (429, 503), "tab:orange"),
+                ("other failure", lambda r: r["status"] not in (200, 429, 503), "tab:red"))
+    for label, pick, color in outcomes:
+        ax.step(edges[:-1], np.histogram([r["t"] for r in run.requests if pick(r)], edges)[0], where="post",
+                color=color, label=label)
+    ax.set_ylabel("requests/s")
+    ax.legend(fontsize=7)
+    ok = [r for r in run.requests if r["status"] == 200]
+    ax_lat.plot([r["t"] for r in ok], [1000 * r["latency"] for r in ok], ".", ms=2, alpha=0.5, color="tab:blue")
+    ax_lat.set_ylabel("admitted latency (ms)")
+    ax_mem.plot([x["t"] for x in run.rss], [x["mb"] for x in run.rss], color="k")
+    ax_mem.set_ylabel("server RSS (MB)")
+    ax_mem.set_xlabel("seconds")
+    for a in (ax, ax_lat, ax_mem):
+        for m in run.marks:
+            a.axvline(m["t"], color="grey", ls="--", alpha=0.6)
+    for m in run.marks:
+        ax.text(m["t"], ax.get_ylim()[1], m["label"], fontsize=7, va="top")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def write_report(run) -> Path:
     import time
 
     run.wall_t0 = time.time() - (time.monotonic() - run.t0)
     plots = {"traffic.png": plot_traffic, "latency.png": plot_latency, "canary.png": plot_canary}
+    if run.rss:
+        plots["load.png"] = plot_load
     for name, fn in plots.items():
         fn(run, run.out / name)
     ok = sum(r["status"] == 200 for r in run.requests)
@@ -95,7 +126,7 @@ def write_report(run) -> Path:
                "latency_ms": {v: {f"p{q}": 1000 * float(np.percentile(x, q)) for q in (50, 95, 99)}
                               for v, x in lat.items() if x},
                "failures": [r for r in run.requests if r["status"] != 200],
-               "history": run.history, "states": run.states}
+               "figures": run.figures, "history": run.history, "states": run.states, "rss": run.rss}
     (run.out / "report.json").write_text(json.dumps(figures, indent=2, default=str))
     md = [f"# Drill `{run.name}`: {'PASSED' if run.passed else 'FAILED'}", ""]
     md += [f"- {'✅' if okk else '❌'} {what}" for what, okk in run.checks] + [""]
@@ -103,10 +134,13 @@ def write_report(run) -> Path:
     md += ["| variant | p50 ms | p95 ms | p99 ms |", "|---|---|---|---|"]
     for v, q in figures["latency_ms"].items():
         md.append(f"| {v} | {q['p50']:.0f} | {q['p95']:.0f} | {q['p99']:.0f} |")
+    if run.figures:
+        md += ["", "## Figures", "", "| figure | value |", "|---|---|"]
+        md += [f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in run.figures.items()]
     md += ["", "## Rollout history", "", "| t (s) | event | weight | reason |", "|---|---|---|---|"]
     for e in run.history:
         md.append(f"| {e['ts'] - run.wall_t0:.0f} | {e['event']} | {e['from_weight']} → {e['to_weight']} | "
                   f"{e['reason'][:120]} |")
-    md += ["", "![traffic](traffic.png)", "", "![latency](latency.png)", "", "![canary](canary.png)", ""]
+    md += [""] + [f"![{name[:-4]}]({name})\n" for name in plots]
     (run.out / "report.md").write_text("\n".join(md))
     return run.out / "report.md"

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from typing import List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 MAX_TOKENS_LIMIT = 256
+TEXT = {"type": "string", "pattern": r"\S"}  # not empty, not only whitespace (the server checks it itself)
+
+
+def _published(schema: dict):
+    """``json_schema_extra`` that replaces a field's published schema (validation stays the field's
+    own, so its error messages stay the ones clients see)."""
+    def apply(field_schema: dict) -> None:
+        field_schema.clear()
+        field_schema.update(schema)
+    return apply
 
 
 class ApiError(Exception):
@@ -31,30 +41,31 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=False)
 
     model: str
-    max_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
+    seed: Optional[StrictInt] = Field(default=None, ge=0, le=2**63 - 1)
     user: Optional[str] = Field(default=None, max_length=256)
-    stream: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    stream: StrictBool = False
+    n: StrictInt = Field(default=1, ge=1, le=1)
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, List[str]]
-    logprobs: Optional[int] = Field(default=None, ge=0, le=1)
-    echo: bool = False
+    prompt: Union[str, List[str]] = Field(json_schema_extra=_published(
+        {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 1}]}))
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=1)
+    echo: StrictBool = False
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str = Field(json_schema_extra=_published(TEXT))
 
 
 class ChatRequest(_Request):
     messages: List[ChatMessage] = Field(min_length=1, max_length=64)
-    logprobs: bool = False
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: StrictBool = False
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
 def parse_request(model: type[BaseModel], data) -> BaseModel:
@@ -71,3 +82,62 @@ def parse_request(model: type[BaseModel], data) -> BaseModel:
         value = e.get("input") if e["type"] != "missing" else None
         raise ApiError(400, f"{field}: {e['msg']}", param=field, value=value,
                        limit=limit if isinstance(limit, (int, float, str)) else None) from None
+
+
+def openapi30(node, defs: dict):
+    """A pydantic (JSON Schema 2020-12) schema as OpenAPI 3.0 (what BentoML's ``/docs.json`` is):
+    ``$ref`` to ``$defs`` inlined, ``anyOf [X, null]`` -> X + ``nullable``, numeric
+    ``exclusiveMinimum`` -> ``minimum`` + ``exclusiveMinimum: true``."""
+    if isinstance(node, list):
+        return [openapi30(v, defs) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        return openapi30(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+    out = {k: openapi30(v, defs) for k, v in node.items() if k not in ("$defs", "anyOf")}
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o != {"type": "null"}]
+        if len(options) == 1:
+            out.update(openapi30(options[0], defs))
+        else:
+            out["anyOf"] = openapi30(options, defs)
+        if len(options) < len(node["anyOf"]):
+            out["nullable"] = True
+    for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(key), (int, float)) and not isinstance(out[key], bool):
+            out[bound], out[key] = out[key], True
+    return out
+
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": "string", "nullable": True}, "code": {"type": "string"}, "value": {}, "limit": {}}}}}
+
+
+def openapi_operation(model: type[BaseModel], model_name: str, errors=(400, 401, 403, 404, 413, 429, 503)) -> dict:
+    """``openapi_extra`` for a route that parses its own JSON body: the request schema and every
+    error status it can answer, so the published spec is what a client (or a fuzzer) needs."""
+    schema = model.model_json_schema()
+    body = openapi30(schema, schema.get("$defs", {}))
+    body["properties"]["model"] = {"type": "string", "enum": [model_name], "description": "the served model's name"}
+    reasons = {400: "invalid field (names the field, value and limit)", 401: "missing or invalid key",
+               403: "forbidden", 404: "unknown model", 413: "body too large", 429: "too many requests in flight",
+               503: "no variant could answer"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": {"description": "the completion (JSON), or server-sent events with stream: true",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/event-stream": {"schema": {
+                                                  "type": "object", "properties": {"data": {"type": "string"}}}}}},
+                          **{str(s): {"description": reasons[s], "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+                             for s in errors}}}
+
+
+ADMIN_COMMAND = {"oneOf": [
+    {"type": "object", "required": ["action", "weight"], "properties": {
+        "action": {"type": "string", "enum": ["set-weight"]}, "weight": {"type": "number", "minimum": 0, "maximum": 100},
+        "reason": {"type": "string", "maxLength": 500}}},
+    {"type": "object", "required": ["action"], "properties": {
+        "action": {"type": "string", "enum": ["promote", "pause", "resume", "rollback", "restart", "analyse",
+                                              "golden-canary"]},
+        "reason": {"type": "string", "maxLength": 500}}}]}

@@ -23,13 +23,25 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serve.metrics import Metrics
 from serve.rollout import RolloutController, RolloutStore, Window, analyse
-from serve.schemas import ApiError, ChatRequest, CompletionRequest, parse_request
+from serve.schemas import ADMIN_COMMAND, ApiError, ChatRequest, CompletionRequest, openapi_operation, parse_request
 from serve.settings import load_settings
 from serve.variants import VERSION, Fp16Policy, Int8Policy, verified_artifact
 
 log = logging.getLogger("policy_bundle.router")
-app = FastAPI(title="policy-bundle router")
+# The spec is BentoML's /docs.json (it merges these routes); FastAPI's own copy would be a second one.
+app = FastAPI(title="policy-bundle router", openapi_url=None, docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(405)
+async def method_not_allowed(request: Request, exc) -> JSONResponse:
+    """405 naming every method the path has (Starlette names only the first route's)."""
+    allowed = sorted({m for r in app.routes if getattr(r, "path", None) == request.url.path
+                      for m in getattr(r, "methods", ())})
+    err = ApiError(405, f"method {request.method} is not allowed on {request.url.path}", "method", request.method,
+                   ", ".join(allowed), code="method_not_allowed")
+    return JSONResponse(err.body(), status_code=405, headers={"Allow": ", ".join(allowed)})
 VARIANTS = ("int8", "fp16")
+MODEL_NAME = load_settings().model_name  # for the published spec
 
 
 def sticky_bucket(salt: str, user: str) -> float:
@@ -190,6 +202,9 @@ class PolicyRouter:
         endpoint = "chat" if chat else "completions"
         try:
             self.check_api_key(request)
+            if self.inflight >= self.settings.max_inflight:  # first: turning a request away must stay cheap
+                raise ApiError(429, "too many requests in flight; retry later", "concurrency", self.inflight,
+                               self.settings.max_inflight, code="rate_limited", headers={"Retry-After": "1"})
             req = parse_request(ChatRequest if chat else CompletionRequest, await self.read_json(request))
             if req.model != self.settings.model_name:
                 raise ApiError(404, f"model: {req.model!r} does not exist (serving {self.settings.model_name!r})",
@@ -204,9 +219,6 @@ class PolicyRouter:
             max_tokens = (getattr(req, "max_completion_tokens", None) or req.max_tokens or self.max_new_default)
             self.check_length(ids, max_tokens, "messages" if chat else "prompt")
             forced = self.forced_variant(request)
-            if self.inflight >= self.settings.max_inflight:
-                raise ApiError(429, "too many requests in flight; retry later", "concurrency", self.inflight,
-                               self.settings.max_inflight, code="rate_limited", headers={"Retry-After": "1"})
         except ApiError as err:
             self.metrics.rejected.labels(endpoint=endpoint, status=str(err.status)).inc()
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -395,11 +407,11 @@ class PolicyRouter:
         return {"verdict": verdict, "reasons": reasons, "metrics": metrics}
 
     # -- HTTP routes ---------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_operation(CompletionRequest, MODEL_NAME))
     async def completions(self, request: Request):
         return await self.handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_operation(ChatRequest, MODEL_NAME))
     async def chat_completions(self, request: Request):
         return await self.handle(request, chat=True)
 
@@ -435,14 +447,20 @@ class PolicyRouter:
     async def admin_history(self, request: Request):
         return self.admin_guard(request) or {"history": [asdict(e) for e in self.store.history()]}
 
-    @app.post("/admin/rollout")
+    @app.post("/admin/rollout", openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ADMIN_COMMAND}}},
+        "responses": {str(s): {"description": d} for s, d in ((400, "invalid command"), (401, "no token"),
+                                                               (403, "bad token or admin disabled"),
+                                                               (503, "golden canary failed"))}})
     async def admin_command(self, request: Request):
         denied = self.admin_guard(request)
         if denied:
             return denied
         try:
             body = await self.read_json(request)
-            action = body.get("action") if isinstance(body, dict) else None
+            if not isinstance(body, dict):
+                raise ApiError(400, "request body must be a JSON object with an 'action'", "body")
+            action = body.get("action")
             if action == "analyse":
                 return self.analyse_now()
             if action == "golden-canary":
@@ -453,9 +471,14 @@ class PolicyRouter:
                                    code="service_unavailable") from None
                 return {"golden": self.window.golden}
             weight = body.get("weight")
-            if action == "set-weight" and not (isinstance(weight, (int, float)) and 0 <= weight <= 100):
+            if action == "set-weight" and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                                           or not 0 <= weight <= 100):
                 raise ApiError(400, "weight: must be a number in [0, 100]", "weight", weight, 100)
-            state = self.controller.command(str(action), weight, str(body.get("reason", "operator")))
+            reason = body.get("reason", "operator")
+            if not isinstance(reason, str) or len(reason) > 500:
+                raise ApiError(400, "reason: must be a string of at most 500 characters", "reason",
+                               len(reason) if isinstance(reason, str) else reason, 500)
+            state = self.controller.command(str(action), weight, reason)
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         except ValueError as exc:
