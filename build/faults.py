@@ -4,7 +4,9 @@
 - ``kill:rank=1:after=1``: the mesh worker of rank 1 exits hard after its first batch/prompt;
 - ``raise:shard=1``: the endpoint working on shard 1 raises;
 - ``scale:layer=layers.1.mlp.down_proj:factor=50``: that layer's activation range (and so its scale)
-  is multiplied by 50 after calibration, a deliberately broken INT8 candidate.
+  is multiplied by 50 after calibration, a deliberately broken INT8 candidate;
+- ``slow:factor=0.3``: the served variants' generation sleeps that many seconds per token (so a test
+  can have requests in flight when it stops the server).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ FAULT_ENV = "POLICY_BUNDLE_TEST_FAULT"
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # kill | raise | scale
+    kind: str  # kill | raise | scale | slow
     rank: int = -1
     shard: int = -1
     after: int = 0

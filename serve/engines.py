@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,11 @@ class CachedPolicyEngine:
     """
 
     def __init__(self, module, max_seq_len: int, name: str):
+        from build.faults import active_fault
+
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
+        fault = active_fault()
+        self.delay_s = fault.factor if fault and fault.kind == "slow" else 0.0  # test-only fault switch
         # Grad mode is per thread: switch it off once on the decode thread (not per generator, whose
         # context managers would interleave across requests).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-decode",
@@ -68,6 +73,8 @@ class CachedPolicyEngine:
         logits = self.module.prefill(torch.tensor([prompt_ids]), k, v)
         pos = len(prompt_ids)
         for _ in range(total - len(prompt_ids)):
+            if self.delay_s:
+                time.sleep(self.delay_s)
             step = pick_token(logits[0, -1], params, gen)
             yield step
             if step.token_id == params.stop_token_id or pos >= total:
