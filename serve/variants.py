@@ -37,6 +37,28 @@ def context_len(artifact: Path) -> int:
     return min(MAX_SEQ_LEN, cfg.get("max_position_embeddings", MAX_SEQ_LEN))
 
 
+def vocab_size(artifact: Path) -> int:
+    return int(json.loads((artifact / "config.json").read_text())["vocab_size"])
+
+
+def check_input(svc, ids: List[int], max_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0) -> None:
+    """The variants' own APIs are HTTP endpoints too: a bad call is a 400 naming the limit, not a
+    500 from deep inside the model."""
+    from bentoml.exceptions import InvalidArgument
+
+    if not ids:
+        raise InvalidArgument("prompt_ids: must not be empty")
+    bad = next((t for t in ids if not 0 <= t < svc.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"prompt_ids: token id {bad} is outside the vocabulary [0, {svc.vocab_size})")
+    if len(ids) + max_tokens > svc.max_seq_len:
+        raise InvalidArgument(f"prompt_ids: {len(ids)} tokens + max_tokens {max_tokens} exceed the context "
+                              f"({svc.max_seq_len})")
+    if max_tokens < 0 or not 0.0 <= temperature <= 2.0 or not 0.0 < top_p <= 1.0:
+        raise InvalidArgument(f"max_tokens {max_tokens} must be >= 0, temperature {temperature} in [0, 2], "
+                              f"top_p {top_p} in (0, 1]")
+
+
 async def _collect(engine, prompt_ids: List[int], params: SamplingParams) -> dict:
     steps: List[Step] = [s async for s in engine.generate(prompt_ids, params)]
     return {"token_ids": [s.token_id for s in steps], "logprobs": [s.logprob for s in steps]}
@@ -52,11 +74,13 @@ def generation_apis():
     @bentoml.api
     async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
                        top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> dict:
+        check_input(self, prompt_ids, max_tokens, temperature, top_p)
         return await _collect(self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
 
     @bentoml.api
     async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                      seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> AsyncGenerator[str, None]:
+        check_input(self, prompt_ids, max_tokens, temperature, top_p)
         params = _params(max_tokens, temperature, top_p, seed, stop_token_id)
         async for s in self.engine.generate(prompt_ids, params):
             yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
@@ -72,7 +96,7 @@ class Int8Policy:
         import torch
 
         path = verified_artifact(self.model, "int8")
-        self.max_seq_len = context_len(path)
+        self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         self.engine = CachedPolicyEngine(torch.jit.load(str(path / "policy.ts")), self.max_seq_len, "int8-torchscript")
         self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
         self.ready = True
@@ -80,9 +104,16 @@ class Int8Policy:
 
     generate, stream = generation_apis()
 
-    @bentoml.api(batchable=True, max_batch_size=32, max_latency_ms=20)
+    # max_latency_ms bounds queueing + the forward; BentoML answers 503 to calls it predicts would miss it,
+    # and 20 ms (tried first) turned away most of a cold burst of 24 callers on two CPU cores.
+    @bentoml.api(batchable=True, max_batch_size=32, max_latency_ms=2000)
     def score(self, sequences: List[List[int]]) -> List[List[float]]:
-        """Adaptive-batched teacher-forced forward: last-position logits per sequence."""
+        """Adaptive-batched teacher-forced forward: last-position logits per sequence.
+
+        Internal (only the router is public). BentoML's batcher fails a batch as a unit, so a call
+        with an out-of-vocabulary id gets its 400 and so do the calls batched with it."""
+        for seq in sequences:
+            check_input(self, seq)
         out: List[Optional[List[float]]] = [None] * len(sequences)
         by_len: dict = {}
         for i, s in enumerate(sequences):
@@ -103,7 +134,7 @@ class Fp16Policy:
 
     def __init__(self) -> None:
         path = verified_artifact(self.model, "fp16")
-        self.max_seq_len = context_len(path)
+        self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         self.fallback_reason = None
         if vllm_available():
             self.engine = VllmEngine(path, self.max_seq_len)
