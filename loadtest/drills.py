@@ -225,8 +225,8 @@ def int8_worker_pids(server: Server) -> List[int]:
 def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
     server = start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0)
     try:
-        httpx.post(f"{server.url}/admin/rollout", json={"action": "set-weight", "weight": 50}, headers=ADMIN)
-        httpx.post(f"{server.url}/admin/rollout", json={"action": "resume"}, headers=ADMIN)
+        # all traffic on INT8 (paused there): every FP16 answer after the kill is a fail-over
+        httpx.post(f"{server.url}/admin/rollout", json={"action": "set-weight", "weight": 100}, headers=ADMIN)
 
         async def scenario():
             stop = asyncio.Event()
@@ -236,6 +236,7 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
             run.crash_t = time.monotonic() - run.t0
+            run.marks.append({"t": run.crash_t, "label": "INT8 worker SIGKILLed"})
             # BentoML's watcher restarts a dead worker within seconds: look while it is down.
             degraded = []
             async with httpx.AsyncClient(timeout=10) as client:
@@ -256,10 +257,13 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
         server.stop()
     run.check(f"killed the INT8 worker ({len(pids)} process(es))", bool(pids))
     run.check("readiness reports the degraded INT8 variant", status["variants"]["int8"]["ready"] is False)
+    before = [r for r in run.requests if r["t"] + r["latency"] <= run.crash_t]  # answered before the kill
     after = [r for r in run.requests if r["t"] > run.crash_t]
     fp16_after = sum(r["variant"] == "fp16" for r in after)
-    run.check(f"every client request after the crash got an answer ({len(after)} requests, {fp16_after} from FP16; "
-              "the rest waited for BentoML to restart the INT8 worker)", after and all(r["status"] == 200 for r in after))
+    run.check(f"before the crash INT8 answered everything ({len(before)} requests)",
+              before and all(r["variant"] == "int8" for r in before))
+    run.check(f"every client request after the crash got an answer ({len(after)} requests, {fp16_after} failed over "
+              "to FP16 while INT8 was down)", after and all(r["status"] == 200 for r in after) and fp16_after > 0)
     run.check("the rollout history recorded the INT8 failures",
               any(e["event"] in ("variant-down", "variant-errors", "analysis-failed", "rollback")
                   and "int8" in e["reason"] for e in run.history))

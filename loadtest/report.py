@@ -33,6 +33,9 @@ def plot_traffic(run, path: Path) -> None:
             t = e["ts"] - run.wall_t0
             ax.axvline(t, color={"rollback": "red", "analysis-failed": "tab:red"}.get(e["event"], "green"), alpha=0.4)
             ax.text(t, 102, e["event"], rotation=90, fontsize=7, va="bottom")
+    for m in run.marks:
+        ax.axvline(m["t"], color="grey", ls="--", alpha=0.6)
+        ax.text(m["t"], 112, m["label"], fontsize=7, va="bottom")
     ax.set_ylim(0, 125)
     ax.set_xlabel("seconds")
     ax.set_ylabel("% of traffic")

@@ -15,6 +15,8 @@ class Metrics:
         self.latency = m.Histogram(name="policy_latency_seconds", documentation="End-to-end latency",
                                    labelnames=["variant"],
                                    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.rerouted = m.Counter(name="policy_rerouted_total", documentation="Requests sent to the other variant "
+                                  "because the chosen one failed its health probe", labelnames=["variant"])
         self.tokens = m.Counter(name="policy_tokens_total", documentation="Completion tokens", labelnames=["variant"])
         self.shadow = m.Counter(name="policy_shadow_comparisons_total", documentation="Shadow pairs compared",
                                 labelnames=["outcome"])

@@ -32,6 +32,10 @@ log = logging.getLogger("policy_bundle.router")
 app = FastAPI(title="policy-bundle router", openapi_url=None, docs_url=None, redoc_url=None)
 
 
+class VariantDown(RuntimeError):
+    """The variant a request waited for was marked down by the health loop."""
+
+
 @app.exception_handler(405)
 async def method_not_allowed(request: Request, exc) -> JSONResponse:
     """405 naming every method the path has (Starlette names only the first route's)."""
@@ -88,6 +92,7 @@ class PolicyRouter:
         self.tasks: List[asyncio.Task] = []
         self.variant_health: dict = {}
         self.variants_down: set = set()
+        self.down_events: dict = {}  # variant -> asyncio.Event, set while it is down
         log.info("router up: INT8 weight %.1f%% (%s, resumed=%s)", self.controller.state.weight,
                  self.controller.state.status, self.controller.resumed)
 
@@ -96,27 +101,31 @@ class PolicyRouter:
         """Start the analysis and golden-canary loops from a request's context (the dependency
         clients are bound to the serving event loop; a startup-hook task saw them closed)."""
         if not self.tasks:
-            self.tasks = [asyncio.create_task(self._analysis_loop()), asyncio.create_task(self._golden_loop())]
+            self.tasks = [asyncio.create_task(self._analysis_loop()), asyncio.create_task(self._golden_loop()),
+                          asyncio.create_task(self._health_loop())]
 
     async def __is_ready__(self) -> bool:
         self.ensure_loops()
         health = await self._variant_health()
         return all(h.get("ready") for h in health.values())
 
+    async def _probe(self, name: str) -> dict:
+        try:
+            return await asyncio.wait_for(self._svc(name).to_async.health(), self.settings.health_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a dead variant is a state to report, not raise
+            return {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
     async def _variant_health(self) -> dict:
-        out = {}
-        for name in VARIANTS:
-            try:
-                out[name] = await asyncio.wait_for(self._svc(name).to_async.health(), 5)
-            except Exception as exc:  # noqa: BLE001 - a dead variant is a state to report, not raise
-                out[name] = {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        out = dict(zip(VARIANTS, await asyncio.gather(*[self._probe(name) for name in VARIANTS])))
         for name, health in out.items():  # a ready variant going down (and back) is rollout history;
             was = self.variant_health.get(name, {}).get("ready")  # start-up is not
             if was is True and not health.get("ready"):
                 self.variants_down.add(name)
+                self.down_events.setdefault(name, asyncio.Event()).set()  # fail over the waiting requests
                 self.controller.note("variant-down", f"{name}: {health.get('error')}", {"variant": name})
             elif name in self.variants_down and health.get("ready"):
                 self.variants_down.discard(name)
+                self.down_events[name] = asyncio.Event()
                 self.controller.note("variant-up", f"{name}: ready again", {"variant": name})
         self.variant_health = out
         fallback = 1.0 if out.get("fp16", {}).get("fallback") else 0.0
@@ -133,8 +142,7 @@ class PolicyRouter:
 
         for attempt in (0, 1):
             try:
-                return await asyncio.wait_for(self._svc(name).to_async.generate(**kwargs),
-                                              self.settings.request_timeout_s)
+                return await self._unless_down(name, self._svc(name).to_async.generate(**kwargs))
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt:
                     raise
@@ -142,11 +150,33 @@ class PolicyRouter:
                     self._record_error(name, exc)
         raise AssertionError("unreachable")
 
+    async def _unless_down(self, name: str, call):
+        """Await ``call`` within the request timeout, but give up as soon as the health loop marks
+        ``name`` down: the caller then retries on the other variant (generation is side-effect free)."""
+        down = self.down_events.setdefault(name, asyncio.Event())
+        task, waiter = asyncio.ensure_future(call), asyncio.ensure_future(down.wait())
+        try:
+            done, _ = await asyncio.wait({task, waiter}, timeout=self.settings.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        if waiter in done:
+            raise VariantDown(f"{name} failed its health probe while this request waited for it")
+        raise asyncio.TimeoutError(f"{name} did not answer in {self.settings.request_timeout_s}s")
+
     # -- routing -------------------------------------------------------------------------------
     def choose(self, user: Optional[str]) -> str:
         weight = self.controller.state.weight
         pos = sticky_bucket(self.settings.sticky_salt, user) if user else random.random() * 100.0
-        return "int8" if pos < weight else "fp16"
+        chosen = "int8" if pos < weight else "fp16"
+        other = "fp16" if chosen == "int8" else "int8"
+        if chosen in self.variants_down and other not in self.variants_down:
+            self.metrics.rerouted.labels(variant=chosen).inc()
+            return other
+        return chosen
 
     def forced_variant(self, request: Request) -> Optional[str]:
         forced = request.headers.get("x-policy-variant")
@@ -338,6 +368,8 @@ class PolicyRouter:
 
     async def _shadow(self, served: str, kwargs: dict, primary_ids: List[int]) -> None:
         other = "fp16" if served == "int8" else "int8"
+        if other in self.variants_down:  # already counted as down: no comparison to make
+            return
         try:
             res = await self.call_variant(other, **kwargs)
         except Exception as exc:  # noqa: BLE001 - shadow failures count, the client already has its answer
@@ -374,6 +406,14 @@ class PolicyRouter:
         if int8.get("reward_candidate") is not None and fp16.get("reward_candidate") is not None:
             summary["reward_delta"] = int8["reward_candidate"] - fp16["reward_candidate"]
         return summary
+
+    async def _health_loop(self) -> None:
+        """Probe both variants every ``health_interval_s``: ``choose`` sends no new traffic to one
+        that is down (a killed worker's socket stays open while BentoML restarts it, so requests
+        sent there would wait for the restart instead of failing over)."""
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            await self._variant_health()
 
     async def _golden_loop(self) -> None:
         while True:
