@@ -101,6 +101,10 @@ class PolicyRouter:
         """Start the analysis and golden-canary loops from a request's context (the dependency
         clients are bound to the serving event loop; a startup-hook task saw them closed)."""
         if not self.tasks:
+            for name in VARIANTS:  # see _retry_dropped: no session recycling under in-flight calls
+                manager = getattr(self._svc(name).to_async, "_session_manager", None)
+                if manager is not None and hasattr(manager, "max_requests"):
+                    manager.max_requests, manager.max_age = 2**62, float("inf")
             self.tasks = [asyncio.create_task(self._analysis_loop()), asyncio.create_task(self._golden_loop()),
                           asyncio.create_task(self._health_loop())]
 
@@ -111,9 +115,23 @@ class PolicyRouter:
 
     async def _probe(self, name: str) -> dict:
         try:
-            return await asyncio.wait_for(self._svc(name).to_async.health(), self.settings.health_timeout_s)
+            return await self._retry_dropped(lambda: asyncio.wait_for(self._svc(name).to_async.health(),
+                                                                      self.settings.health_timeout_s))
         except Exception as exc:  # noqa: BLE001 - a dead variant is a state to report, not raise
-            return {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            return {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:300], "timed_out":
+                    isinstance(exc, asyncio.TimeoutError)}
+
+    async def _retry_dropped(self, make_call):
+        """Run ``make_call()``; once more if the connection was dropped under it. BentoML's dependency
+        client closes its whole aiohttp session every ``max_requests`` calls while others still use it
+        (bentoml/BentoML#5540, #5544), and idle keep-alive connections race with the server closing
+        them: either way the call failed before the variant could answer, and generation is pure."""
+        import aiohttp
+
+        try:
+            return await make_call()
+        except aiohttp.ClientConnectionError:
+            return await make_call()
 
     async def _variant_health(self) -> dict:
         out = dict(zip(VARIANTS, await asyncio.gather(*[self._probe(name) for name in VARIANTS])))
@@ -121,12 +139,16 @@ class PolicyRouter:
             was = self.variant_health.get(name, {}).get("ready")  # start-up is not
             if was is True and not health.get("ready"):
                 self.variants_down.add(name)
-                self.down_events.setdefault(name, asyncio.Event()).set()  # fail over the waiting requests
                 self.controller.note("variant-down", f"{name}: {health.get('error')}", {"variant": name})
             elif name in self.variants_down and health.get("ready"):
                 self.variants_down.discard(name)
                 self.down_events[name] = asyncio.Event()
                 self.controller.note("variant-up", f"{name}: ready again", {"variant": name})
+            if name in self.variants_down and health.get("timed_out"):
+                # Not answering at all: a killed worker whose socket BentoML's arbiter keeps open while it
+                # restarts it. Requests waiting on it would wait for the restart: fail them over now. (A
+                # refused connection is different: on a graceful shutdown in-flight requests still finish.)
+                self.down_events.setdefault(name, asyncio.Event()).set()
         self.variant_health = out
         fallback = 1.0 if out.get("fp16", {}).get("fallback") else 0.0
         self.metrics.fp16_fallback.set(fallback)
@@ -136,19 +158,10 @@ class PolicyRouter:
         return self.int8 if name == "int8" else self.fp16
 
     async def call_variant(self, name: str, **kwargs) -> dict:
-        """``generate`` on a variant with the request timeout. A connection the variant closed while
-        idle (keep-alive race) is retried once: the request never reached it, and generate is pure."""
-        import aiohttp
-
-        for attempt in (0, 1):
-            try:
-                return await self._unless_down(name, self._svc(name).to_async.generate(**kwargs))
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt:
-                    raise
-                if isinstance(exc, aiohttp.ClientConnectorError):  # refused: the variant's process is down
-                    self._record_error(name, exc)
-        raise AssertionError("unreachable")
+        """``generate`` on a variant within the request timeout, given up early if the variant is
+        found dead, retried once on a dropped connection."""
+        return await self._retry_dropped(
+            lambda: self._unless_down(name, self._svc(name).to_async.generate(**kwargs)))
 
     async def _unless_down(self, name: str, call):
         """Await ``call`` within the request timeout, but give up as soon as the health loop marks

@@ -23,7 +23,7 @@ class RouterSettings:
     max_inflight: int = 32  # beyond this: 429 with Retry-After
     request_timeout_s: float = 60.0
     health_interval_s: float = 1.0  # variant health probes; a variant that fails one gets no new traffic
-    health_timeout_s: float = 2.0
+    health_timeout_s: float = 3.0
     max_body_bytes: int = 65536
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
