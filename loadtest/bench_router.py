@@ -20,14 +20,10 @@ from pathlib import Path
 import httpx
 
 from loadtest.servers import Server
+from loadtest.stats import pct
 
 TOKEN = "bench-admin-token"
 PROMPT = "358+64="
-
-
-def pct(values, q):
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def timed_posts(url: str, payload: dict, headers: dict, n: int, concurrency: int) -> tuple[list, float]:

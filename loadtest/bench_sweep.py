@@ -25,6 +25,7 @@ import aiohttp
 
 from loadtest.drills import tree_rss_mb
 from loadtest.servers import Server
+from loadtest.stats import pct
 from quantize.task import rollout_prompts
 
 TOKEN = "bench-admin-token"
@@ -41,11 +42,6 @@ def worker_pid(service: str) -> int:
         if b"--service-name" in argv and argv[argv.index(b"--service-name") + 1].decode() == service:
             return int(cmd.parent.name)
     raise RuntimeError(f"no worker process for {service}")
-
-
-def pct(values: List[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 async def level(url: str, variant: str, clients: int, seconds: float, max_tokens: int, pid: int) -> dict:

@@ -27,6 +27,7 @@ import httpx
 import yaml
 
 from loadtest.servers import ROOT, Server
+from loadtest.stats import pct
 from quantize.task import rollout_prompts
 
 TOKEN = "drill-admin-token"
@@ -357,10 +358,6 @@ def _phase(run: DrillRun, phase: str) -> List[dict]:
     return [r for r in run.requests if r.get("phase") == phase]
 
 
-def _pct(values: List[float], q: float) -> float:
-    return float(sorted(values)[min(len(values) - 1, int(q * len(values)))]) if values else float("nan")
-
-
 def drill_overload(run: DrillRun, home: Path, seconds: float) -> None:
     """Measure capacity with a closed loop at the admission cap, offer twice that as open-loop
     arrivals, then drop the load and check the server recovers."""
@@ -405,9 +402,9 @@ def drill_overload(run: DrillRun, home: Path, seconds: float) -> None:
     run.figures.update({
         "capacity_rps": f["capacity"], "offered_rps": len(over) / arrivals_s,
         "admitted_rps": len(admitted) / arrivals_s, "rejected": len(rejected), "overload_requests": len(over),
-        "p50_at_capacity_ms": 1000 * _pct(base_lat, 0.5), "p99_at_capacity_ms": 1000 * _pct(base_lat, 0.99),
-        "p50_admitted_ms": 1000 * _pct(admitted, 0.5), "p99_admitted_ms": 1000 * _pct(admitted, 0.99),
-        "p50_recovery_ms": 1000 * _pct([r["latency"] for r in rec if r["status"] == 200], 0.5),
+        "p50_at_capacity_ms": 1000 * pct(base_lat, 0.5), "p99_at_capacity_ms": 1000 * pct(base_lat, 0.99),
+        "p50_admitted_ms": 1000 * pct(admitted, 0.5), "p99_admitted_ms": 1000 * pct(admitted, 0.99),
+        "p50_recovery_ms": 1000 * pct([r["latency"] for r in rec if r["status"] == 200], 0.5),
         "rss_before_mb": f["rss_before"], "rss_peak_overload_mb": max(over_rss), "rss_bound_mb": rss_bound,
         "inflight_after_overload": f["inflight_after"]})
     fig = run.figures
