@@ -90,7 +90,7 @@ def vllm_figures(policy_dir: Path, prompt_len: int, new_tokens: int, seq: int, v
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(policy_dir), dtype="float16", enforce_eager=True, seed=0, skip_tokenizer_init=True,
-              max_model_len=min(128, seq + new_tokens + prompt_len))
+              max_model_len=None)  # the model's own context; the runs below fit in it
     g = torch.Generator().manual_seed(0)
     prompt = {"prompt_token_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist()}
     batch = [{"prompt_token_ids": torch.randint(3, vocab, (seq,), generator=g).tolist()} for _ in range(8)]

@@ -11,12 +11,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-BUCKET_S = 5.0
-
-
 def _buckets(run):
+    """About 40 buckets whatever the drill's length, 1 s at least."""
     end = max([r["t"] for r in run.requests] + [s["t"] for s in run.states] + [1.0])
-    return np.arange(0.0, end + BUCKET_S, BUCKET_S)
+    step = max(1.0, round(end / 40))
+    return np.arange(0.0, end + step, step)
 
 
 def plot_traffic(run, path: Path) -> None:
