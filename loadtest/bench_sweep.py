@@ -23,7 +23,7 @@ from typing import List
 
 import aiohttp
 
-from loadtest.drills import tree_rss_mb
+from loadtest.load import tree_rss_mb
 from loadtest.servers import Server
 from loadtest.stats import pct
 from quantize.task import rollout_prompts

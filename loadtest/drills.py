@@ -3,7 +3,7 @@
     .venv/bin/python -m loadtest.drills promote|bad-build|restart|crash|overload|bad-input [--seconds N] [--out DIR]
 
 Each drill uses its own BentoML home and state dir under ``--out`` (default ``.cache/drills``),
-sends traffic only to the loopback server it started, and stops by itself. The load driver is an
+sends traffic only to the loopback server it started, and stops by itself. The load (``loadtest/load.py``) is an
 asyncio loop of users with stable ids (not Locust) because the report needs the variant of every
 single request; ``loadtest/locustfile.py`` is the Locust scenario for open-ended load.
 """
@@ -13,49 +13,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
 import httpx
 import yaml
 
+from loadtest.load import ADMIN, TOKEN, DrillRun, closed_loop, drive, load_and_watch, open_loop, sample_rss, watch
 from loadtest.servers import ROOT, Server
 from loadtest.stats import pct
-from quantize.task import rollout_prompts
 
-TOKEN = "drill-admin-token"
-ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64",
          "--set", "calibration.procs=0", "--set", "export.onnx=false"]
-
-
-@dataclass
-class DrillRun:
-    name: str
-    out: Path
-    requests: List[dict] = field(default_factory=list)  # t, variant, status, latency
-    states: List[dict] = field(default_factory=list)  # t, weight, status
-    history: List[dict] = field(default_factory=list)
-    checks: List[tuple] = field(default_factory=list)
-    rss: List[dict] = field(default_factory=list)  # t, mb (server process tree)
-    marks: List[dict] = field(default_factory=list)  # t, label: phase changes drawn on the plots
-    figures: dict = field(default_factory=dict)  # drill-specific numbers for report.json / report.md
-    t0: float = field(default_factory=time.monotonic)
-
-    def check(self, what: str, ok: bool) -> None:
-        self.checks.append((what, bool(ok)))
-        print(f"[{self.name}] {'PASS' if ok else 'FAIL'}: {what}", flush=True)
-
-    @property
-    def passed(self) -> bool:
-        return all(ok for _, ok in self.checks)
 
 
 def build_bundle(home: Path, out: Path, broken: bool) -> str:
@@ -91,55 +65,6 @@ def start_server(run: DrillRun, home: Path, version: str, log_name: str, interva
     if not run.requests and not run.states:  # the drill's clock starts when traffic can start
         run.t0 = time.monotonic()
     return server
-
-
-async def drive(run: DrillRun, url: str, seconds: float, users: int = 6, stop: Optional[asyncio.Event] = None) -> None:
-    """Users with stable ids send completions until ``seconds`` pass; every request is recorded."""
-    prompts = rollout_prompts(256)
-    deadline = time.monotonic() + seconds
-
-    async def user(i: int, client: httpx.AsyncClient) -> None:
-        rng = random.Random(i)
-        while time.monotonic() < deadline and not (stop and stop.is_set()):
-            body = {"model": "policy", "prompt": rng.choice(prompts), "max_tokens": 6, "temperature": 0,
-                    "user": f"drill-user-{i}-{rng.randrange(20)}"}
-            t = time.monotonic()
-            try:
-                r = await client.post(f"{url}/v1/completions", json=body)
-                status, variant = r.status_code, r.headers.get("x-policy-variant")
-            except httpx.HTTPError as exc:
-                status, variant = f"error: {type(exc).__name__}", None
-            run.requests.append({"t": t - run.t0, "variant": variant, "status": status, "latency": time.monotonic() - t})
-            await asyncio.sleep(rng.uniform(0.02, 0.1))
-
-    async with httpx.AsyncClient(timeout=60) as client:
-        await asyncio.gather(*[user(i, client) for i in range(users)])
-
-
-async def watch(run: DrillRun, url: str, seconds: float, until: Optional[str] = None) -> dict:
-    """Poll the rollout state once a second; stop early when its status becomes ``until``."""
-    deadline = time.monotonic() + seconds
-    state: dict = {}
-    async with httpx.AsyncClient(timeout=10) as client:
-        while time.monotonic() < deadline:
-            try:
-                state = (await client.get(f"{url}/admin/rollout", headers=ADMIN)).json()["state"]
-                run.states.append({"t": time.monotonic() - run.t0, "weight": state["weight"], "status": state["status"]})
-            except (httpx.HTTPError, KeyError, ValueError) as exc:  # a busy or restarting router: poll again
-                print(f"[{run.name}] state poll failed: {type(exc).__name__}", flush=True)
-            if until and state.get("status") == until:
-                break
-            await asyncio.sleep(1.0)
-    return state
-
-
-async def load_and_watch(run: DrillRun, url: str, seconds: float, until: Optional[str]) -> dict:
-    stop = asyncio.Event()
-    load = asyncio.create_task(drive(run, url, seconds, stop=stop))
-    state = await watch(run, url, seconds, until)
-    stop.set()
-    await load
-    return state
 
 
 def history(url: str) -> List[dict]:
@@ -271,87 +196,6 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
 
 
 # ---- overload --------------------------------------------------------------------------------
-
-
-def tree_rss_mb(root_pid: int) -> float:
-    """Resident memory of a process and all its descendants (the server and every worker), in MB."""
-    parent, rss = {}, {}
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            info = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-            pid = int(status.parent.name)
-            parent[pid] = int(info["PPid"])
-            rss[pid] = int(info.get("VmRSS", "0 kB").split()[0])
-        except (OSError, KeyError, ValueError):
-            continue
-
-    def under_root(pid: int) -> bool:
-        while pid > 1:
-            if pid == root_pid:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    return sum(kb for pid, kb in rss.items() if under_root(pid)) / 1024
-
-
-async def sample_rss(run: DrillRun, server: Server, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        run.rss.append({"t": time.monotonic() - run.t0, "mb": tree_rss_mb(server.proc.pid)})
-        await asyncio.sleep(0.5)
-
-
-def _body(rng: random.Random, prompts: List[str], i: int) -> dict:
-    return {"model": "policy", "prompt": rng.choice(prompts), "max_tokens": 6, "temperature": 0,
-            "user": f"overload-user-{i % 50}"}
-
-
-async def _post(run: DrillRun, session, url: str, phase: str, body: dict) -> None:
-    """One request, recorded. aiohttp rather than httpx here: the load generator shares the CPU with
-    the server, and aiohttp costs a fraction of httpx per request, so more of the offered load is real."""
-    import aiohttp
-
-    t = time.monotonic()
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as r:
-            await r.read()
-            status, variant, retry_after = r.status, r.headers.get("x-policy-variant"), r.headers.get("retry-after")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        status, variant, retry_after = f"error: {type(exc).__name__}", None, None
-    run.requests.append({"t": t - run.t0, "phase": phase, "latency": time.monotonic() - t, "status": status,
-                         "variant": variant, "retry_after": retry_after})
-
-
-def _session():
-    import aiohttp
-
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000),
-                                 timeout=aiohttp.ClientTimeout(total=60))
-
-
-async def closed_loop(run: DrillRun, url: str, phase: str, clients: int, seconds: float) -> None:
-    """``clients`` users, each sending its next request as soon as the last one is answered."""
-    prompts, deadline = rollout_prompts(256), time.monotonic() + seconds
-    async with _session() as session:
-        async def user(i: int) -> None:
-            rng = random.Random(i)
-            while time.monotonic() < deadline:
-                await _post(run, session, url, phase, _body(rng, prompts, i))
-        await asyncio.gather(*[user(i) for i in range(clients)])
-
-
-async def open_loop(run: DrillRun, url: str, phase: str, rate: float, seconds: float) -> None:
-    """Poisson arrivals at ``rate`` requests/s whatever the server does (offered load, not a closed loop)."""
-    prompts, rng = rollout_prompts(256), random.Random(7)
-    deadline, tasks = time.monotonic() + seconds, []
-    async with _session() as session:
-        i, due = 0, time.monotonic()
-        while due < deadline:  # an absolute schedule: a late loop catches up instead of offering less
-            tasks.append(asyncio.create_task(_post(run, session, url, phase, _body(rng, prompts, i))))
-            i += 1
-            due += rng.expovariate(rate)
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-        await asyncio.gather(*tasks)
 
 
 def _phase(run: DrillRun, phase: str) -> List[dict]:

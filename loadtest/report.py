@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+
 def _buckets(run):
     """About 40 buckets whatever the drill's length, 1 s at least."""
     end = max([r["t"] for r in run.requests] + [s["t"] for s in run.states] + [1.0])
