@@ -44,8 +44,14 @@ async def method_not_allowed(request: Request, exc) -> JSONResponse:
     err = ApiError(405, f"method {request.method} is not allowed on {request.url.path}", "method", request.method,
                    ", ".join(allowed), code="method_not_allowed")
     return JSONResponse(err.body(), status_code=405, headers={"Allow": ", ".join(allowed)})
+
+
 VARIANTS = ("int8", "fp16")
 MODEL_NAME = load_settings().model_name  # for the published spec
+
+
+def other_variant(name: str) -> str:
+    return "fp16" if name == "int8" else "int8"
 
 
 def sticky_bucket(salt: str, user: str) -> float:
@@ -185,7 +191,7 @@ class PolicyRouter:
         weight = self.controller.state.weight
         pos = sticky_bucket(self.settings.sticky_salt, user) if user else random.random() * 100.0
         chosen = "int8" if pos < weight else "fp16"
-        other = "fp16" if chosen == "int8" else "int8"
+        other = other_variant(chosen)
         if chosen in self.variants_down and other not in self.variants_down:
             self.metrics.rerouted.labels(variant=chosen).inc()
             return other
@@ -289,7 +295,7 @@ class PolicyRouter:
 
     async def _generate(self, variant: str, forced: bool, kwargs: dict) -> Tuple[str, dict]:
         """Primary variant, then the other one if it errors or times out (unless forced)."""
-        order = [variant] if forced else [variant, "fp16" if variant == "int8" else "int8"]
+        order = [variant] if forced else [variant, other_variant(variant)]
         last = None
         for name in order:
             try:
@@ -302,7 +308,7 @@ class PolicyRouter:
 
     async def _stream(self, req, chat: bool, variant: str, forced: bool, kwargs: dict, t0: float):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        order = [variant] if forced else [variant, "fp16" if variant == "int8" else "int8"]
+        order = [variant] if forced else [variant, other_variant(variant)]
         sent, served = 0, variant
         try:
             for name in order:
@@ -380,7 +386,7 @@ class PolicyRouter:
         self.metrics.errors.labels(variant=variant).inc()
 
     async def _shadow(self, served: str, kwargs: dict, primary_ids: List[int]) -> None:
-        other = "fp16" if served == "int8" else "int8"
+        other = other_variant(served)
         if other in self.variants_down:  # already counted as down: no comparison to make
             return
         try:
