@@ -98,6 +98,8 @@ class PolicyRouter:
         self.tasks: List[asyncio.Task] = []
         self.variant_health: dict = {}
         self.variants_down: set = set()
+        self.ever_ready: set = set()  # variants that answered a probe ready at least once
+        self.probe_failures: dict = {}  # variant -> failed probes in a row
         self.down_events: dict = {}  # variant -> asyncio.Event, set while it is down
         log.info("router up: INT8 weight %.1f%% (%s, resumed=%s)", self.controller.state.weight,
                  self.controller.state.status, self.controller.resumed)
@@ -141,19 +143,26 @@ class PolicyRouter:
 
     async def _variant_health(self) -> dict:
         out = dict(zip(VARIANTS, await asyncio.gather(*[self._probe(name) for name in VARIANTS])))
-        for name, health in out.items():  # a ready variant going down (and back) is rollout history;
-            was = self.variant_health.get(name, {}).get("ready")  # start-up is not
-            if was is True and not health.get("ready"):
+        for name, health in out.items():
+            ready = bool(health.get("ready"))
+            self.probe_failures[name] = 0 if ready else self.probe_failures.get(name, 0) + 1
+            if ready:
+                self.ever_ready.add(name)
+            # Down, for routing and history, once a variant that was ready (start-up is not history) stops
+            # answering its probe (a SIGKILLed BentoML worker: the arbiter keeps its socket open, so the
+            # probe times out), or refuses connections for 3 probes in a row (its listener is gone; a
+            # shutting-down server does that for a moment, and that is not an event worth keeping).
+            down = not ready and (health.get("timed_out") or self.probe_failures[name] >= 3)
+            if down and name in self.ever_ready and name not in self.variants_down:
                 self.variants_down.add(name)
                 self.controller.note("variant-down", f"{name}: {health.get('error')}", {"variant": name})
-            elif name in self.variants_down and health.get("ready"):
+            elif ready and name in self.variants_down:
                 self.variants_down.discard(name)
                 self.down_events[name] = asyncio.Event()
                 self.controller.note("variant-up", f"{name}: ready again", {"variant": name})
             if name in self.variants_down and health.get("timed_out"):
-                # Not answering at all: a killed worker whose socket BentoML's arbiter keeps open while it
-                # restarts it. Requests waiting on it would wait for the restart: fail them over now. (A
-                # refused connection is different: on a graceful shutdown in-flight requests still finish.)
+                # Requests waiting on a variant that does not answer would wait for its restart: fail them
+                # over now. (Not on refusals: during a graceful shutdown in-flight requests still finish.)
                 self.down_events.setdefault(name, asyncio.Event()).set()
         self.variant_health = out
         fallback = 1.0 if out.get("fp16", {}).get("fallback") else 0.0
