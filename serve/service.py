@@ -96,7 +96,6 @@ class PolicyRouter:
         self.golden_cursor = 0
         self.metrics.weight.set(self.controller.state.weight)
         self.tasks: List[asyncio.Task] = []
-        self.variant_health: dict = {}
         self.variants_down: set = set()
         self.ever_ready: set = set()  # variants that answered a probe ready at least once
         self.probe_failures: dict = {}  # variant -> failed probes in a row
@@ -164,7 +163,6 @@ class PolicyRouter:
                 # Requests waiting on a variant that does not answer would wait for its restart: fail them
                 # over now. (Not on refusals: during a graceful shutdown in-flight requests still finish.)
                 self.down_events.setdefault(name, asyncio.Event()).set()
-        self.variant_health = out
         fallback = 1.0 if out.get("fp16", {}).get("fallback") else 0.0
         self.metrics.fp16_fallback.set(fallback)
         return out
