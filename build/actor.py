@@ -89,3 +89,19 @@ class CalibrationActor(Actor):
 
         self.prepared = recipes.prepare(apply_smoothing(self.policy, scales), self.recipe)
         return True
+
+    @endpoint
+    def token_absmax(self, shard: int, batches: List[Tensor]) -> Dict[str, Tensor]:
+        """w8a8 pass 1: every row's max |x| per input group, over this shard."""
+        from quantize.linear_stats import collect_token_absmax
+
+        self._maybe_fail(shard, 0)
+        return collect_token_absmax(self.policy, batches)
+
+    @endpoint
+    def group_stats(self, shard: int, batches: List[Tensor], thresholds: Dict[str, float], hessians: bool):
+        """w8a8 pass 2 for the groups in ``thresholds`` (a few layers per call: Hessians are large)."""
+        from quantize.linear_stats import collect_group_stats
+
+        self._maybe_fail(shard, 0)
+        return collect_group_stats(self.policy, batches, thresholds, hessians=hessians, seed=shard)

@@ -197,3 +197,47 @@ def _plots(out_dir: Path, outcome: CanaryOutcome) -> List[Path]:
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
     return paths
+
+
+def fallback_schedule(max_fp_layers: int) -> List[int]:
+    """How many of the most sensitive layers to keep in float, attempt by attempt: 1, 2, 4, ... (a
+    pretrained LM needs tens of float linears, one full gate per layer would take an hour)."""
+    out, k = [], 1
+    while k < max_fp_layers:
+        out.append(k)
+        k *= 2
+    return out + ([max_fp_layers] if max_fp_layers else [])
+
+
+def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], probe, thresholds: GateThresholds, max_fp_layers: int,
+              measure: Callable[[nn.Module], FidelityReport]) -> CanaryOutcome:
+    """The w8a8 gate: convert, measure; on failure rank the linears by end-to-end sensitivity on a
+    probe (one forward each) and keep the top 1, 2, 4, ... in float until the gate passes."""
+    from build.progress import Throttled
+    from quantize.w8a8_plan import layer_sensitivity
+
+    int8 = plan.convert(policy, names)
+    report = measure(int8)
+    verdict = evaluate_gate(report, thresholds)
+    outcome = CanaryOutcome(verdict, report, [], int8)
+    outcome.attempts.append(Attempt([], report.summary(), verdict.label, verdict.failures))
+    log(f"[canary] w8a8 candidate: {verdict.label}" + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
+    if verdict.passed or max_fp_layers == 0:
+        return outcome
+    tick = Throttled()
+    outcome.sensitivity = layer_sensitivity(policy, plan, names, probe, progress=lambda d, t, n, kl: tick(
+        d, t, f"[canary] sensitivity: layers done, most sensitive so far {n} (KL {kl:.3g})"))
+    for k in fallback_schedule(min(max_fp_layers, len(names))):
+        kept = [n for n, _ in outcome.sensitivity[:k]]
+        int8 = plan.convert(policy, [n for n in names if n not in kept])
+        report = measure(int8)
+        verdict = evaluate_gate(report, thresholds)
+        outcome.attempts.append(Attempt(list(kept), report.summary(), verdict.label, verdict.failures))
+        log(f"[canary] fallback {k} layer(s) to float: {verdict.label}, top-1 {report.top1_agreement:.4f}, "
+            f"KL mean {report.kl_mean:.4g}, greedy {report.greedy_agreement}")
+        outcome.verdict, outcome.report, outcome.fp32_layers, outcome.int8 = verdict, report, kept, int8
+        outcome.reasons = {n: f"sensitivity rank {i + 1}: KL {kl:.4g} with only this linear in int8"
+                           for i, (n, kl) in enumerate(outcome.sensitivity[:k])}
+        if verdict.passed:
+            break
+    return outcome

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
-from quantize.recipes import BACKENDS, MODES, SCHEMES, RecipeConfig
+from quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig
 
 
 class ConfigError(ValueError):
@@ -57,6 +57,10 @@ class RecipeSection:
     smooth_alpha: float = 0.65
     overrides: Dict[str, str] = field(default_factory=dict)  # layer pattern -> static|dynamic|weight-only|fp32
     auto_candidates: Tuple[str, ...] = ("static", "smooth-static", "dynamic", "smooth-dynamic", "weight-only")
+    outlier_ratio: float = 8.0
+    smooth_alphas: Tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+    rounding: str = "gptq"
+    gptq_damp: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class BuildConfig:
         scheme = scheme or (r.scheme if r.scheme != "auto" else r.auto_candidates[0])
         return RecipeConfig(scheme=scheme, backend=r.backend, reduce_range=r.reduce_range, skip=r.skip,
                             fp32_layers=r.fp32_layers, smooth_alpha=r.smooth_alpha,
-                            overrides=tuple(r.overrides.items()))
+                            overrides=tuple(r.overrides.items()), outlier_ratio=r.outlier_ratio,
+                            smooth_alphas=r.smooth_alphas, rounding=r.rounding, gptq_damp=r.gptq_damp)
 
 
 # (field path) -> (minimum, maximum) for numbers; (field path) -> allowed values for strings.
@@ -125,6 +130,8 @@ RANGES = {
     "calibration.hosts": (0, 4096),
     "calibration.timeout_s": (1.0, 86_400.0),
     "recipe.smooth_alpha": (0.0, 1.0),
+    "recipe.outlier_ratio": (0.0, 10_000.0),
+    "recipe.gptq_damp": (1e-6, 1.0),
     "canary.max_reward_drop": (0.0, 1.0),
     "canary.min_top1_agreement": (0.0, 1.0),
     "canary.max_kl_mean": (0.0, 100.0),
@@ -136,6 +143,7 @@ CHOICES = {
     "rollouts.engine": ("local", "vllm"),
     "recipe.scheme": SCHEMES + ("auto",),
     "recipe.backend": BACKENDS,
+    "recipe.rounding": ROUNDINGS,
 }
 
 
@@ -156,6 +164,14 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             if path == "recipe.overrides" and v not in MODES:
                 raise ConfigError(f"{path}.{k}: {v!r} is not one of {list(MODES)}")
         return dict(value)
+    if origin in (tuple, Tuple) and args and args[0] is float:
+        nums = isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                        for v in value)
+        if not nums or not value:
+            raise ConfigError(f"{path}: expected a non-empty list of numbers, got {value!r}")
+        if any(not 0.0 <= v <= 1.0 for v in value):
+            raise ConfigError(f"{path}: {next(v for v in value if not 0.0 <= v <= 1.0)!r} is out of range [0, 1]")
+        return tuple(float(v) for v in value)
     if origin in (tuple, Tuple):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{path}: expected a list of strings, got {value!r}")

@@ -22,6 +22,7 @@ import torch
 
 from build import data
 from build.canary import CanaryGateError, CanaryOutcome, gate_with_fallback, write_report
+from build.w8a8 import onnx_recipe_note, w8a8_summary
 from build.config import BuildConfig
 from build.faults import apply_scale_fault
 from build.manifest import manifest_hash, write_manifest
@@ -155,24 +156,28 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
     schemes = list(cfg.recipe.auto_candidates) if cfg.recipe.scheme == "auto" else [cfg.recipe.scheme]
     candidates = [cfg.recipe_config(scheme) for scheme in schemes]
     calibrated = CalibratedModels(cfg, mesh, policy, batches)
+    ao_candidates = [c for c in candidates if c.base_mode != "w8a8"]
     with stages.run("prepare") as s:
-        if any(c.smooth for c in candidates):
+        if any(c.smooth for c in ao_candidates):
             calibrated.smoothing_scales(recipe.smooth_alpha)
         s.detail = (f"candidates {schemes}, {len(recipes.selected_linears(policy, recipe))} linears observed"
                     + (", smoothing scales from per-channel stats" if calibrated.scales else ""))
 
     with stages.run("calibrate") as s:
         t0 = time.monotonic()
-        for smooth in sorted({c.smooth for c in candidates}):  # plain first: the actors start plain
+        for smooth in sorted({c.smooth for c in ao_candidates}):  # plain first: the actors start plain
             calibrated.get(smooth)
+        for c in candidates:
+            if c.base_mode == "w8a8":
+                calibrated.linear_stats(c)
         tokens = sum(b.numel() for b in batches)
         s.detail = (f"{len(seqs)} samples, {len(batches)} batches, {tokens} tokens, "
                     f"procs={cfg.calibration.procs}, {tokens / max(1e-9, time.monotonic() - t0):.0f} tok/s")
 
     with stages.run("convert + accuracy canary") as s:
         outcome, recipe, trials = choose_recipe(cfg, policy, calibrated, candidates, tok, golden, tmp, final)
-        state = calibrated.get(recipe.smooth)[1]
         recipe = replace(recipe, fp32_layers=recipe.fp32_layers + tuple(outcome.fp32_layers))
+        plan = calibrated.plans.get(_plan_key(recipe))
         s.detail = f"{recipe.scheme}: {outcome.verdict.label}, {len(outcome.fp32_layers)} layers kept in float"
 
     with stages.run("export INT8 (TorchScript, ONNX) + FP16 HF") as s:
@@ -201,7 +206,8 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
             "versions": versions(),
             "config": cfg.to_dict(),
             "recipe": {"scheme": recipe.scheme, "backend": recipe.backend, "reduce_range": recipe.reduce_range,
-                       "smooth_alpha": recipe.smooth_alpha if recipe.smooth else None,
+                       "smooth_alpha": recipe.smooth_alpha if recipe.smooth and not plan else None,
+                       **(w8a8_summary(recipe, plan) if plan else {}),
                        "overrides": dict(recipe.overrides), "candidates": trials,
                        "quantized_linears": recipes.selected_linears(policy, recipe),
                        "fp32_layers": list(recipe.fp32_layers)},
@@ -209,11 +215,9 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
                        "failures": outcome.verdict.failures, "fallback_layers": outcome.fp32_layers,
                        "report": "canary_report.md" if cfg.canary.enabled else None},
             "calibration": {"samples": len(seqs), "batches": len(batches), "tokens": sum(b.numel() for b in batches),
-                            "observer": "MinMaxObserver (per-tensor affine quint8)",
-                            "weight_observer": "PerChannelMinMaxObserver (per-channel symmetric qint8)",
-                            "procs": cfg.calibration.procs,
-                            "activation_ranges": recipes.activation_ranges(state)},
+                            "procs": cfg.calibration.procs, **calibrated.summary(recipe)},
             "artifacts": {"int8_torchscript": INT8_TS, "int8_onnx": INT8_ONNX if cfg.export.onnx else None,
+                          "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.export.onnx else None,
                           "fp16_hf": "fp16", "golden": "golden.jsonl"},
             "fidelity": fidelity,
         }
@@ -246,6 +250,35 @@ class CalibratedModels:
         self.cfg, self.mesh, self.policy, self.batches = cfg, mesh, policy, batches
         self.scales = None
         self.cache: dict = {}
+        self.stats: dict = {}  # w8a8: linear statistics per rounding (Hessians only for gptq)
+        self.plans: dict = {}  # w8a8: plan per (smooth, rounding, ...)
+
+    def linear_stats(self, recipe: recipes.RecipeConfig):
+        from build.w8a8 import collect_stats
+
+        key = (recipe.rounding == "gptq", recipe.outlier_ratio)
+        if key not in self.stats:
+            self.stats[key] = collect_stats(self.mesh, self.policy, self.batches, recipe)
+        return self.stats[key]
+
+    def plan(self, recipe: recipes.RecipeConfig):
+        from build.w8a8 import make_plan
+
+        key = _plan_key(recipe)
+        if key not in self.plans:
+            self.plans[key] = make_plan(self.policy, self.linear_stats(recipe), recipe)
+        return self.plans[key]
+
+    def summary(self, recipe: recipes.RecipeConfig) -> dict:
+        """The manifest's calibration section for the recipe that shipped."""
+        if recipe.base_mode == "w8a8":
+            from build.w8a8 import stats_summary
+
+            return {"statistics": "per input group: row max |x|, channel max |x|, Hessian (gptq), row sample",
+                    "groups": stats_summary(self.linear_stats(recipe))}
+        return {"observer": "MinMaxObserver (per-tensor affine quint8)",
+                "weight_observer": "PerChannelMinMaxObserver (per-channel symmetric qint8)",
+                "activation_ranges": recipes.activation_ranges(self.get(recipe.smooth)[1])}
 
     def smoothing_scales(self, alpha: float):
         from quantize.smooth import collect_channel_absmax, smoothing_scales
@@ -276,6 +309,11 @@ class CalibratedModels:
         return self.cache[smooth]
 
 
+def _plan_key(recipe: recipes.RecipeConfig) -> tuple:
+    return (recipe.smooth, recipe.rounding, recipe.outlier_ratio, recipe.smooth_alphas, recipe.gptq_damp,
+            recipe.skip, recipe.overrides)
+
+
 def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int = 3, warmup: int = 3) -> float:
     """Batch-1 decode tokens/s of the candidate as TorchScript (what ships), median of ``repeats``
     after ``warmup`` runs (TorchScript's profiling executor optimises the graph on early calls)."""
@@ -302,15 +340,19 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     report written next to the output directory.
     """
     kw = fidelity_kwargs(cfg, tok)
-    measure = lambda m: measure_fidelity(policy, m, golden, **kw)  # noqa: E731
+    ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
+    measure = lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs, **kw)  # noqa: E731
     c = cfg.canary
     trials = []
     for recipe in candidates:
-        prepared, _ = calibrated.get(recipe.smooth)
-        if not c.enabled:
+        if recipe.base_mode == "w8a8":
+            outcome = gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure)
+        elif not c.enabled:
+            prepared, _ = calibrated.get(recipe.smooth)
             int8 = recipes.convert(prepared, recipe)
             outcome = CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
         else:
+            prepared, _ = calibrated.get(recipe.smooth)
             outcome = gate_with_fallback(policy, prepared, recipe, golden, c.thresholds(), c.max_fp_layers, measure)
         speed = decode_speed(outcome.int8) if len(candidates) > 1 else None
         trials.append({"recipe": recipe, "outcome": outcome, "decode_tok_s": speed})
@@ -336,6 +378,20 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
         write_report(tmp, winner["outcome"], c.thresholds(), {"candidates": summary, "winner": winner["recipe"].scheme,
                                                             "why": why})
     return winner["outcome"], winner["recipe"], summary
+
+
+def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure
+                        ) -> CanaryOutcome:
+    from build.canary import gate_w8a8
+    from build.w8a8 import sensitivity_probe
+
+    plan = calibrated.plan(recipe)
+    names = recipes.selected_linears(policy, recipe)
+    if not cfg.canary.enabled:
+        int8 = plan.convert(policy, names)
+        return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
+    return gate_w8a8(policy, plan, names, sensitivity_probe(calibrated.batches), cfg.canary.thresholds(),
+                     cfg.canary.max_fp_layers, measure)
 
 
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:

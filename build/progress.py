@@ -41,3 +41,18 @@ def bar(total: int, desc: str, unit: str = "it"):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, disable=None, file=sys.stderr, leave=False)
+
+
+class Throttled:
+    """Calls ``log`` at most once per ``every`` seconds (and on the last item): long loops stay visible
+    without flooding the output."""
+
+    def __init__(self, every: float = 20.0):
+        self.every, self.last, self.t0 = every, time.monotonic(), time.monotonic()
+
+    def __call__(self, done: int, total: int, msg: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every or done == total:
+            self.last = now
+            rate = done / max(1e-9, now - self.t0)
+            log(f"{msg} ({done}/{total}, {rate:.2f}/s)")

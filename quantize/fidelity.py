@@ -128,12 +128,15 @@ def measure_fidelity(
     reward: Optional[Reward] = None,
     candidate_logits: Optional[LogitsFn] = None,
     generate: bool = True,
+    reference_outputs: Optional[List[List[int]]] = None,
 ) -> FidelityReport:
     """Compare ``candidate`` to ``reference`` on the golden ``items``.
 
     ``reference``/``candidate`` follow the Policy interface. ``candidate_logits`` overrides how
     the candidate's teacher-forced logits are computed (e.g. onnxruntime); with ``generate=False``
     only the logit metrics are computed (for variants without a KV-cache decode).
+    ``reference_outputs`` are the reference's greedy completions when the caller already has them
+    (the golden set's completions are exactly that), so repeated gates do not regenerate them.
     """
     ref_l = teacher_forced_logits(policy_logits_fn(reference), items)
     cand_l = teacher_forced_logits(candidate_logits or policy_logits_fn(candidate), items)
@@ -145,7 +148,7 @@ def measure_fidelity(
     if not generate:
         report.notes.append("logit metrics only: this variant has no KV-cache decode")
         return report
-    ref_out = greedy_completions(reference, items, max_new_tokens, eos_token_id)
+    ref_out = reference_outputs or greedy_completions(reference, items, max_new_tokens, eos_token_id)
     cand_out = greedy_completions(candidate, items, max_new_tokens, eos_token_id)
     return completion_metrics(report, items, ref_out, cand_out, decode, reward)
 

@@ -33,8 +33,9 @@ from torch.ao.quantization import (
 
 from quantize.model import full_logits
 
-SCHEMES = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic")
-MODES = ("static", "dynamic", "weight-only", "fp32")  # per-layer overrides
+SCHEMES = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic", "w8a8", "smooth-w8a8")
+MODES = ("static", "dynamic", "weight-only", "w8a8", "fp32")  # per-layer overrides
+ROUNDINGS = ("nearest", "gptq")
 BACKENDS = ("x86", "fbgemm", "qnnpack")
 
 
@@ -52,6 +53,11 @@ class RecipeConfig:
     fp32_layers: Tuple[str, ...] = field(default_factory=tuple)  # accuracy fallback keeps these in float
     smooth_alpha: float = 0.65  # SmoothQuant migration strength (smooth-* schemes)
     overrides: Tuple[Tuple[str, str], ...] = ()  # (layer pattern, mode): e.g. ("down_proj", "weight-only")
+    # w8a8 / smooth-w8a8 (quantize.w8a8_plan): per-token int8 activations, int8 weights
+    outlier_ratio: float = 8.0  # rows whose max |x| exceeds this x the layer's median run in float; 0: none
+    smooth_alphas: Tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # searched per group (smooth-w8a8)
+    rounding: str = "gptq"  # nearest | gptq (error-feedback rounding on the calibration Hessians)
+    gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -61,6 +67,22 @@ class RecipeConfig:
                 raise RecipeError(f"recipe.overrides.{pattern}: {mode!r} is not one of {list(MODES)}")
         if not 0.0 <= self.smooth_alpha <= 1.0:
             raise RecipeError(f"recipe.smooth_alpha: {self.smooth_alpha} is out of range [0, 1]")
+        if self.rounding not in ROUNDINGS:
+            raise RecipeError(f"recipe.rounding: {self.rounding!r} is not one of {list(ROUNDINGS)}")
+        if not 0.0 <= self.outlier_ratio <= 1e4:
+            raise RecipeError(f"recipe.outlier_ratio: {self.outlier_ratio} is out of range [0, 10000]")
+        if not 0.0 < self.gptq_damp <= 1.0:
+            raise RecipeError(f"recipe.gptq_damp: {self.gptq_damp} is out of range (0, 1]")
+        for a in self.smooth_alphas:
+            if not 0.0 <= a <= 1.0:
+                raise RecipeError(f"recipe.smooth_alphas: {a} is out of range [0, 1]")
+        if self.base_mode == "w8a8":
+            for pattern, mode in self.overrides:
+                if mode not in ("w8a8", "fp32"):
+                    raise RecipeError(f"recipe.overrides.{pattern}: {mode!r} cannot be mixed with scheme "
+                                      f"{self.scheme!r} (use 'w8a8' or 'fp32')")
+        elif any(mode == "w8a8" for _, mode in self.overrides):
+            raise RecipeError(f"recipe.overrides: mode 'w8a8' needs scheme 'w8a8' or 'smooth-w8a8', not {self.scheme!r}")
         if self.backend not in BACKENDS:
             raise RecipeError(f"recipe.backend: {self.backend!r} is not one of {list(BACKENDS)}")
         if self.backend not in torch.backends.quantized.supported_engines:

@@ -1,0 +1,91 @@
+"""The build side of the w8a8 recipes: statistics on the mesh (or in-process), the plan, its summary.
+
+Statistics travel as small tensors except the Hessians (a [in, in] float64 matrix per input group),
+so on the mesh the second pass runs over a few decoder layers per call and the controller merges
+each chunk before asking for the next.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+from torch import Tensor, nn
+
+from build.progress import Throttled, log
+from quantize import linear_stats as ls
+from quantize.recipes import RecipeConfig, selected_linears
+from quantize.w8a8_plan import W8A8Plan, build_plan
+
+LAYERS_PER_CALL = 4  # Hessians of 4 SmolLM2-135M layers are ~110 MB per shard
+
+
+def _layer_of(group: str) -> int:
+    return int(group.split(".")[1])
+
+
+def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: RecipeConfig) -> ls.LinearStats:
+    """Two passes (token max, then group statistics), sharded over the mesh actors when there is one."""
+    hessians = recipe.rounding == "gptq"
+    if mesh is None:
+        token_absmax = ls.collect_token_absmax(policy, batches)
+        thresholds = ls.outlier_thresholds(token_absmax, recipe.outlier_ratio)
+        return ls.collect_group_stats(policy, batches, thresholds, hessians=hessians)
+    from build.mesh import shard
+
+    shards = shard(batches, len(mesh.workers))
+    sizes = [sum(len(b) for b in s) for s in shards]
+    token_absmax = ls.merge_token_absmax(mesh.run_shards("token_absmax", [(s,) for s in shards], sizes, "samples"))
+    thresholds = ls.outlier_thresholds(token_absmax, recipe.outlier_ratio)
+    n_layers = len(policy.layers)
+    stats: ls.LinearStats = {}
+    for first in range(0, n_layers, LAYERS_PER_CALL):
+        chunk = range(first, min(n_layers, first + LAYERS_PER_CALL))
+        part = {g: t for g, t in thresholds.items() if _layer_of(g) in chunk}
+        parts = mesh.run_shards("group_stats", [(s, part, hessians) for s in shards], sizes, "samples")
+        stats.update(ls.merge_group_stats(parts))
+        log(f"[w8a8] statistics: layers {chunk.stop}/{n_layers} merged")
+    return stats
+
+
+def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) -> W8A8Plan:
+    tick = Throttled()
+    groups = ls.input_groups(policy)
+    names = selected_linears(policy, recipe)
+    count = [0]
+
+    def progress(msg: str) -> None:
+        count[0] += 1
+        tick(min(count[0], 2 * len(groups)), 2 * len(groups) if recipe.smooth else len(groups), f"[w8a8] {msg}")
+
+    return build_plan(policy, stats, groups, names, smooth=recipe.smooth, alphas=recipe.smooth_alphas,
+                      rounding=recipe.rounding, gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
+                      progress=progress)
+
+
+def sensitivity_probe(batches: Sequence[Tensor], rows: int = 2, tokens: int = 64) -> Tensor:
+    """A few calibration sequences (the longest batch's first rows, at most ``tokens`` long)."""
+    longest = max(batches, key=lambda b: b.shape[1])
+    return longest[:rows, :tokens]
+
+
+def stats_summary(stats: ls.LinearStats) -> Dict[str, dict]:
+    """Per input group: rows seen, outlier threshold and the largest channel max |x| (for the manifest)."""
+    return {g: {"rows": s.rows, "outlier_threshold": s.threshold,
+                "outlier_rows": 0 if s.outliers is None else int(s.outliers.shape[0]),
+                "channel_absmax_max": float(s.channel_absmax.max()) if s.channel_absmax is not None else None}
+            for g, s in stats.items()}
+
+
+def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
+    return {"activations": "int8 symmetric per token, at run time (torch._int_mm); outlier rows in float",
+            "weights": f"int8 symmetric per output channel, {plan.rounding} rounding",
+            "outlier_ratio": recipe.outlier_ratio, "rounding": recipe.rounding, "gptq_damp": recipe.gptq_damp,
+            "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None}
+
+
+def onnx_recipe_note(recipe: RecipeConfig) -> str:
+    base = "onnxruntime static QDQ: per-tensor uint8 activations (MinMax), per-channel int8 weights"
+    if recipe.base_mode == "w8a8":
+        return (base + "; a weaker recipe than the shipped TorchScript's (no per-token scales, smoothing or "
+                "GPTQ rounding): judge it by fidelity.int8_onnx, not by the gate")
+    return base + "; the same calibration set as the TorchScript artifact"

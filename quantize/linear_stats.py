@@ -1,0 +1,143 @@
+"""Calibration statistics of every linear's input, collected under forward hooks in two passes.
+
+Linears that read the same tensor form an input group, keyed like ``quantize.smooth``'s groups by
+the module that produces it (``layers.3.input_layernorm`` -> q/k/v_proj, ...). Per group:
+
+- pass 1, ``token_absmax``: max |x| of every token (row). Its median sets the group's outlier
+  threshold: rows above ``outlier_ratio`` x median run in float at inference time.
+- pass 2, over the rows below that threshold only (the outliers never meet the int8 kernel):
+  per-channel max |x| (for smoothing), the Hessian sum x x^T and its row count (for error-feedback
+  rounding), and a fixed-seed sample of rows (for the smoothing search and layer sensitivity);
+  the outlier rows themselves are kept apart (capped), so that the threshold can be re-derived for
+  the smoothed input, where the outlier channel has shrunk.
+
+Every statistic merges exactly across shards: max, sum, concatenation in shard order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from quantize.model import full_logits
+from quantize.smooth import smoothing_groups
+
+SAMPLE_ROWS_PER_BATCH = 64
+OUTLIER_ROWS_KEPT = 256
+
+
+@dataclass
+class GroupStats:
+    """Statistics of one input group (see the module docstring)."""
+
+    token_absmax: Tensor = field(default_factory=lambda: torch.zeros(0))
+    threshold: float = 0.0  # absolute max |x| above which a row is an outlier (0: none)
+    channel_absmax: Optional[Tensor] = None
+    hessian: Optional[Tensor] = None
+    rows: int = 0
+    sample: Optional[Tensor] = None
+    outliers: Optional[Tensor] = None  # the rows above ``threshold`` (few: the attention-sink tokens), capped
+
+
+LinearStats = Dict[str, GroupStats]
+
+
+def input_groups(policy: nn.Module, layers: Optional[Sequence[int]] = None) -> Dict[str, List[str]]:
+    """producer -> consumer linears, for the given decoder layers (all by default)."""
+    keep = None if layers is None else {f"layers.{i}." for i in layers}
+    return {p: c for p, c in smoothing_groups(policy) if keep is None or any(p.startswith(k) for k in keep)}
+
+
+def _hook_first_consumers(policy: nn.Module, groups: Dict[str, List[str]], fn) -> list:
+    mods = dict(policy.named_modules())
+    return [mods[consumers[0]].register_forward_pre_hook(lambda _m, args, g=g: fn(g, args[0]))
+            for g, consumers in groups.items()]
+
+
+@torch.no_grad()
+def collect_token_absmax(policy: nn.Module, batches: Iterable[Tensor], layers: Optional[Sequence[int]] = None
+                         ) -> Dict[str, Tensor]:
+    """Pass 1: per group, max |x| of every row seen, in batch order."""
+    groups = input_groups(policy, layers)
+    seen: Dict[str, List[Tensor]] = {g: [] for g in groups}
+    hooks = _hook_first_consumers(policy, groups, lambda g, x: seen[g].append(
+        x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=1).float()))
+    try:
+        for batch in batches:
+            full_logits(policy, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {g: torch.cat(v) if v else torch.zeros(0) for g, v in seen.items()}
+
+
+def outlier_thresholds(token_absmax: Dict[str, Tensor], ratio: float) -> Dict[str, float]:
+    """Per group: ``ratio`` x the median row max |x| (0 when ``ratio`` is 0: no outlier rows)."""
+    if ratio <= 0:
+        return {g: 0.0 for g in token_absmax}
+    return {g: float(v.median()) * ratio if v.numel() else 0.0 for g, v in token_absmax.items()}
+
+
+@torch.no_grad()
+def collect_group_stats(policy: nn.Module, batches: Iterable[Tensor], thresholds: Dict[str, float],
+                        hessians: bool = True, seed: int = 0) -> LinearStats:
+    """Pass 2: channel max |x|, Hessian sum and a row sample over the non-outlier rows of each group."""
+    stats: LinearStats = {g: GroupStats(threshold=t) for g, t in thresholds.items()}
+    groups = {g: c for g, c in input_groups(policy).items() if g in thresholds}
+    gen = torch.Generator().manual_seed(seed)
+
+    def observe(g: str, x: Tensor) -> None:
+        s, rows = stats[g], x.detach().reshape(-1, x.shape[-1]).float()
+        if s.threshold > 0:
+            big = rows.abs().amax(dim=1) > s.threshold
+            if bool(big.any()):
+                out = rows[big] if s.outliers is None else torch.cat([s.outliers, rows[big]])
+                s.outliers = out[:OUTLIER_ROWS_KEPT]
+            rows = rows[~big]
+        if rows.numel() == 0:
+            return
+        amax = rows.abs().amax(dim=0)
+        s.channel_absmax = amax if s.channel_absmax is None else torch.maximum(s.channel_absmax, amax)
+        if hessians:
+            h = rows.t().double() @ rows.double()
+            s.hessian = h if s.hessian is None else s.hessian + h
+        s.rows += rows.shape[0]
+        pick = rows[torch.randperm(rows.shape[0], generator=gen)[:SAMPLE_ROWS_PER_BATCH]]
+        s.sample = pick if s.sample is None else torch.cat([s.sample, pick])
+
+    hooks = _hook_first_consumers(policy, groups, observe)
+    try:
+        for batch in batches:
+            full_logits(policy, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def merge_token_absmax(parts: List[Dict[str, Tensor]]) -> Dict[str, Tensor]:
+    return {g: torch.cat([p[g] for p in parts]) for g in parts[0]}
+
+
+def merge_group_stats(parts: List[LinearStats]) -> LinearStats:
+    """Shards in order: channel max, Hessian sum, row count, sample concatenation."""
+    out: LinearStats = {}
+    for g in parts[0]:
+        ss = [p[g] for p in parts]
+        present = [s for s in ss if s.rows]
+        merged = GroupStats(threshold=ss[0].threshold, rows=sum(s.rows for s in ss))
+        if present:
+            merged.channel_absmax = torch.stack([s.channel_absmax for s in present]).amax(dim=0)
+            if present[0].hessian is not None:
+                merged.hessian = present[0].hessian.clone()
+                for s in present[1:]:
+                    merged.hessian += s.hessian
+            merged.sample = torch.cat([s.sample for s in present])
+        outliers = [s.outliers for s in ss if s.outliers is not None]
+        if outliers:
+            merged.outliers = torch.cat(outliers)[:OUTLIER_ROWS_KEPT]
+        out[g] = merged
+    return out

@@ -1,0 +1,119 @@
+"""The w8a8 recipes' parts: per-token int8 linear, outlier rows, GPTQ rounding, statistics merge, plan."""
+
+import pytest
+import torch
+
+from quantize import linear_stats as ls
+from quantize.gptq import gptq_quantize
+from quantize.model import PolicyConfig, full_logits, greedy_generate, init_random_policy
+from quantize.recipes import RecipeConfig, RecipeError, selected_linears
+from quantize.smooth import make_outlier_model
+from quantize.w8a8 import Int8TokenLinear, quantize_weight
+from quantize.w8a8_plan import build_plan
+
+CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, max_seq_len=48)
+
+
+def batches(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (4, 12 + i), generator=g) for i in range(n)]
+
+
+def test_per_token_scales_keep_a_quiet_token_exact_beside_a_loud_one():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=True)
+    m = Int8TokenLinear.from_float(lin)
+    x = torch.randn(2, 64) * 0.01
+    x[0, 5] = 1000.0  # a massive activation in row 0 must not coarsen row 1's scale
+    assert torch.equal(m(x)[1], m(x[1:])[0])  # row 1 is quantized as if it were alone
+    exact = x[1] @ m.dequantized_weight().t() + lin.bias
+    assert torch.allclose(m(x)[1], exact, rtol=0, atol=0.02 * float(exact.abs().max()))
+
+
+def test_outlier_rows_run_in_float_against_the_int8_weight():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(3, 64)
+    x[1, :] *= 200.0
+    x[1, 7] = 5000.0
+    m = Int8TokenLinear.from_float(lin, outlier_threshold=100.0)
+    float_path = x[1] @ m.dequantized_weight().t()
+    assert torch.allclose(m(x)[1], float_path, atol=1e-3)
+    plain = Int8TokenLinear.from_float(lin)  # no threshold: the row is quantized and differs
+    assert not torch.allclose(plain(x)[1], float_path, atol=1e-3)
+
+
+def test_int8_token_linear_scripts_and_matches_eager():
+    lin = torch.nn.Linear(64, 48, bias=True)
+    m = Int8TokenLinear.from_float(lin, outlier_threshold=3.0)
+    x = torch.randn(2, 5, 64)
+    x[0, 0] *= 10
+    assert torch.equal(torch.jit.script(m)(x), m(x))
+
+
+def test_gptq_beats_nearest_rounding_on_correlated_inputs():
+    g = torch.Generator().manual_seed(0)
+    mix = torch.randn(96, 96, generator=g)
+    x = torch.randn(2048, 96, generator=g) @ mix  # correlated input channels
+    w = torch.randn(64, 96, generator=g)
+    q_n, s_n = quantize_weight(w)
+    q_g, s_g = gptq_quantize(w, x.t().double() @ x.double())
+    err = lambda q, s: float((x @ (w - q.float() * s.unsqueeze(1)).t()).pow(2).mean())  # noqa: E731
+    assert q_g.dtype == torch.int8 and torch.equal(s_g, s_n)
+    assert err(q_g, s_g) < 0.8 * err(q_n, s_n)
+
+
+def test_sharded_statistics_merge_to_the_whole():
+    policy = make_outlier_model(init_random_policy(CFG, seed=1), channels=2, factor=50.0)
+    data = batches()
+    whole_tam = ls.collect_token_absmax(policy, data)
+    parts_tam = [ls.collect_token_absmax(policy, data[:3]), ls.collect_token_absmax(policy, data[3:])]
+    merged_tam = ls.merge_token_absmax(parts_tam)
+    assert all(torch.equal(whole_tam[g], merged_tam[g]) for g in whole_tam)
+    th = ls.outlier_thresholds(whole_tam, 4.0)
+    whole = ls.collect_group_stats(policy, data, th)
+    merged = ls.merge_group_stats([ls.collect_group_stats(policy, data[:3], th),
+                                   ls.collect_group_stats(policy, data[3:], th)])
+    for g, s in whole.items():
+        assert s.rows == merged[g].rows
+        assert torch.equal(s.channel_absmax, merged[g].channel_absmax)
+        assert torch.allclose(s.hessian, merged[g].hessian, rtol=1e-10)
+
+
+@pytest.mark.parametrize("scheme,rounding", [("w8a8", "nearest"), ("smooth-w8a8", "gptq")])
+def test_w8a8_plan_tracks_fp32_and_exports_to_torchscript(scheme, rounding, tmp_path):
+    policy = make_outlier_model(init_random_policy(CFG, seed=1), channels=2, factor=50.0)
+    recipe = RecipeConfig(scheme=scheme, rounding=rounding)
+    data = batches()
+    stats = ls.collect_group_stats(policy, data, ls.outlier_thresholds(ls.collect_token_absmax(policy, data), 8.0))
+    names = selected_linears(policy, recipe)
+    plan = build_plan(policy, stats, ls.input_groups(policy), names, smooth=recipe.smooth,
+                      alphas=recipe.smooth_alphas, rounding=rounding, gptq_damp=0.01, outlier_ratio=8.0)
+    int8 = plan.convert(policy, names)
+    assert sum(isinstance(m, Int8TokenLinear) for m in int8.modules()) == len(names)
+    x = torch.randint(0, 64, (2, 16))
+    agree = (full_logits(policy, x).argmax(-1) == full_logits(int8, x).argmax(-1)).float().mean()
+    assert agree >= 0.8  # a random model: near-tied logits
+    scripted = torch.jit.script(int8)
+    torch.jit.save(scripted, str(tmp_path / "p.ts"))
+    loaded = torch.jit.load(str(tmp_path / "p.ts"))
+    assert greedy_generate(loaded, [3, 14, 15, 9], 12) == greedy_generate(int8, [3, 14, 15, 9], 12)
+    kept = plan.convert(policy, names[1:])  # the fallback re-converts without the data
+    assert isinstance(kept.get_submodule(names[0]), torch.nn.Linear)
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("rounding", "stochastic", "recipe.rounding"),
+    ("outlier_ratio", -1.0, "recipe.outlier_ratio"),
+    ("smooth_alphas", (0.5, 1.5), "recipe.smooth_alphas"),
+    ("gptq_damp", 0.0, "recipe.gptq_damp"),
+])
+def test_bad_w8a8_knobs_name_the_field(field, value, msg):
+    with pytest.raises(RecipeError, match=msg):
+        RecipeConfig(scheme="w8a8", **{field: value})
+
+
+def test_w8a8_does_not_mix_with_torch_ao_modes():
+    with pytest.raises(RecipeError, match="cannot be mixed"):
+        RecipeConfig(scheme="smooth-w8a8", overrides=(("down_proj", "dynamic"),))
