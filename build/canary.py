@@ -241,3 +241,16 @@ def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], probe, thresholds: 
         if verdict.passed:
             break
     return outcome
+
+
+def add_artifact_comparison(out_dir: Path, fidelity: dict) -> None:
+    """Append the exported artifacts side by side (INT8 TorchScript, ONNX, FP16 weights) vs FP32 to the report."""
+    md, js = out_dir / "canary_report.md", out_dir / "canary_report.json"
+    if not md.is_file():
+        return
+    names = {"int8_torchscript": "INT8 TorchScript", "int8_onnx": "INT8 ONNX", "fp16_hf": "FP16 directory"}
+    rows = [(names.get(k, k), v) for k, v in fidelity.items()]
+    md.write_text(md.read_text() + "\n## Exported artifacts vs FP32 (same golden set)\n\n" + metrics_table(rows) + "\n")
+    body = json.loads(js.read_text())
+    body["artifacts_vs_fp32"] = fidelity
+    js.write_text(json.dumps(body, indent=2))

@@ -37,6 +37,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     print(f"INT8 vs FP32: top-1 agreement {fid['top1_agreement']:.4f}, KL mean {fid['kl_mean']:.5f}"
           + (f", reward {fid['reward_reference']:.3f} -> {fid['reward_candidate']:.3f}"
              if fid.get("reward_candidate") is not None else ""))
+    f16 = result.fidelity.get("fp16_hf")
+    if f16:
+        print(f"FP16 vs FP32: top-1 agreement {f16['top1_agreement']:.4f}, KL mean {f16['kl_mean']:.5f}")
     return 0
 
 

@@ -61,6 +61,7 @@ class RecipeSection:
     smooth_alphas: Tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
     rounding: str = "gptq"
     gptq_damp: float = 0.01
+    lm_head_topk: int = 64
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ class BuildConfig:
         return RecipeConfig(scheme=scheme, backend=r.backend, reduce_range=r.reduce_range, skip=r.skip,
                             fp32_layers=r.fp32_layers, smooth_alpha=r.smooth_alpha,
                             overrides=tuple(r.overrides.items()), outlier_ratio=r.outlier_ratio,
-                            smooth_alphas=r.smooth_alphas, rounding=r.rounding, gptq_damp=r.gptq_damp)
+                            smooth_alphas=r.smooth_alphas, rounding=r.rounding, gptq_damp=r.gptq_damp,
+                            lm_head_topk=r.lm_head_topk)
 
 
 # (field path) -> (minimum, maximum) for numbers; (field path) -> allowed values for strings.
@@ -132,6 +134,7 @@ RANGES = {
     "recipe.smooth_alpha": (0.0, 1.0),
     "recipe.outlier_ratio": (0.0, 10_000.0),
     "recipe.gptq_damp": (1e-6, 1.0),
+    "recipe.lm_head_topk": (0, 4096),
     "canary.max_reward_drop": (0.0, 1.0),
     "canary.min_top1_agreement": (0.0, 1.0),
     "canary.max_kl_mean": (0.0, 100.0),

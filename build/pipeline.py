@@ -21,7 +21,7 @@ from typing import Any, Iterator, List, Optional
 import torch
 
 from build import data
-from build.canary import CanaryGateError, CanaryOutcome, gate_with_fallback, write_report
+from build.canary import CanaryGateError, CanaryOutcome, add_artifact_comparison, gate_with_fallback, write_report
 from build.w8a8 import onnx_recipe_note, w8a8_summary
 from build.config import BuildConfig
 from build.faults import apply_scale_fault
@@ -30,7 +30,7 @@ from build.progress import Stages, bar, log
 from quantize import recipes, task
 from quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
 from quantize.fidelity import FidelityReport, GateVerdict, measure_fidelity
-from quantize.model import Policy, load_hf_config, load_policy
+from quantize.model import CastPolicy, Policy, load_hf_config, load_policy
 
 INT8_TS = "int8/policy.ts"
 INT8_ONNX = "int8/policy-int8.onnx"
@@ -193,8 +193,10 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
     with stages.run("fidelity of the exported artifacts") as s:
         fidelity = quick_fidelity(cfg, policy, tok, golden, tmp)
         data.write_golden_jsonl(golden, tmp / "golden.jsonl")
-        ts = fidelity["int8_torchscript"]
-        s.detail = f"INT8 top-1 agreement {ts['top1_agreement']:.3f}, KL mean {ts['kl_mean']:.4f}" + (
+        add_artifact_comparison(tmp, fidelity)
+        ts, f16 = fidelity["int8_torchscript"], fidelity["fp16_hf"]
+        s.detail = (f"INT8 top-1 agreement {ts['top1_agreement']:.3f}, KL mean {ts['kl_mean']:.4f}; FP16 weights "
+                    f"top-1 {f16['top1_agreement']:.3f}, KL mean {f16['kl_mean']:.2g}") + (
             f", reward {ts['reward_reference']:.3f} -> {ts['reward_candidate']:.3f}" if ts.get("reward_candidate") is not None else ""
         )
 
@@ -311,7 +313,7 @@ class CalibratedModels:
 
 def _plan_key(recipe: recipes.RecipeConfig) -> tuple:
     return (recipe.smooth, recipe.rounding, recipe.outlier_ratio, recipe.smooth_alphas, recipe.gptq_damp,
-            recipe.skip, recipe.overrides)
+            recipe.skip, recipe.overrides, recipe.lm_head_topk)
 
 
 def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int = 3, warmup: int = 3) -> float:
@@ -398,7 +400,14 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) 
     """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set."""
     kw = fidelity_kwargs(cfg, tok)
     scripted = torch.jit.load(str(bundle / INT8_TS))
-    out = {"int8_torchscript": measure_fidelity(policy, scripted, golden, **kw).summary()}
+    ref_outputs = [g.completion_ids for g in golden]
+    out = {"int8_torchscript": measure_fidelity(policy, scripted, golden, reference_outputs=ref_outputs, **kw).summary()}
+    # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
+    # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU);
+    # `policy-bundle check-fp16 --engine vllm` adds vLLM's own greedy agreement.
+    fp16 = CastPolicy(load_policy(bundle / "fp16", max_seq_len=cfg.policy.max_seq_len), torch.float16)
+    out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, reference_outputs=ref_outputs, **kw).summary(),
+                      "computed_as": "float16 weights and compute (torch, CPU)"}
     if cfg.export.onnx:
         out["int8_onnx"] = onnx_fidelity(policy, bundle / INT8_ONNX, golden, kw).summary()
     return out

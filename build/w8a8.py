@@ -19,8 +19,8 @@ from quantize.w8a8_plan import W8A8Plan, build_plan
 LAYERS_PER_CALL = 4  # Hessians of 4 SmolLM2-135M layers are ~110 MB per shard
 
 
-def _layer_of(group: str) -> int:
-    return int(group.split(".")[1])
+def _layer_of(group: str, n_layers: int) -> int:
+    return n_layers - 1 if group == ls.HEAD_GROUP else int(group.split(".")[1])
 
 
 def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: RecipeConfig) -> ls.LinearStats:
@@ -40,7 +40,7 @@ def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: Re
     stats: ls.LinearStats = {}
     for first in range(0, n_layers, LAYERS_PER_CALL):
         chunk = range(first, min(n_layers, first + LAYERS_PER_CALL))
-        part = {g: t for g, t in thresholds.items() if _layer_of(g) in chunk}
+        part = {g: t for g, t in thresholds.items() if _layer_of(g, n_layers) in chunk}
         parts = mesh.run_shards("group_stats", [(s, part, hessians) for s in shards], sizes, "samples")
         stats.update(ls.merge_group_stats(parts))
         log(f"[w8a8] statistics: layers {chunk.stop}/{n_layers} merged")
@@ -59,7 +59,7 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
 
     return build_plan(policy, stats, groups, names, smooth=recipe.smooth, alphas=recipe.smooth_alphas,
                       rounding=recipe.rounding, gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
-                      progress=progress)
+                      head_topk=recipe.lm_head_topk, progress=progress)
 
 
 def sensitivity_probe(batches: Sequence[Tensor], rows: int = 2, tokens: int = 64) -> Tensor:
@@ -79,7 +79,7 @@ def stats_summary(stats: ls.LinearStats) -> Dict[str, dict]:
 def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
     return {"activations": "int8 symmetric per token, at run time (torch._int_mm); outlier rows in float",
             "weights": f"int8 symmetric per output channel, {plan.rounding} rounding",
-            "outlier_ratio": recipe.outlier_ratio, "rounding": recipe.rounding, "gptq_damp": recipe.gptq_damp,
+            "outlier_ratio": recipe.outlier_ratio, "lm_head_topk": recipe.lm_head_topk, "rounding": recipe.rounding, "gptq_damp": recipe.gptq_damp,
             "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None}
 
 

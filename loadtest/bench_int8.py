@@ -3,6 +3,7 @@
 
 Per model: decode tokens/s at batch 1 (prefill, then one token per step; onnxruntime has no KV
 cache, so its "decode" recomputes the sequence each token), forward (prefill) throughput at batch 8,
+``--bundle DIR`` benchmarks a built bundle instead (the real LM: build ``build/configs/smollm2.yaml``),
 peak resident memory (each variant runs in a fresh process, so VmHWM is that variant's alone) and
 artifact size. Throughput at 8 and 32 concurrent requests through the served bundle is
 ``loadtest.bench_sweep``. Run: ``.venv/bin/python -m loadtest.bench_int8 [--quick] [--no-vllm]``.
@@ -179,12 +180,56 @@ def bench(name: str, policy_dir: Path, args) -> None:
           "includes its preallocated KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB); its artifact is the FP16 weights.")
 
 
+def bench_bundle(bundle: Path, args) -> None:
+    """A built bundle's own artifacts against its FP32 source: e.g. the SmolLM2-135M bundle of
+    ``build/configs/smollm2.yaml`` (the w8a8 recipe, as shipped, with its float layers)."""
+    import json
+
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    policy_dir = Path(manifest["policy"]["source"])
+    policy = load_policy(policy_dir, max_seq_len=128)
+    vocab = policy.embed_tokens.num_embeddings
+    seq, prompt_len = 64, 16
+    artifacts = {"fp32 eager": policy_dir, "int8 torchscript": bundle / "int8" / "policy.ts"}
+    if (bundle / "int8" / "policy-int8.onnx").is_file():
+        artifacts["int8 onnxruntime"] = bundle / "int8" / "policy-int8.onnx"
+    if vllm_available() and not args.no_vllm:
+        artifacts["fp16 vllm"] = bundle / "fp16"
+    figures = {v: run_worker(v, a, vocab, seq, prompt_len, args.new_tokens, args) for v, a in artifacts.items()}
+    hf = hf_generate_tps(policy_dir, args.new_tokens, args.repeats)
+    fp32_bytes = sum(p.numel() * 4 for p in policy.parameters())
+    sizes = {"fp32 eager": fp32_bytes, "fp16 vllm": fp32_bytes // 2,
+             **{v: Path(a).stat().st_size for v, a in artifacts.items() if Path(a).is_file()}}
+    print(f"\n== bundle {bundle} ({manifest['recipe']['scheme']}, {len(manifest['recipe']['fp32_layers'])} layers "
+          f"in float) on {policy_dir.name}; HF transformers FP32 generate {hf:.1f} tok/s")
+    print(f"{'variant':20s} {'decode tok/s':>13s} {'vs eager':>8s} {'vs HF':>6s} {'forward tok/s':>14s} "
+          f"{'peak RSS MB':>12s} {'artifact MB':>12s}")
+    base = figures["fp32 eager"]
+    for v, f in figures.items():
+        if f:
+            print(f"{v:20s} {f['decode']:13.1f} {f['decode'] / base['decode']:8.2f} {f['decode'] / hf:6.2f} "
+                  f"{f['forward']:14.1f} {f['peak_mb']:12.0f} {sizes[v] / 1e6:12.1f}")
+
+
+def hf_generate_tps(path: Path, new_tokens: int, repeats: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    x = torch.ones(1, 8, dtype=torch.long)
+    with torch.no_grad():
+        run = lambda: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,  # noqa: E731
+                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return new_tokens / median_time(run, repeats)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="reference policy only, 2 repeats")
     ap.add_argument("--no-vllm", action="store_true", help="skip FP16 via vLLM even where it is installed")
+    ap.add_argument("--bundle", type=Path, help="benchmark a built bundle's artifacts (e.g. the SmolLM2 one) "
+                    "against its FP32 source and HF transformers generate")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
@@ -194,6 +239,8 @@ def main() -> None:
     torch.manual_seed(0)
     if args.worker:
         return worker(args)
+    if args.bundle:
+        return bench_bundle(args.bundle, args)
     models = bench_models()
     if args.quick:
         models, args.repeats = {"reference": models["reference"]}, 2

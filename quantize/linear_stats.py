@@ -16,6 +16,7 @@ Every statistic merges exactly across shards: max, sum, concatenation in shard o
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from quantize.model import full_logits
 from quantize.smooth import smoothing_groups
 
+HEAD_GROUP = "norm"
 SAMPLE_ROWS_PER_BATCH = 64
 OUTLIER_ROWS_KEPT = 256
 
@@ -48,7 +50,10 @@ LinearStats = Dict[str, GroupStats]
 def input_groups(policy: nn.Module, layers: Optional[Sequence[int]] = None) -> Dict[str, List[str]]:
     """producer -> consumer linears, for the given decoder layers (all by default)."""
     keep = None if layers is None else {f"layers.{i}." for i in layers}
-    return {p: c for p, c in smoothing_groups(policy) if keep is None or any(p.startswith(k) for k in keep)}
+    groups = {p: c for p, c in smoothing_groups(policy) if keep is None or any(p.startswith(k) for k in keep)}
+    if layers is None or len(policy.layers) - 1 in layers:
+        groups[HEAD_GROUP] = ["lm_head"]  # the final norm feeds the LM head (never smoothed: it is tied)
+    return groups
 
 
 def _hook_first_consumers(policy: nn.Module, groups: Dict[str, List[str]], fn) -> list:
@@ -109,13 +114,25 @@ def collect_group_stats(policy: nn.Module, batches: Iterable[Tensor], thresholds
         s.sample = pick if s.sample is None else torch.cat([s.sample, pick])
 
     hooks = _hook_first_consumers(policy, groups, observe)
+    if HEAD_GROUP not in groups:  # stop each forward after the last layer these groups live in
+        last = max(int(g.split(".")[1]) for g in groups)
+        hooks.append(policy.layers[last].register_forward_hook(lambda *_: _raise_stop()))
     try:
         for batch in batches:
-            full_logits(policy, batch)
+            with contextlib.suppress(_StopForward):
+                full_logits(policy, batch)
     finally:
         for h in hooks:
             h.remove()
     return stats
+
+
+class _StopForward(Exception):
+    """Raised by a hook once the layers being observed have run: the rest of the forward is waste."""
+
+
+def _raise_stop() -> None:
+    raise _StopForward
 
 
 def merge_token_absmax(parts: List[Dict[str, Tensor]]) -> Dict[str, Tensor]:

@@ -267,6 +267,28 @@ class FullSequence(nn.Module):
         return p(tokens, 0, k, v)
 
 
+class CastPolicy(nn.Module):
+    """A policy run in another float dtype (weights and KV cache alike), returning float32 logits:
+    how the FP16 artifact computes, for comparing it with FP32 on the same golden set."""
+
+    def __init__(self, policy: Policy, dtype: torch.dtype):
+        super().__init__()
+        self.policy, self.dtype = policy.to(dtype), dtype
+
+    def new_cache(self, batch_size: int, max_len: int = 0) -> Tuple[Tensor, Tensor]:
+        k, v = self.policy.new_cache(batch_size, max_len)
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def forward(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.policy(tokens, start_pos, k_cache, v_cache).float()
+
+    def prefill(self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.forward(tokens, 0, k_cache, v_cache)
+
+    def decode(self, token: Tensor, pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.forward(token, pos, k_cache, v_cache)
+
+
 def full_logits(policy: nn.Module, tokens: Tensor) -> Tensor:
     """Teacher-forced logits for a [B, T] batch (fresh cache sized to T)."""
     k, v = policy.new_cache(tokens.shape[0], tokens.shape[1])

@@ -58,6 +58,7 @@ class RecipeConfig:
     smooth_alphas: Tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # searched per group (smooth-w8a8)
     rounding: str = "gptq"  # nearest | gptq (error-feedback rounding on the calibration Hessians)
     gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
+    lm_head_topk: int = 64  # an int8 lm_head (not in skip) rescores each row's top-k logits in float; 0: off
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -71,6 +72,8 @@ class RecipeConfig:
             raise RecipeError(f"recipe.rounding: {self.rounding!r} is not one of {list(ROUNDINGS)}")
         if not 0.0 <= self.outlier_ratio <= 1e4:
             raise RecipeError(f"recipe.outlier_ratio: {self.outlier_ratio} is out of range [0, 10000]")
+        if not 0 <= self.lm_head_topk <= 4096:
+            raise RecipeError(f"recipe.lm_head_topk: {self.lm_head_topk} is out of range [0, 4096]")
         if not 0.0 < self.gptq_damp <= 1.0:
             raise RecipeError(f"recipe.gptq_damp: {self.gptq_damp} is out of range (0, 1]")
         for a in self.smooth_alphas:

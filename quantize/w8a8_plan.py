@@ -23,9 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from quantize.gptq import gptq_quantize
-from quantize.linear_stats import LinearStats
+from quantize.linear_stats import HEAD_GROUP, LinearStats
 from quantize.smooth import apply_smoothing, smoothing_groups
-from quantize.w8a8 import Int8TokenLinear, fake_quant_rows, quantize_weight
+from quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight
 
 
 def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
@@ -66,6 +66,14 @@ class W8A8Plan:
     thresholds: Dict[str, float]  # linear -> outlier threshold on its (smoothed) input
     sensitivity: List[Tuple[str, float]] = field(default_factory=list)  # most sensitive first
     rounding: str = "nearest"
+    head_topk: int = 0  # lm_head: top-k logits recomputed in float (0: plain int8)
+
+    def quantized_module(self, name: str, float_linear: nn.Linear) -> nn.Module:
+        q, s = self.weights[name]
+        int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s)
+        if name == "lm_head" and self.head_topk > 0:
+            return Int8RescoredHead(int8, float_linear.weight.detach(), self.head_topk)
+        return int8
 
     def convert(self, policy: nn.Module, quantized: Sequence[str]) -> nn.Module:
         """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float)."""
@@ -75,11 +83,9 @@ class W8A8Plan:
         else:
             model = copy.deepcopy(policy)
         for name in quantized:
-            q, s = self.weights[name]
-            lin = model.get_submodule(name)
-            new = Int8TokenLinear.from_float(lin, self.thresholds[name], weight_int8=q, scales=s)
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, new)
+            setattr(model.get_submodule(parent) if parent else model, child,
+                    self.quantized_module(name, model.get_submodule(name)))
         return model.eval()
 
 
@@ -88,14 +94,16 @@ Progress = Callable[[str], None]
 
 def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str]], selected: Sequence[str], *,
                smooth: bool, alphas: Sequence[float], rounding: str, gptq_damp: float, outlier_ratio: float,
-               progress: Progress = lambda _: None) -> W8A8Plan:
+               head_topk: int = 0, progress: Progress = lambda _: None) -> W8A8Plan:
     """Search smoothing, round weights and rank sensitivity for the ``selected`` linears."""
-    plan = W8A8Plan({}, {}, {}, {}, rounding=rounding)
+    plan = W8A8Plan({}, {}, {}, {}, rounding=rounding, head_topk=head_topk)
     chosen = set(selected)
     work = {p: [c for c in cs if c in chosen] for p, cs in groups.items() if stats[p].sample is not None}
     work = {p: cs for p, cs in work.items() if cs}
     if smooth:  # all scales first: a producer linear (up_proj, v_proj) is also another group's consumer
         for i, producer in enumerate(work):
+            if producer == HEAD_GROUP:
+                continue  # the final norm -> lm_head (tied to the embedding) is never smoothed
             if stats[producer].outliers is not None:
                 # Massive-activation rows run in float against the int8 weights; scaling the weight
                 # columns of their channel up multiplies the weight error they meet (measured on
@@ -187,8 +195,7 @@ def layer_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], p
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
         float_linear = getattr(holder, child)
-        q, s = plan.weights[name]
-        setattr(holder, child, Int8TokenLinear.from_float(float_linear, plan.thresholds[name], q, s))
+        setattr(holder, child, plan.quantized_module(name, float_linear))
         lp = F.log_softmax(full_logits(model, probe).double(), dim=-1)
         setattr(holder, child, float_linear)
         scores.append((name, float((ref.exp() * (ref - lp)).sum(-1).mean())))

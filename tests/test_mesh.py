@@ -117,3 +117,21 @@ def test_no_mesh_processes_outlive_the_mesh(setup, reference_dir, monkeypatch):
     while set(descendants(os.getpid())) - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not set(descendants(os.getpid())) - before
+
+
+def test_w8a8_statistics_on_the_mesh_equal_one_process(setup, reference_dir):
+    """Token maxima, thresholds, channel maxima and row counts are exact; the Hessian sums differ only
+    by the order of floating-point additions. (Row samples are drawn per shard, so they differ.)"""
+    from build.w8a8 import collect_stats
+
+    policy, _, _, batches = setup
+    recipe = config(0).recipe_config("smooth-w8a8")
+    local = collect_stats(None, policy, batches, recipe)
+    with calibration_mesh(config(2), reference_dir) as mesh:
+        sharded = collect_stats(mesh, policy, batches, recipe)
+    assert local.keys() == sharded.keys() and local
+    for g, s in local.items():
+        m = sharded[g]
+        assert (s.threshold, s.rows) == (m.threshold, m.rows)
+        assert torch.equal(s.channel_absmax, m.channel_absmax)
+        assert torch.allclose(s.hessian, m.hessian, rtol=1e-9)

@@ -8,7 +8,7 @@ from quantize.gptq import gptq_quantize
 from quantize.model import PolicyConfig, full_logits, greedy_generate, init_random_policy
 from quantize.recipes import RecipeConfig, RecipeError, selected_linears
 from quantize.smooth import make_outlier_model
-from quantize.w8a8 import Int8TokenLinear, quantize_weight
+from quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, quantize_weight
 from quantize.w8a8_plan import build_plan
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -117,3 +117,19 @@ def test_bad_w8a8_knobs_name_the_field(field, value, msg):
 def test_w8a8_does_not_mix_with_torch_ao_modes():
     with pytest.raises(RecipeError, match="cannot be mixed"):
         RecipeConfig(scheme="smooth-w8a8", overrides=(("down_proj", "dynamic"),))
+
+
+def test_rescored_head_gives_exact_float_logits_for_its_top_k():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(500, 32)
+    head = torch.nn.Linear(32, 500, bias=False)
+    head.weight = emb.weight  # tied, as in SmolLM2
+    x = torch.randn(6, 32)
+    rescored = Int8RescoredHead(Int8TokenLinear.from_float(head), head.weight.detach(), topk=16)
+    exact = x @ head.weight.t()
+    out = rescored(x)
+    assert torch.equal(out.argmax(-1), exact.argmax(-1))
+    top = out.topk(4, dim=-1).indices
+    assert torch.allclose(out.gather(1, top), exact.gather(1, top), atol=1e-5)
+    assert rescored.float_weight.data_ptr() == emb.weight.data_ptr()  # shared with the embedding, not copied
+    assert torch.equal(torch.jit.script(rescored)(x), out)
