@@ -209,16 +209,28 @@ def fallback_schedule(max_fp_layers: int) -> List[int]:
     return out + ([max_fp_layers] if max_fp_layers else [])
 
 
+def _measure_cheap_first(model: nn.Module, thresholds: GateThresholds, measure, measure_logits):
+    """Teacher-forced metrics first; greedy generation (the slow part) only when they pass."""
+    if measure_logits is not None:
+        report = measure_logits(model)
+        verdict = evaluate_gate(report, thresholds)
+        if not verdict.passed:
+            report.notes.append("greedy generation skipped: the teacher-forced metrics already fail")
+            return report, verdict
+    report = measure(model)
+    return report, evaluate_gate(report, thresholds)
+
+
 def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], probe, thresholds: GateThresholds, max_fp_layers: int,
-              measure: Callable[[nn.Module], FidelityReport]) -> CanaryOutcome:
+              measure: Callable[[nn.Module], FidelityReport],
+              measure_logits: Optional[Callable[[nn.Module], FidelityReport]] = None) -> CanaryOutcome:
     """The w8a8 gate: convert, measure; on failure rank the linears by end-to-end sensitivity on a
     probe (one forward each) and keep the top 1, 2, 4, ... in float until the gate passes."""
     from build.progress import Throttled
     from quantize.w8a8_plan import layer_sensitivity
 
     int8 = plan.convert(policy, names)
-    report = measure(int8)
-    verdict = evaluate_gate(report, thresholds)
+    report, verdict = _measure_cheap_first(int8, thresholds, measure, measure_logits)
     outcome = CanaryOutcome(verdict, report, [], int8)
     outcome.attempts.append(Attempt([], report.summary(), verdict.label, verdict.failures))
     log(f"[canary] w8a8 candidate: {verdict.label}" + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
@@ -230,8 +242,7 @@ def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], probe, thresholds: 
     for k in fallback_schedule(min(max_fp_layers, len(names))):
         kept = [n for n, _ in outcome.sensitivity[:k]]
         int8 = plan.convert(policy, [n for n in names if n not in kept])
-        report = measure(int8)
-        verdict = evaluate_gate(report, thresholds)
+        report, verdict = _measure_cheap_first(int8, thresholds, measure, measure_logits)
         outcome.attempts.append(Attempt(list(kept), report.summary(), verdict.label, verdict.failures))
         log(f"[canary] fallback {k} layer(s) to float: {verdict.label}, top-1 {report.top1_agreement:.4f}, "
             f"KL mean {report.kl_mean:.4g}, greedy {report.greedy_agreement}")

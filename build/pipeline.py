@@ -26,7 +26,7 @@ from build.w8a8 import onnx_recipe_note, w8a8_summary
 from build.config import BuildConfig
 from build.faults import apply_scale_fault
 from build.manifest import manifest_hash, write_manifest
-from build.progress import Stages, bar, log
+from build.progress import Stages, Throttled, bar, log
 from quantize import recipes, task
 from quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
 from quantize.fidelity import FidelityReport, GateVerdict, measure_fidelity
@@ -68,8 +68,18 @@ def make_rollouts(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok,
         return mesh_rollouts(mesh, prompt_ids, tok.eos_token_id)
     if cfg.rollouts.engine == "vllm":
         return data.vllm_rollouts(policy_dir, prompt_ids, max_new)
-    b = bar(len(prompt_ids), "rollouts", "seq")
-    outs = data.local_rollouts(policy, prompt_ids, max_new, tok.eos_token_id, tick=lambda: b.update(1))
+    return logged_local_rollouts(policy, prompt_ids, max_new, tok.eos_token_id, "rollouts")
+
+
+def logged_local_rollouts(policy, prompt_ids, max_new: int, eos, what: str) -> List[List[int]]:
+    """Local greedy rollouts with a bar on a terminal and a progress line at least every 20 s."""
+    b, every = bar(len(prompt_ids), what, "seq"), Throttled()
+
+    def tick() -> None:
+        b.update(1)
+        every(b.n, len(prompt_ids), f"[{what}] sequences done")
+
+    outs = data.local_rollouts(policy, prompt_ids, max_new, eos, tick=tick)
     b.close()
     return outs
 
@@ -147,7 +157,8 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
             completions = make_rollouts(cfg, mesh, policy_dir, policy, tok, cal_ids)
             seqs = [p + c for p, c in zip(cal_ids, completions)]
             source = f"{cfg.rollouts.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
-        gold_completions = data.local_rollouts(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
+        gold_completions = logged_local_rollouts(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id,
+                                                 "golden rollouts")
         golden = data.golden_items(prompts, gold_ids, gold_completions)
         batches = data.calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)
         s.detail = (f"{len(seqs)} calibration sequences from {source}, {len(golden)} golden items, "
@@ -348,7 +359,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     trials = []
     for recipe in candidates:
         if recipe.base_mode == "w8a8":
-            outcome = gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure)
+            logits_only = lambda m: measure_fidelity(policy, m, golden, generate=False, **kw)  # noqa: E731
+            outcome = gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure, logits_only)
         elif not c.enabled:
             prepared, _ = calibrated.get(recipe.smooth)
             int8 = recipes.convert(prepared, recipe)
@@ -382,8 +394,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     return winner["outcome"], winner["recipe"], summary
 
 
-def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure
-                        ) -> CanaryOutcome:
+def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure,
+                        measure_logits) -> CanaryOutcome:
     from build.canary import gate_w8a8
     from build.w8a8 import sensitivity_probe
 
@@ -393,7 +405,7 @@ def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: Calibrated
         int8 = plan.convert(policy, names)
         return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
     return gate_w8a8(policy, plan, names, sensitivity_probe(calibrated.batches), cfg.canary.thresholds(),
-                     cfg.canary.max_fp_layers, measure)
+                     cfg.canary.max_fp_layers, measure, measure_logits)
 
 
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
