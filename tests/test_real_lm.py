@@ -53,8 +53,8 @@ def test_the_build_reports_each_w8a8_step(smollm2_bundle):
 def test_int8_artifact_decodes_with_per_token_int8_kernels(smollm2_bundle):
     out, _ = smollm2_bundle
     ts = torch.jit.load(str(out / "int8" / "policy.ts"))
-    code = ts.layers[0].self_attn.q_proj.code if hasattr(ts.layers[0].self_attn.q_proj, "code") else ""
-    assert "_int_mm" in code
+    int8 = [m for m in ts.modules() if m.original_name == "Int8TokenLinear"]
+    assert int8 and all("_int_mm" in m.code for m in int8)
     k, v = ts.new_cache(1, 24)
     logits = ts.prefill(torch.tensor([[1, 9690, 198, 2683, 359, 253]]), k, v)
     nxt = ts.decode(logits[:, -1:].argmax(-1), 6, k, v)
