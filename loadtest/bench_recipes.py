@@ -108,7 +108,7 @@ def main() -> None:
     with torch.no_grad():
         for p in fp16.parameters():
             p.copy_(p.half().float())
-    report("FP16 weights (the fp16/ artifact)", fp16, "all (float16)")
+    report("FP16-rounded weights (fp32 compute)", fp16, "all (fp16 weights)")
     for scheme in ("static", "smooth-dynamic"):
         model, floats = ao_recipe(policy, batches, scheme)
         report(f"{scheme} (torch.ao)", model, "embed_tokens, lm_head")
