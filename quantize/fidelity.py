@@ -211,10 +211,3 @@ def evaluate_gate(report: FidelityReport, t: GateThresholds) -> GateVerdict:
     if report.reward_delta is not None and -report.reward_delta > t.max_reward_drop:
         fails.append(f"reward_drop {-report.reward_delta:.4f} > max {t.max_reward_drop}")
     return GateVerdict(not fails, fails)
-
-
-def kl_only(reference, candidate, items: Sequence[GoldenItem]) -> tuple[float, float]:
-    """(KL mean, top-1 agreement) on teacher-forced golden sequences: the cheap sensitivity probe."""
-    agree, kl = compare_logits(teacher_forced_logits(policy_logits_fn(reference), items),
-                               teacher_forced_logits(policy_logits_fn(candidate), items))
-    return float(kl.mean()), agree
