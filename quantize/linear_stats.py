@@ -16,14 +16,13 @@ Every statistic merges exactly across shards: max, sum, concatenation in shard o
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from quantize.model import full_logits
+from quantize.model import run_with_hooks
 from quantize.smooth import smoothing_groups
 
 HEAD_GROUP = "norm"
@@ -70,12 +69,7 @@ def collect_token_absmax(policy: nn.Module, batches: Iterable[Tensor], layers: O
     seen: Dict[str, List[Tensor]] = {g: [] for g in groups}
     hooks = _hook_first_consumers(policy, groups, lambda g, x: seen[g].append(
         x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=1).float()))
-    try:
-        for batch in batches:
-            full_logits(policy, batch)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_hooks(policy, batches, hooks)
     return {g: torch.cat(v) if v else torch.zeros(0) for g, v in seen.items()}
 
 
@@ -117,13 +111,7 @@ def collect_group_stats(policy: nn.Module, batches: Iterable[Tensor], thresholds
     if HEAD_GROUP not in groups:  # stop each forward after the last layer these groups live in
         last = max(int(g.split(".")[1]) for g in groups)
         hooks.append(policy.layers[last].register_forward_hook(lambda *_: _raise_stop()))
-    try:
-        for batch in batches:
-            with contextlib.suppress(_StopForward):
-                full_logits(policy, batch)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_hooks(policy, batches, hooks, stop=(_StopForward,))
     return stats
 
 

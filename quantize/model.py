@@ -296,6 +296,21 @@ def full_logits(policy: nn.Module, tokens: Tensor) -> Tensor:
 
 
 @torch.no_grad()
+def run_with_hooks(policy: nn.Module, batches, hooks: list, stop: Tuple[type, ...] = ()) -> None:
+    """Teacher-forced forwards over ``batches`` for the hooks' sake; the hook handles are removed
+    afterwards. An exception of a ``stop`` type ends that batch's forward early (a hook saw enough)."""
+    try:
+        for batch in batches:
+            try:
+                full_logits(policy, batch)
+            except stop:
+                continue
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@torch.no_grad()
 def greedy_generate(
     policy: nn.Module, prompt: List[int], max_new_tokens: int, eos_token_id: Optional[int] = None
 ) -> List[int]:

@@ -40,7 +40,7 @@ def smoothing_groups(policy: nn.Module) -> List[Tuple[str, List[str]]]:
 @torch.no_grad()
 def collect_channel_absmax(policy: nn.Module, batches: Iterable[Tensor]) -> ChannelStats:
     """Per input channel max |x| of every consumer linear (forward pre-hooks; merge = elementwise max)."""
-    from quantize.model import full_logits
+    from quantize.model import run_with_hooks
 
     names = {c for _, consumers in smoothing_groups(policy) for c in consumers}
     stats: ChannelStats = {}
@@ -51,12 +51,7 @@ def collect_channel_absmax(policy: nn.Module, batches: Iterable[Tensor]) -> Chan
                 x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
                 stats[name] = torch.maximum(stats[name], x) if name in stats else x
             hooks.append(mod.register_forward_pre_hook(hook))
-    try:
-        for batch in batches:
-            full_logits(policy, batch)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_hooks(policy, batches, hooks)
     return stats
 
 
@@ -69,21 +64,24 @@ def merge_channel_stats(parts: List[ChannelStats]) -> ChannelStats:
     return out
 
 
+def group_scale(policy: nn.Module, producer: str, consumers: List[str], x_max: Tensor, alpha: float) -> Tensor:
+    """SmoothQuant's s for one group from its input's per-channel max |x| (per producer channel)."""
+    mods = dict(policy.named_modules())
+    w_max = torch.cat([mods[c].weight.detach().abs() for c in consumers], dim=0).amax(dim=0)
+    if producer.endswith("v_proj"):  # GQA: one s per kv channel, shared by the query heads reading it
+        attn = mods[producer.rsplit(".", 1)[0]]
+        rep = attn.n_heads // attn.n_kv_heads
+        x_max = x_max.view(attn.n_kv_heads, rep, attn.head_dim).amax(dim=1).reshape(-1)
+        w_max = w_max.view(attn.n_kv_heads, rep, attn.head_dim).amax(dim=1).reshape(-1)
+    s = x_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)
+    return s.clamp(1e-4, 1e4)
+
+
 def smoothing_scales(policy: nn.Module, stats: ChannelStats, alpha: float) -> Dict[str, Tensor]:
     """Per group (keyed by producer name): the per-channel s that smoothing divides X by."""
-    mods = dict(policy.named_modules())
-    scales = {}
-    for producer, consumers in smoothing_groups(policy):
-        x_max = torch.stack([stats[c] for c in consumers]).amax(dim=0)
-        w_max = torch.cat([mods[c].weight.detach().abs() for c in consumers], dim=0).amax(dim=0)
-        if producer.endswith("v_proj"):  # GQA: one s per kv channel, shared by the query heads reading it
-            attn = mods[producer.rsplit(".", 1)[0]]
-            rep = attn.n_heads // attn.n_kv_heads
-            x_max = x_max.view(attn.n_kv_heads, rep, attn.head_dim).amax(dim=1).reshape(-1)
-            w_max = w_max.view(attn.n_kv_heads, rep, attn.head_dim).amax(dim=1).reshape(-1)
-        s = x_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)
-        scales[producer] = s.clamp(1e-4, 1e4)
-    return scales
+    return {producer: group_scale(policy, producer, consumers,
+                                  torch.stack([stats[c] for c in consumers]).amax(dim=0), alpha)
+            for producer, consumers in smoothing_groups(policy)}
 
 
 @torch.no_grad()

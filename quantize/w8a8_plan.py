@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from quantize.gptq import gptq_quantize
 from quantize.linear_stats import HEAD_GROUP, LinearStats
-from quantize.smooth import apply_smoothing, smoothing_groups
+from quantize.smooth import apply_smoothing, group_scale, smoothing_groups
 from quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight
 
 
@@ -35,17 +35,6 @@ def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
     attn = policy.get_submodule(producer.rsplit(".", 1)[0])
     rep = attn.n_heads // attn.n_kv_heads
     return s.view(attn.n_kv_heads, 1, attn.head_dim).expand(-1, rep, -1).reshape(-1)
-
-
-def _group_scale(policy: nn.Module, producer: str, consumers: List[str], x_max: Tensor, alpha: float) -> Tensor:
-    """SmoothQuant's s for one group (per producer channel; see quantize.smooth)."""
-    w_max = torch.cat([policy.get_submodule(c).weight.detach().abs() for c in consumers]).amax(dim=0)
-    if producer.endswith("v_proj"):
-        attn = policy.get_submodule(producer.rsplit(".", 1)[0])
-        rep = attn.n_heads // attn.n_kv_heads
-        x_max = x_max.view(attn.n_kv_heads, rep, attn.head_dim).amax(dim=1).reshape(-1)
-        w_max = w_max.view(attn.n_kv_heads, rep, attn.head_dim).amax(dim=1).reshape(-1)
-    return (x_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)).clamp(1e-4, 1e4)
 
 
 def relative_output_error(x: Tensor, weight: Tensor, q_weight: Tensor, s_in: Optional[Tensor] = None) -> float:
@@ -164,7 +153,7 @@ def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max:
     best: Tuple[float, Tensor, Optional[float]] = (float("inf"), torch.ones(_channels(policy, producer, consumers)), None)
     for alpha in (None, *alphas):
         s = (torch.ones(_channels(policy, producer, consumers)) if alpha is None
-             else _group_scale(policy, producer, consumers, x_max, alpha))
+             else group_scale(policy, producer, consumers, x_max, alpha))
         s_in = _input_scale(policy, producer, s)
         err = 0.0
         for w in weights:
