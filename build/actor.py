@@ -13,8 +13,8 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 from torch import Tensor
 
-from build.faults import Fault
-from quantize import recipes
+from policy_bundle.bundle.faults import Fault
+from policy_bundle.quantize import recipes
 
 class CalibrationActor(Actor):
     """Holds one prepared copy of the policy; all endpoints are sync (Monarch refuses mixed actors)."""
@@ -29,7 +29,7 @@ class CalibrationActor(Actor):
               fault: str, generation: int) -> Dict[str, int]:
         """Load the policy and prepare observers. ``rank`` is the controller's worker number (the
         Monarch rank of a one-actor slice is always 0)."""
-        from quantize.model import load_policy
+        from policy_bundle.quantize.model import load_policy
 
         torch.set_num_threads(threads)
         self.policy_dir = policy_dir
@@ -51,10 +51,10 @@ class CalibrationActor(Actor):
     @endpoint
     def rollouts(self, shard: int, prompt_ids: List[List[int]], max_new_tokens: int,
                  eos: Optional[int], engine: str) -> List[List[int]]:
-        from quantize.model import greedy_generate
+        from policy_bundle.quantize.model import greedy_generate
 
         if engine == "vllm":  # one engine per actor, on this actor's share of the prompts
-            from build.data import vllm_rollouts
+            from policy_bundle.build.data import vllm_rollouts
 
             self._maybe_fail(shard, 0)
             return vllm_rollouts(self.policy_dir, prompt_ids, max_new_tokens)
@@ -77,7 +77,7 @@ class CalibrationActor(Actor):
     @endpoint
     def channel_stats(self, shard: int, batches: List[Tensor]) -> Dict[str, Tensor]:
         """Per input channel max |x| of the smoothing groups' linears over this shard."""
-        from quantize.smooth import collect_channel_absmax
+        from policy_bundle.quantize.smooth import collect_channel_absmax
 
         self._maybe_fail(shard, 0)
         return collect_channel_absmax(self.policy, batches)
@@ -85,7 +85,7 @@ class CalibrationActor(Actor):
     @endpoint
     def smooth(self, scales: Dict[str, Tensor]) -> bool:
         """Re-prepare from the smoothed policy (the same scales the controller applies)."""
-        from quantize.smooth import apply_smoothing
+        from policy_bundle.quantize.smooth import apply_smoothing
 
         self.prepared = recipes.prepare(apply_smoothing(self.policy, scales), self.recipe)
         return True
@@ -93,7 +93,7 @@ class CalibrationActor(Actor):
     @endpoint
     def token_absmax(self, shard: int, batches: List[Tensor]) -> Dict[str, Tensor]:
         """w8a8 pass 1: every row's max |x| per input group, over this shard."""
-        from quantize.linear_stats import collect_token_absmax
+        from policy_bundle.quantize.linear_stats import collect_token_absmax
 
         self._maybe_fail(shard, 0)
         return collect_token_absmax(self.policy, batches)
@@ -101,7 +101,7 @@ class CalibrationActor(Actor):
     @endpoint
     def group_stats(self, shard: int, batches: List[Tensor], thresholds: Dict[str, float], hessians: bool):
         """w8a8 pass 2 for the groups in ``thresholds`` (a few layers per call: Hessians are large)."""
-        from quantize.linear_stats import collect_group_stats
+        from policy_bundle.quantize.linear_stats import collect_group_stats
 
         self._maybe_fail(shard, 0)
         return collect_group_stats(self.policy, batches, thresholds, hessians=hessians, seed=shard)

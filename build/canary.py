@@ -15,9 +15,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from build.progress import log
-from quantize import recipes
-from quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits, evaluate_gate,
+from policy_bundle.build.progress import log
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits, evaluate_gate,
                                policy_logits_fn, teacher_forced_logits)
 
 
@@ -52,7 +52,7 @@ def layer_sensitivity(policy: nn.Module, prepared: nn.Module, recipe: recipes.Re
     is then swapped into the float model for one teacher-forced pass. (One conversion per layer took
     over 25 minutes on a 135M LM.)
     """
-    from build.progress import Throttled
+    from policy_bundle.build.progress import Throttled
 
     layers = recipes.selected_linears(prepared, recipe)
     quantized = recipes.convert(prepared, recipe)
@@ -243,8 +243,8 @@ def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], probe, thresholds: 
               measure_logits: Optional[Callable[[nn.Module], FidelityReport]] = None) -> CanaryOutcome:
     """The w8a8 gate: convert, measure; on failure rank the linears by end-to-end sensitivity on a
     probe (one forward each) and keep the top 1, 2, 4, ... in float until the gate passes."""
-    from build.progress import Throttled
-    from quantize.w8a8_plan import layer_sensitivity
+    from policy_bundle.build.progress import Throttled
+    from policy_bundle.quantize.w8a8_plan import layer_sensitivity
 
     int8 = plan.convert(policy, names)
     report, verdict = _measure_cheap_first(int8, thresholds, measure, measure_logits)

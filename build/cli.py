@@ -24,8 +24,8 @@ def _quiet_runtime() -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from build.config import load_config
-    from build.pipeline import run_build
+    from policy_bundle.build.config import load_config
+    from policy_bundle.build.pipeline import run_build
 
     cfg = load_config(Path(args.config) if args.config else None, tuple(args.set or ()))
     result = run_build(cfg, Path(args.out), force=args.force)
@@ -44,7 +44,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from build.manifest import verify_bundle
+    from policy_bundle.bundle.manifest import verify_bundle
 
     n = verify_bundle(Path(args.bundle))
     print(f"ok: {n} files match {Path(args.bundle) / 'bundle.json'}")
@@ -52,7 +52,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_check_fp16(args: argparse.Namespace) -> int:
-    from build.fp16check import check_fp16
+    from policy_bundle.build.fp16check import check_fp16
 
     res = check_fp16(Path(args.bundle), args.engine)
     ok = res.greedy_agreement >= args.min_agreement
@@ -62,13 +62,13 @@ def cmd_check_fp16(args: argparse.Namespace) -> int:
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
-    from build.canary import metrics_table
-    from build.config import config_from_dict
-    from build.data import load_tokenizer, read_golden_jsonl
-    from build.manifest import read_manifest, verify_bundle
-    from build.pipeline import fidelity_kwargs
-    from quantize.fidelity import evaluate_gate, measure_fidelity
-    from quantize.model import load_policy
+    from policy_bundle.build.canary import metrics_table
+    from policy_bundle.build.config import config_from_dict
+    from policy_bundle.build.data import load_tokenizer, read_golden_jsonl
+    from policy_bundle.bundle.manifest import read_manifest, verify_bundle
+    from policy_bundle.build.pipeline import fidelity_kwargs
+    from policy_bundle.quantize.fidelity import evaluate_gate, measure_fidelity
+    from policy_bundle.quantize.model import load_policy
 
     bundle = Path(args.bundle)
     verify_bundle(bundle)

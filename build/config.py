@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
-from quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig
+from policy_bundle.quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig
 
 
 class ConfigError(ValueError):
@@ -77,7 +77,7 @@ class CanarySection:
     max_fp_layers: int = 8  # layer fallback budget; 0 = no fallback, fail at once
 
     def thresholds(self):
-        from quantize.fidelity import GateThresholds
+        from policy_bundle.quantize.fidelity import GateThresholds
 
         return GateThresholds(self.max_reward_drop, self.min_top1_agreement, self.max_kl_mean, self.max_kl_p99,
                               self.min_greedy_agreement)

@@ -11,10 +11,11 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from build.config import BuildConfig, ConfigError
-from quantize import task
-from quantize.fidelity import GoldenItem
-from quantize.model import UnsupportedModelError, greedy_generate, load_hf_config
+from policy_bundle.build.config import BuildConfig, ConfigError
+from policy_bundle.bundle.info import encode_prompt, load_tokenizer, read_golden_jsonl, write_golden_jsonl  # noqa: F401
+from policy_bundle.quantize import task
+from policy_bundle.quantize.fidelity import GoldenItem
+from policy_bundle.quantize.model import UnsupportedModelError, greedy_generate, load_hf_config
 
 GENERAL_PROMPTS = Path(__file__).parent / "prompts" / "general.txt"
 
@@ -22,7 +23,7 @@ GENERAL_PROMPTS = Path(__file__).parent / "prompts" / "general.txt"
 def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> Path:
     """The HF directory of the FP32 policy: the embedded reference policy or a user path."""
     if cfg.policy.source == "reference":
-        from quantize.reference import ensure_reference_policy
+        from policy_bundle.quantize.reference import ensure_reference_policy
 
         return ensure_reference_policy(log=log)
     path = Path(cfg.policy.source).expanduser()
@@ -44,11 +45,6 @@ def is_task_policy(cfg: BuildConfig) -> bool:
     return cfg.policy.source == "reference" or (Path(cfg.policy.source) / "reference.json").is_file()
 
 
-def load_tokenizer(policy_dir: Path):
-    from transformers import AutoTokenizer
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return AutoTokenizer.from_pretrained(str(policy_dir), local_files_only=True)
 
 
 def read_prompts_file(path: Path) -> List[str]:
@@ -72,12 +68,6 @@ def read_prompts_file(path: Path) -> List[str]:
     return prompts
 
 
-def encode_prompt(tok, prompt: str) -> List[int]:
-    """Token ids of a prompt; chat templates applied when the tokenizer has one."""
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False)["input_ids"]
-    return tok(prompt)["input_ids"]
 
 
 @dataclass
@@ -169,14 +159,3 @@ def golden_items(prompts: PromptSplit, prompt_ids: List[List[int]], completions:
         GoldenItem(prompt=p, prompt_ids=list(ids), completion_ids=list(c), answer=a)
         for p, ids, c, a in zip(prompts.golden, prompt_ids, completions, answers)
     ]
-
-
-def write_golden_jsonl(items: Sequence[GoldenItem], path: Path) -> None:
-    with path.open("w") as f:
-        for it in items:
-            f.write(json.dumps({"prompt": it.prompt, "prompt_ids": it.prompt_ids,
-                                "completion_ids": it.completion_ids, "answer": it.answer}) + "\n")
-
-
-def read_golden_jsonl(path: Path) -> List[GoldenItem]:
-    return [GoldenItem(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]

@@ -13,8 +13,8 @@ from typing import List, Optional
 
 import torch
 
-from build.data import read_golden_jsonl
-from build.manifest import read_manifest, verify_files
+from policy_bundle.build.data import read_golden_jsonl
+from policy_bundle.bundle.manifest import read_manifest, verify_files
 
 
 @dataclass(frozen=True)

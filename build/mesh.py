@@ -22,10 +22,10 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 from torch import Tensor
 
-from build.config import BuildConfig
+from policy_bundle.build.config import BuildConfig
 
-from build.progress import log
-from quantize import recipes
+from policy_bundle.build.progress import log
+from policy_bundle.quantize import recipes
 
 
 
@@ -58,7 +58,7 @@ class CalibrationMesh:
         self.workers: List[Worker] = []
         self.generation = 0
         self.smoothing = None  # scales every (re)spawned actor applies before calibrating
-        from build.faults import FAULT_ENV
+        from policy_bundle.bundle.faults import FAULT_ENV
 
         self.fault = os.environ.get(FAULT_ENV, "")
 
@@ -87,7 +87,7 @@ class CalibrationMesh:
         return procs
 
     def _spawn_workers(self, procs, count: int) -> List[Worker]:
-        from build.actor import CalibrationActor
+        from policy_bundle.build.actor import CalibrationActor
 
         mesh = procs.spawn(f"calibration{self.generation}", CalibrationActor)
         threads = max(1, (os.cpu_count() or 1) // max(1, self.cfg.calibration.procs))
@@ -203,7 +203,7 @@ def mesh_calibrate(mesh: CalibrationMesh, batches: Sequence[Tensor]) -> recipes.
 
 def mesh_channel_stats(mesh: CalibrationMesh, batches: Sequence[Tensor]):
     """Per-channel max |x| for smoothing, sharded over the actors and merged (exact max)."""
-    from quantize.smooth import merge_channel_stats
+    from policy_bundle.quantize.smooth import merge_channel_stats
 
     shards = shard(batches, len(mesh.workers))
     parts = mesh.run_shards("channel_stats", [(s,) for s in shards], [sum(len(b) for b in s) for s in shards],

@@ -20,17 +20,18 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
-from build import data
-from build.canary import CanaryGateError, CanaryOutcome, add_artifact_comparison, gate_with_fallback, write_report
-from build.w8a8 import onnx_recipe_note, w8a8_summary
-from build.config import BuildConfig
-from build.faults import apply_scale_fault
-from build.manifest import manifest_hash, write_manifest
-from build.progress import Stages, Throttled, bar, log
-from quantize import recipes, task
-from quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
-from quantize.fidelity import FidelityReport, GateVerdict, measure_fidelity
-from quantize.model import CastPolicy, Policy, load_hf_config, load_policy
+from policy_bundle.build import data
+from policy_bundle.build.canary import CanaryGateError, CanaryOutcome, add_artifact_comparison, gate_with_fallback, write_report
+from policy_bundle.build.w8a8 import onnx_recipe_note, w8a8_summary
+from policy_bundle.build.config import BuildConfig
+from policy_bundle.bundle.faults import active_fault, apply_scale_fault, fault_spec
+from policy_bundle.bundle.info import serving_section
+from policy_bundle.bundle.manifest import manifest_hash, write_manifest
+from policy_bundle.build.progress import Stages, Throttled, bar, log
+from policy_bundle.quantize import recipes, task
+from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
+from policy_bundle.quantize.fidelity import FidelityReport, GateVerdict, measure_fidelity
+from policy_bundle.quantize.model import CastPolicy, Policy, load_hf_config, load_policy
 
 INT8_TS = "int8/policy.ts"
 INT8_ONNX = "int8/policy-int8.onnx"
@@ -63,7 +64,7 @@ def make_rollouts(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok,
     """Completions for calibration prompts: on the Monarch mesh, or in-process (vLLM or local generate)."""
     max_new = cfg.prompts.max_new_tokens
     if mesh is not None:
-        from build.mesh import mesh_rollouts
+        from policy_bundle.build.mesh import mesh_rollouts
 
         return mesh_rollouts(mesh, prompt_ids, tok.eos_token_id)
     if cfg.rollouts.engine == "vllm":
@@ -87,7 +88,7 @@ def logged_local_rollouts(policy, prompt_ids, max_new: int, eos, what: str) -> L
 def calibrate_observers(mesh, prepared, batches) -> recipes.ObserverState:
     """Observer state over all calibration batches: sharded over the Monarch mesh or in-process."""
     if mesh is not None:
-        from build.mesh import mesh_calibrate
+        from policy_bundle.build.mesh import mesh_calibrate
 
         return mesh_calibrate(mesh, batches)
     b = bar(len(batches), "calibrate", "batch")
@@ -103,6 +104,7 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False) -> BuildResult:
     if out.exists() and not force:
         raise BundleExistsError(f"output directory {out} already exists (use --force to replace it)")
     torch.manual_seed(cfg.seed)
+    active_fault()  # announced (and recorded in the manifest) when a test fault is set
     stages = Stages(9)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -125,7 +127,7 @@ def optional_mesh(cfg: BuildConfig, policy_dir: Path) -> Iterator[Any]:
     if cfg.calibration.procs == 0:
         yield None
         return
-    from build.mesh import calibration_mesh
+    from policy_bundle.build.mesh import calibration_mesh
 
     with calibration_mesh(cfg, policy_dir) as mesh:
         yield mesh
@@ -233,6 +235,9 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
                           "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.export.onnx else None,
                           "fp16_hf": "fp16", "golden": "golden.jsonl"},
             "fidelity": fidelity,
+            "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, data.is_task_policy(cfg),
+                                       cfg.canary.thresholds()),
+            "test_fault": fault_spec(),
         }
         sha = write_manifest(tmp, body)
         s.detail = f"{len(json.loads((tmp / 'bundle.json').read_text())['files'])} files, sha256 {sha[:16]}"
@@ -240,7 +245,7 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
     int8_tag = fp16_tag = None
     with stages.run("register in BentoML model store") as s:
         if cfg.register.bentoml:
-            from build.store import register_bundle
+            from policy_bundle.build.store import register_bundle
 
             reg = register_bundle(tmp, version=f"{cfg.name}-{sha[:12]}", manifest_sha=manifest_hash(tmp))
             int8_tag, fp16_tag = reg.int8_tag, reg.fp16_tag
@@ -267,7 +272,7 @@ class CalibratedModels:
         self.plans: dict = {}  # w8a8: plan per (smooth, rounding, ...)
 
     def linear_stats(self, recipe: recipes.RecipeConfig):
-        from build.w8a8 import collect_stats
+        from policy_bundle.build.w8a8 import collect_stats
 
         key = (recipe.rounding == "gptq", recipe.outlier_ratio)
         if key not in self.stats:
@@ -275,7 +280,7 @@ class CalibratedModels:
         return self.stats[key]
 
     def plan(self, recipe: recipes.RecipeConfig):
-        from build.w8a8 import make_plan
+        from policy_bundle.build.w8a8 import make_plan
 
         key = _plan_key(recipe)
         if key not in self.plans:
@@ -285,7 +290,7 @@ class CalibratedModels:
     def summary(self, recipe: recipes.RecipeConfig) -> dict:
         """The manifest's calibration section for the recipe that shipped."""
         if recipe.base_mode == "w8a8":
-            from build.w8a8 import stats_summary
+            from policy_bundle.build.w8a8 import stats_summary
 
             return {"statistics": "per input group: row max |x|, channel max |x|, Hessian (gptq), row sample",
                     "groups": stats_summary(self.linear_stats(recipe))}
@@ -294,10 +299,10 @@ class CalibratedModels:
                 "activation_ranges": recipes.activation_ranges(self.get(recipe.smooth)[1])}
 
     def smoothing_scales(self, alpha: float):
-        from quantize.smooth import collect_channel_absmax, smoothing_scales
+        from policy_bundle.quantize.smooth import collect_channel_absmax, smoothing_scales
 
         if self.mesh is not None:
-            from build.mesh import mesh_channel_stats
+            from policy_bundle.build.mesh import mesh_channel_stats
 
             stats = mesh_channel_stats(self.mesh, self.batches)
         else:
@@ -308,12 +313,12 @@ class CalibratedModels:
     def get(self, smooth: bool):
         """(prepared, observer state) of the plain or the smoothed policy."""
         if smooth not in self.cache:
-            from quantize.smooth import apply_smoothing
+            from policy_bundle.quantize.smooth import apply_smoothing
 
             base = apply_smoothing(self.policy, self.scales) if smooth else self.policy
             prepared = recipes.prepare(base, self.cfg.recipe_config())
             if smooth and self.mesh is not None:
-                from build.mesh import mesh_apply_smoothing
+                from policy_bundle.build.mesh import mesh_apply_smoothing
 
                 mesh_apply_smoothing(self.mesh, self.scales)
             state = apply_scale_fault(calibrate_observers(self.mesh, prepared, self.batches))
@@ -396,8 +401,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
 
 def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure,
                         measure_logits) -> CanaryOutcome:
-    from build.canary import gate_w8a8
-    from build.w8a8 import sensitivity_probe
+    from policy_bundle.build.canary import gate_w8a8
+    from policy_bundle.build.w8a8 import sensitivity_probe
 
     plan = calibrated.plan(recipe)
     names = recipes.selected_linears(policy, recipe)

@@ -1,4 +1,4 @@
-"""Register a bundle's two artifacts in the BentoML model store, and fetch them back verified."""
+"""Register a bundle's two artifacts in the BentoML model store (verified reads: ``bundle.store``)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict
 
-from build.manifest import MANIFEST, read_manifest, verify_files
-
-INT8_MODEL, FP16_MODEL = "policy-int8", "policy-fp16"
-# What each store entry holds besides its artifact directory (copied at the entry's root).
-SHARED_FILES = (MANIFEST, "golden.jsonl")
+from policy_bundle.bundle.manifest import read_manifest
+from policy_bundle.bundle.store import FP16_MODEL, INT8_MODEL, SHARED_FILES
 
 
 @dataclass(frozen=True)
@@ -51,12 +48,3 @@ def register_bundle(bundle: Path, version: str, manifest_sha: str) -> Registered
             bentoml.models.delete(tag)
         raise
     return Registered(int8_tag=tags[0], fp16_tag=tags[1])
-
-
-def verified_store_path(tag: str, sub: str) -> Path:
-    """The store entry's directory after re-hashing its ``sub/`` files against its manifest."""
-    import bentoml
-
-    root = Path(bentoml.models.get(tag).path)
-    verify_files(root, read_manifest(root), subdir=sub)
-    return root / sub

@@ -8,7 +8,7 @@ such an app can spawn next to its generator and trainer. Two routes:
 2. File-based: dump the rollouts as ``{"prompt", "completion"}`` JSONL and point a build config's
    ``rollouts.jsonl`` at it (``policy-bundle build --set rollouts.jsonl=rollouts.jsonl ...``).
 
-Run: ``.venv/bin/python -m build.torchforge_example --out /tmp/forge`` (uses the reference policy).
+Run: ``.venv/bin/python -m policy_bundle.build.torchforge_example --out /tmp/forge`` (uses the reference policy).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from build.actor import CalibrationActor
-from build.data import calibration_batches, encode_prompt, load_tokenizer, local_rollouts
-from build.mesh import _import_monarch, shard
-from quantize import recipes, task
-from quantize.model import load_policy
-from quantize.reference import ensure_reference_policy
+from policy_bundle.build.actor import CalibrationActor
+from policy_bundle.build.data import calibration_batches, encode_prompt, load_tokenizer, local_rollouts
+from policy_bundle.build.mesh import _import_monarch, shard
+from policy_bundle.quantize import recipes, task
+from policy_bundle.quantize.model import load_policy
+from policy_bundle.quantize.reference import ensure_reference_policy
 
 
 def collect_rollouts(policy_dir: Path, n: int) -> list[tuple[str, str, list[int]]]:

@@ -11,10 +11,10 @@ from typing import Dict, Sequence
 
 from torch import Tensor, nn
 
-from build.progress import Throttled, log
-from quantize import linear_stats as ls
-from quantize.recipes import RecipeConfig, selected_linears
-from quantize.w8a8_plan import W8A8Plan, build_plan
+from policy_bundle.build.progress import Throttled, log
+from policy_bundle.quantize import linear_stats as ls
+from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
+from policy_bundle.quantize.w8a8_plan import W8A8Plan, build_plan
 
 LAYERS_PER_CALL = 4  # Hessians of 4 SmolLM2-135M layers are ~110 MB per shard
 
@@ -30,7 +30,7 @@ def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: Re
         token_absmax = ls.collect_token_absmax(policy, batches)
         thresholds = ls.outlier_thresholds(token_absmax, recipe.outlier_ratio)
         return ls.collect_group_stats(policy, batches, thresholds, hessians=hessians)
-    from build.mesh import shard
+    from policy_bundle.build.mesh import shard
 
     shards = shard(batches, len(mesh.workers))
     sizes = [sum(len(b) for b in s) for s in shards]

@@ -6,7 +6,7 @@ cache, so its "decode" recomputes the sequence each token), forward (prefill) th
 ``--bundle DIR`` benchmarks a built bundle instead (the real LM: build ``build/configs/smollm2.yaml``),
 peak resident memory (each variant runs in a fresh process, so VmHWM is that variant's alone) and
 artifact size. Throughput at 8 and 32 concurrent requests through the served bundle is
-``loadtest.bench_sweep``. Run: ``.venv/bin/python -m loadtest.bench_int8 [--quick] [--no-vllm]``.
+``loadtest.bench_sweep``. Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_int8 [--quick] [--no-vllm]``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from loadtest.bench_models import bench_models
-from quantize import recipes
-from quantize.export import export_onnx_int8, export_torchscript
-from quantize.model import load_policy
-from serve.engines import vllm_available
+from policy_bundle.loadtest.bench_models import bench_models
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
+from policy_bundle.quantize.model import load_policy
+from policy_bundle.serve.engines import vllm_available
 
 warnings.filterwarnings("ignore")
 
@@ -133,7 +133,7 @@ def run_worker(variant: str, artifact: Path, vocab: int, seq: int, prompt_len: i
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "loadtest.bench_int8", "--worker", variant, "--artifact", str(artifact),
+    cmd = [sys.executable, "-m", "policy_bundle.loadtest.bench_int8", "--worker", variant, "--artifact", str(artifact),
            "--vocab", str(vocab), "--seq", str(seq), "--prompt-len", str(prompt_len),
            "--new-tokens", str(new_tokens), "--repeats", str(args.repeats)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -1,7 +1,7 @@
 """Monarch mesh scaling: rollout and calibration wall time for procs 1 vs 2 on the same data, and the
 mesh start-up cost, side by side in one run (ratios printed, nothing asserted).
 
-Run: ``.venv/bin/python -m loadtest.bench_mesh [--quick]``.
+Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_mesh [--quick]``.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
-from build.config import load_config
-from build.mesh import calibration_mesh, mesh_calibrate, mesh_rollouts
-from loadtest.bench_models import bench_models
+from policy_bundle.build.config import load_config
+from policy_bundle.build.mesh import calibration_mesh, mesh_calibrate, mesh_rollouts
+from policy_bundle.loadtest.bench_models import bench_models
 
 warnings.filterwarnings("ignore")
 
 
 def workload(name: str, policy_dir: Path, quick: bool):
     g = torch.Generator().manual_seed(0)
-    from quantize.model import load_hf_config
+    from policy_bundle.quantize.model import load_hf_config
 
     vocab = load_hf_config(policy_dir).vocab_size
     if name == "reference":

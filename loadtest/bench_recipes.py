@@ -4,7 +4,7 @@ Per recipe: teacher-forced top-1 agreement and KL mean/p99 vs FP32 on the golden
 48-token greedy continuations out of 10 prompts, linears kept in float, and INT8 TorchScript decode
 tok/s at batch 1 with its ratio to HF transformers FP32 ``generate``, all measured in the same run.
 The FP16 directory's weights are a row of their own: the baseline INT8 is judged against.
-Printed, never asserted. Run: ``.venv/bin/python -m loadtest.bench_recipes [--quick]``.
+Printed, never asserted. Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_recipes [--quick]``.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from dataclasses import replace
 
 import torch
 
-from build import data
-from build.config import load_config
-from build.w8a8 import collect_stats, make_plan, sensitivity_probe
-from loadtest.real_lm import smollm2_dir
-from quantize import recipes
-from quantize.fidelity import GoldenItem, measure_fidelity
-from quantize.model import greedy_generate, load_policy
-from quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
-from quantize.w8a8_plan import layer_sensitivity
+from policy_bundle.build import data
+from policy_bundle.build.config import load_config
+from policy_bundle.build.w8a8 import collect_stats, make_plan, sensitivity_probe
+from policy_bundle.loadtest.real_lm import smollm2_dir
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
+from policy_bundle.quantize.model import greedy_generate, load_policy
+from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
+from policy_bundle.quantize.w8a8_plan import layer_sensitivity
 
 warnings.filterwarnings("ignore")
 

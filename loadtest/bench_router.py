@@ -5,7 +5,7 @@ Starts the served bundle (router + both variants) and each variant service on it
   straight to that variant's own ``/generate``;
 - requests/s at 1, 8 and 32 concurrent clients per variant through the router.
 Needs a bundle in the BentoML store (``policy-bundle build ...``). Run:
-``.venv/bin/python -m loadtest.bench_router [--requests 200]``.
+``.venv/bin/python -m policy_bundle.loadtest.bench_router [--requests 200]``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.servers import Server
-from loadtest.stats import pct
+from policy_bundle.loadtest.servers import Server
+from policy_bundle.loadtest.stats import pct
 
 TOKEN = "bench-admin-token"
 PROMPT = "358+64="
@@ -49,10 +49,10 @@ def main() -> None:
     env = {"POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     servers = {"router": Server(env, tmp / "router.log"),
-               "int8": Server(env, tmp / "int8.log", target="serve.variants:Int8Policy")}
+               "int8": Server(env, tmp / "int8.log", target="policy_bundle.serve.variants:Int8Policy")}
     for s in servers.values():
         s.wait_ready(360)
-    servers["fp16"] = Server(env, tmp / "fp16.log", target="serve.variants:Fp16Policy").wait_ready(360)
+    servers["fp16"] = Server(env, tmp / "fp16.log", target="policy_bundle.serve.variants:Fp16Policy").wait_ready(360)
     try:
         status = httpx.get(f"{servers['router'].url}/status", timeout=30).json()
         print(f"variants: int8={status['variants']['int8']['engine']} fp16={status['variants']['fp16']['engine']}")

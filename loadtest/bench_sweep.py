@@ -4,7 +4,7 @@ memory of each variant's worker (with its child processes: vLLM's engine core is
 
 Printed, never asserted; both variants are measured in one run against one server. Needs a bundle
 in the BentoML store (``policy-bundle build ...``). FP16 is served by vLLM where it is importable.
-Run: ``.venv/bin/python -m loadtest.bench_sweep [--seconds 8] [--max-tokens 8]``.
+Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_sweep [--seconds 8] [--max-tokens 8]``.
 
 The knee is the last concurrency before adding clients stops buying throughput: the first level
 whose next doubling raises requests/s by less than 10 % (latency only grows from there on).
@@ -23,10 +23,10 @@ from typing import List
 
 import aiohttp
 
-from loadtest.load import tree_rss_mb
-from loadtest.servers import Server
-from loadtest.stats import pct
-from quantize.task import rollout_prompts
+from policy_bundle.loadtest.load import tree_rss_mb
+from policy_bundle.loadtest.servers import Server
+from policy_bundle.loadtest.stats import pct
+from policy_bundle.quantize.task import rollout_prompts
 
 TOKEN = "bench-admin-token"
 LEVELS = (1, 2, 4, 8, 16, 32)

@@ -1,6 +1,6 @@
 """Rollout drills: build what is needed, serve it, drive load, assert the outcome, write a report.
 
-    .venv/bin/python -m loadtest.drills promote|bad-build|restart|crash|overload|bad-input [--seconds N] [--out DIR]
+    .venv/bin/python -m policy_bundle.loadtest.drills promote|bad-build|restart|crash|overload|bad-input [--seconds N] [--out DIR]
 
 Each drill uses its own BentoML home and state dir under ``--out`` (default ``.cache/drills``),
 sends traffic only to the loopback server it started, and stops by itself. The load (``loadtest/load.py``) is an
@@ -24,9 +24,9 @@ from typing import List, Optional
 import httpx
 import yaml
 
-from loadtest.load import ADMIN, TOKEN, DrillRun, closed_loop, drive, load_and_watch, open_loop, sample_rss, watch
-from loadtest.servers import ROOT, Server
-from loadtest.stats import pct
+from policy_bundle.loadtest.load import ADMIN, TOKEN, DrillRun, closed_loop, drive, load_and_watch, open_loop, sample_rss, watch
+from policy_bundle.loadtest.servers import ROOT, Server
+from policy_bundle.loadtest.stats import pct
 
 SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64",
          "--set", "calibration.procs=0", "--set", "export.onnx=false"]
@@ -34,10 +34,10 @@ SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16"
 
 def build_bundle(home: Path, out: Path, broken: bool) -> str:
     """A small reference bundle registered in ``home``; returns its store version."""
-    from build.manifest import manifest_hash
+    from policy_bundle.bundle.manifest import manifest_hash
 
     env = {**os.environ, "BENTOML_HOME": str(home)}
-    args = [sys.executable, "-m", "build.cli", "build", "--config", "build/configs/reference.yaml", "--out", str(out),
+    args = [sys.executable, "-m", "policy_bundle.build.cli", "build", "--config", "build/configs/reference.yaml", "--out", str(out),
             "--force", *SMALL, "--set", f"name={'broken' if broken else 'good'}"]
     if broken:  # a deliberately broken INT8 policy that a gated build would refuse: gate off, one scale x400
         args += ["--set", "canary.enabled=false"]
@@ -353,7 +353,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out.mkdir(parents=True)
     run = DrillRun(args.drill, out)
     DRILLS[args.drill](run, args.out / "home", args.seconds)
-    from loadtest.report import write_report
+    from policy_bundle.loadtest.report import write_report
 
     report = write_report(run)
     print(f"[{run.name}] {'PASSED' if run.passed else 'FAILED'}: {sum(ok for _, ok in run.checks)}/{len(run.checks)} "

@@ -13,8 +13,8 @@ from typing import List, Optional
 
 import httpx
 
-from loadtest.servers import Server
-from quantize.task import rollout_prompts
+from policy_bundle.loadtest.servers import Server
+from policy_bundle.quantize.task import rollout_prompts
 
 TOKEN = "drill-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

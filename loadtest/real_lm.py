@@ -5,7 +5,7 @@ transformers reads GGUF (with the ``gguf`` package) and dequantizes it into an f
 dequantized weights *are* the FP32 policy every figure compares against. Converted once (about 45 s)
 into ``~/.cache/policy-bundle/smollm2-135m-instruct`` and reused; nothing is downloaded.
 
-Run ``python -m loadtest.real_lm`` to (re)create it and print its path.
+Run ``python -m policy_bundle.loadtest.real_lm`` to (re)create it and print its path.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from quantize.reference import default_cache_dir
+from policy_bundle.quantize.reference import default_cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURE_NAME = "smollm2-135m-instruct"

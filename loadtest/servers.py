@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, env: dict, log: Path, target: str = "serve.service:PolicyRouter"):
+    def __init__(self, env: dict, log: Path, target: str = "policy_bundle.serve.service:PolicyRouter"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log

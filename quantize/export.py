@@ -10,7 +10,7 @@ from typing import List
 import torch
 from torch import Tensor, nn
 
-from quantize.model import FullSequence, Policy, PolicyConfig, save_hf_weights
+from policy_bundle.quantize.model import FullSequence, Policy, PolicyConfig, save_hf_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")

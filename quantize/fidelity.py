@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quantize.model import full_logits, greedy_generate
+from policy_bundle.quantize.model import full_logits, greedy_generate
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from quantize.model import run_with_hooks
-from quantize.smooth import smoothing_groups
+from policy_bundle.quantize.model import run_with_hooks
+from policy_bundle.quantize.smooth import smoothing_groups
 
 HEAD_GROUP = "norm"
 SAMPLE_ROWS_PER_BATCH = 64

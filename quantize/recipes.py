@@ -31,7 +31,7 @@ from torch.ao.quantization import (
     per_channel_dynamic_qconfig,
 )
 
-from quantize.model import full_logits
+from policy_bundle.quantize.model import full_logits
 
 SCHEMES = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic", "w8a8", "smooth-w8a8")
 MODES = ("static", "dynamic", "weight-only", "w8a8", "fp32")  # per-layer overrides

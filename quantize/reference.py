@@ -20,8 +20,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from quantize import task
-from quantize.model import Policy, PolicyConfig, full_logits, greedy_generate, save_hf_weights
+from policy_bundle.quantize import task
+from policy_bundle.quantize.model import Policy, PolicyConfig, full_logits, greedy_generate, save_hf_weights
 
 
 @dataclass(frozen=True)

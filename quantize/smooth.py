@@ -40,7 +40,7 @@ def smoothing_groups(policy: nn.Module) -> List[Tuple[str, List[str]]]:
 @torch.no_grad()
 def collect_channel_absmax(policy: nn.Module, batches: Iterable[Tensor]) -> ChannelStats:
     """Per input channel max |x| of every consumer linear (forward pre-hooks; merge = elementwise max)."""
-    from quantize.model import run_with_hooks
+    from policy_bundle.quantize.model import run_with_hooks
 
     names = {c for _, consumers in smoothing_groups(policy) for c in consumers}
     stats: ChannelStats = {}

@@ -22,10 +22,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from quantize.gptq import gptq_quantize
-from quantize.linear_stats import HEAD_GROUP, LinearStats
-from quantize.smooth import apply_smoothing, group_scale, smoothing_groups
-from quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight
+from policy_bundle.quantize.gptq import gptq_quantize
+from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
+from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
+from policy_bundle.quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight
 
 
 def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
@@ -175,7 +175,7 @@ def layer_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], p
     """
     import torch.nn.functional as F
 
-    from quantize.model import full_logits
+    from policy_bundle.quantize.model import full_logits
 
     model = plan.convert(policy, [])
     ref = F.log_softmax(full_logits(model, probe).double(), dim=-1)

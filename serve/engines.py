@@ -56,7 +56,7 @@ class CachedPolicyEngine:
     """
 
     def __init__(self, module, max_seq_len: int, name: str):
-        from build.faults import active_fault
+        from policy_bundle.bundle.faults import active_fault
 
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
         fault = active_fault()

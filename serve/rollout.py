@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from quantize.fidelity import GateThresholds
+from policy_bundle.quantize.fidelity import GateThresholds
 
 
 @dataclass(frozen=True)

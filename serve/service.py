@@ -1,7 +1,7 @@
 """PolicyRouter: the entry service. OpenAI-compatible API in front of the INT8 and FP16 variants,
 with weighted/sticky routing, shadow traffic, a canaried rollout and an authenticated admin API.
 
-Serve: ``bentoml serve serve.service:PolicyRouter`` (after ``policy-bundle build``).
+Serve: ``bentoml serve policy_bundle.serve.service:PolicyRouter`` (after ``policy-bundle build``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import bentoml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from serve.metrics import Metrics
-from serve.rollout import RolloutController, RolloutStore, Window, analyse
-from serve.schemas import ADMIN_COMMAND, ApiError, ChatRequest, CompletionRequest, openapi_operation, parse_request
-from serve.settings import load_settings
-from serve.variants import VERSION, Fp16Policy, Int8Policy, verified_artifact
+from policy_bundle.serve.metrics import Metrics
+from policy_bundle.serve.rollout import RolloutController, RolloutStore, Window, analyse
+from policy_bundle.serve.schemas import ADMIN_COMMAND, ApiError, ChatRequest, CompletionRequest, openapi_operation, parse_request
+from policy_bundle.serve.settings import load_settings
+from policy_bundle.serve.variants import VERSION, Fp16Policy, Int8Policy, verified_artifact
 
 log = logging.getLogger("policy_bundle.router")
 # The spec is BentoML's /docs.json (it merges these routes); FastAPI's own copy would be a second one.
@@ -77,7 +77,7 @@ class PolicyRouter:
     int8_model = bentoml.models.BentoModel(f"policy-int8:{VERSION}")  # tokenizer, golden set, manifest
 
     def __init__(self) -> None:
-        from build.data import load_tokenizer, read_golden_jsonl
+        from policy_bundle.bundle.info import load_tokenizer, read_golden_jsonl
 
         self.settings = load_settings()
         artifact = verified_artifact(self.int8_model, "int8")
@@ -240,7 +240,7 @@ class PolicyRouter:
             raise ApiError(400, f"body is not valid JSON ({exc})", "body") from None
 
     def encode(self, text: str, chat: bool) -> List[int]:
-        from build.data import encode_prompt
+        from policy_bundle.bundle.info import encode_prompt
 
         if not text.strip():
             raise ApiError(400, "prompt: must not be empty", "messages" if chat else "prompt", text)
@@ -408,8 +408,8 @@ class PolicyRouter:
 
     async def run_golden_canary(self) -> dict:
         """Golden items through both variants, compared with the build's FP32 completions (same metric code)."""
-        from quantize import task
-        from quantize.fidelity import FidelityReport, completion_metrics
+        from policy_bundle.quantize import task
+        from policy_bundle.quantize.fidelity import FidelityReport, completion_metrics
 
         n = min(self.settings.rollout.golden_items, len(self.golden))
         items = [self.golden[(self.golden_cursor + i) % len(self.golden)] for i in range(n)]

@@ -9,8 +9,8 @@ from typing import Optional, Tuple
 
 import yaml
 
-from quantize.fidelity import GateThresholds
-from serve.rollout import RolloutConfig
+from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.serve.rollout import RolloutConfig
 
 
 @dataclass(frozen=True)

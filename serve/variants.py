@@ -14,7 +14,7 @@ from typing import AsyncGenerator, List, Optional
 
 import bentoml
 
-from serve.engines import CachedPolicyEngine, SamplingParams, Step, VllmEngine, vllm_available
+from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams, Step, VllmEngine, vllm_available
 
 log = logging.getLogger("policy_bundle.serve")
 VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
@@ -22,8 +22,8 @@ MAX_SEQ_LEN = int(os.environ.get("POLICY_BUNDLE_MAX_SEQ_LEN", "256"))
 
 
 def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
-    from build.manifest import BundleVerificationError
-    from build.store import verified_store_path
+    from policy_bundle.bundle.manifest import BundleVerificationError
+    from policy_bundle.bundle.store import verified_store_path
 
     try:
         return verified_store_path(str(model.tag), sub)
@@ -139,7 +139,7 @@ class Fp16Policy:
         if vllm_available():
             self.engine = VllmEngine(path, self.max_seq_len)
         else:
-            from quantize.model import load_policy
+            from policy_bundle.quantize.model import load_policy
 
             self.fallback_reason = "vllm is not importable here; serving the FP16 weights with our policy module (FP32)"
             log.warning("FP16 variant: %s", self.fallback_reason)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "build.cli"]
+CLI = [sys.executable, "-m", "policy_bundle.build.cli"]
 SMALL = ("--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64")
 
 

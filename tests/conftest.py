@@ -19,7 +19,7 @@ def bentoml_home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference_dir() -> Path:
-    from quantize.reference import ensure_reference_policy
+    from policy_bundle.quantize.reference import ensure_reference_policy
 
     return ensure_reference_policy()
 

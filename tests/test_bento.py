@@ -10,12 +10,12 @@ import httpx
 from cli_helpers import ROOT
 from serve_helpers import Server, bundle_version
 
-REGISTER = "import sys; from pathlib import Path; from build.store import register_bundle; " \
+REGISTER = "import sys; from pathlib import Path; from policy_bundle.build.store import register_bundle; " \
            "register_bundle(Path(sys.argv[1]), sys.argv[2], sys.argv[3])"
 
 
 def test_built_bento_serves_the_api(small_bundle, tmp_path):
-    from build.manifest import manifest_hash
+    from policy_bundle.bundle.manifest import manifest_hash
 
     env = {**os.environ, "BENTOML_HOME": str(tmp_path / "home"), "BENTOML_DO_NOT_TRACK": "True"}
     reg = subprocess.run([sys.executable, "-c", REGISTER, str(small_bundle), bundle_version(small_bundle),

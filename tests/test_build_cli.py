@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cli_helpers import SMALL, run_cli
-from quantize import recipes, task
+from policy_bundle.quantize import recipes, task
 
 FRESH_TORCHSCRIPT = """
 import sys, torch
@@ -49,7 +49,7 @@ def test_manifest_records_versions_config_calibration_and_fidelity(small_bundle)
 def test_torchscript_generates_in_a_fresh_process_like_eager_int8(small_bundle, tmp_path):
     golden = [json.loads(line) for line in (small_bundle / "golden.jsonl").read_text().splitlines()[:5]]
     scripted = torch.jit.load(str(small_bundle / "int8/policy.ts"))
-    from quantize.model import greedy_generate
+    from policy_bundle.quantize.model import greedy_generate
 
     tok = task.build_tokenizer()
     for g in golden:
@@ -71,7 +71,7 @@ def test_onnx_int8_runs_in_onnxruntime_within_two_points_of_torch_int8(small_bun
 
 
 def test_fp16_directory_reloads_in_transformers_with_fp32_greedy_outputs(small_bundle):
-    from build.fp16check import check_fp16
+    from policy_bundle.build.fp16check import check_fp16
 
     assert check_fp16(small_bundle, "transformers").greedy_agreement >= 0.95
 
@@ -87,14 +87,14 @@ def test_fp16_directory_serves_in_vllm_with_fp32_greedy_outputs(small_bundle):
 def test_both_artifacts_are_in_the_model_store_under_one_version(small_bundle):
     import bentoml
 
-    from build.manifest import manifest_hash
+    from policy_bundle.bundle.manifest import manifest_hash
 
     sha = manifest_hash(small_bundle)
     int8 = [m for m in bentoml.models.list("policy-int8") if m.info.labels.get("manifest_sha256") == sha[:32]]
     fp16 = [m for m in bentoml.models.list("policy-fp16") if m.info.labels.get("manifest_sha256") == sha[:32]]
     assert len(int8) == len(fp16) == 1 and int8[0].tag.version == fp16[0].tag.version
     assert float(int8[0].info.labels["top1_agreement"]) >= 0.95
-    from build.store import verified_store_path
+    from policy_bundle.bundle.store import verified_store_path
 
     assert (verified_store_path(str(int8[0].tag), "int8") / "policy.ts").is_file()
 
@@ -113,8 +113,8 @@ def test_verify_passes_then_names_the_tampered_file(small_bundle, tmp_path):
 def test_store_refuses_an_entry_whose_file_changed(small_bundle):
     import bentoml
 
-    from build.manifest import BundleVerificationError, manifest_hash
-    from build.store import verified_store_path
+    from policy_bundle.bundle.manifest import BundleVerificationError, manifest_hash
+    from policy_bundle.bundle.store import verified_store_path
 
     sha = manifest_hash(small_bundle)
     model = next(m for m in bentoml.models.list("policy-fp16") if m.info.labels.get("manifest_sha256") == sha[:32])
@@ -181,7 +181,7 @@ def test_failing_build_leaves_nothing_behind(tmp_path, bentoml_home):
 
 
 def test_torchforge_example_calibrates_on_its_own_mesh_and_its_jsonl_builds(tmp_path, bentoml_home, reference_dir):
-    res = subprocess.run([sys.executable, "-m", "build.torchforge_example", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, "-m", "policy_bundle.build.torchforge_example", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert torch.jit.load(str(tmp_path / "policy-int8.ts")) is not None

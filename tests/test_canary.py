@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cli_helpers import SMALL, run_cli
-from quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, kl_per_token, top1_agreement
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, kl_per_token, top1_agreement
 
 FAST = (*SMALL, "--set", "calibration.procs=0", "--set", "register.bentoml=false", "--set", "export.onnx=false")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from build.config import ConfigError, load_config
+from policy_bundle.build.config import ConfigError, load_config
 
 
 def test_reference_config_loads_with_mesh_by_default():

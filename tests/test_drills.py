@@ -13,7 +13,7 @@ from cli_helpers import ROOT
 @pytest.mark.parametrize("drill,seconds", [("promote", 120), ("bad-build", 40), ("restart", 40), ("crash", 40),
                                            ("overload", 40), ("bad-input", 40)])
 def test_drill_command_passes_and_writes_its_report(drill, seconds, tmp_path, reference_dir):
-    res = subprocess.run([sys.executable, "-m", "loadtest.drills", drill, "--seconds", str(seconds), "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.drills", drill, "--seconds", str(seconds), "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / drill

@@ -2,7 +2,7 @@
 
 import pytest
 
-from build.manifest import BundleVerificationError, read_manifest, verify_bundle, write_manifest
+from policy_bundle.bundle.manifest import BundleVerificationError, read_manifest, verify_bundle, write_manifest
 
 
 @pytest.fixture

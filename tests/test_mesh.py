@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from build import data
-from build.config import load_config
-from build.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
-from quantize import recipes
-from quantize.model import load_policy
+from policy_bundle.build import data
+from policy_bundle.build.config import load_config
+from policy_bundle.build.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.model import load_policy
 
 
 def descendants(pid: int) -> list[int]:
@@ -122,7 +122,7 @@ def test_no_mesh_processes_outlive_the_mesh(setup, reference_dir, monkeypatch):
 def test_w8a8_statistics_on_the_mesh_equal_one_process(setup, reference_dir):
     """Token maxima, thresholds, channel maxima and row counts are exact; the Hessian sums differ only
     by the order of floating-point additions. (Row samples are drawn per shard, so they differ.)"""
-    from build.w8a8 import collect_stats
+    from policy_bundle.build.w8a8 import collect_stats
 
     policy, _, _, batches = setup
     recipe = config(0).recipe_config("smooth-w8a8")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cli_helpers import SMALL, run_cli
-from quantize import recipes
-from quantize.model import PolicyConfig, full_logits, init_random_policy
-from quantize.smooth import apply_smoothing, collect_channel_absmax, make_outlier_model, smoothing_scales
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.model import PolicyConfig, full_logits, init_random_policy
+from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, make_outlier_model, smoothing_scales
 
 FAST = (*SMALL, "--set", "register.bentoml=false", "--set", "export.onnx=false", "--set", "calibration.procs=0")
 
@@ -76,7 +76,7 @@ def test_weight_only_linear_matches_float_within_int8_rounding():
 
 @pytest.fixture(scope="module")
 def outlier_dir():
-    from loadtest.bench_models import outlier_reference_dir
+    from policy_bundle.loadtest.bench_models import outlier_reference_dir
 
     return outlier_reference_dir()
 

@@ -21,7 +21,7 @@ REDUCED = ("--set", "calibration.samples=32", "--set", "calibration.golden=12", 
 
 @pytest.fixture(scope="module")
 def smollm2_bundle(tmp_path_factory):
-    from loadtest.real_lm import smollm2_dir
+    from policy_bundle.loadtest.real_lm import smollm2_dir
 
     smollm2_dir()
     out = tmp_path_factory.mktemp("real") / "smollm2"

@@ -313,7 +313,7 @@ def test_broken_bundle_is_rolled_back_while_every_request_succeeds(broken_versio
 def test_tampered_store_entry_stops_the_variant_from_starting(small_bundle):
     import bentoml
 
-    from serve.variants import verified_artifact
+    from policy_bundle.serve.variants import verified_artifact
 
     model = bentoml.models.get(f"policy-int8:{bundle_version(small_bundle)}")
     target = model.path_of("int8/config.json")

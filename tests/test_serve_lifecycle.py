@@ -59,7 +59,7 @@ def test_sigterm_lets_in_flight_requests_finish(small_bundle, tmp_path):
 
 def test_score_api_batches_concurrent_callers_with_unbatched_results(small_bundle, tmp_path):
     server = Server(env(tmp_path, bundle_version(small_bundle)), tmp_path / "int8.log",
-                    target="serve.variants:Int8Policy").wait_ready()
+                    target="policy_bundle.serve.variants:Int8Policy").wait_ready()
     rng = torch.Generator().manual_seed(0)
     vocab = json.loads((small_bundle / "int8" / "config.json").read_text())["vocab_size"]
     sequences = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in [5] * 12 + [8] * 12]

@@ -1,6 +1,6 @@
 """The reference task: reward, disjoint splits, HF tokenizer round trip, trained policy accuracy."""
 
-from quantize import task
+from policy_bundle.quantize import task
 
 
 def test_reward_is_exact_match_on_reversed_sum():
@@ -22,8 +22,8 @@ def test_tokenizer_round_trips_and_prepends_bos():
 
 
 def test_reference_policy_solves_held_out_task(reference_dir):
-    from quantize.model import load_policy
-    from quantize.reference import evaluate_accuracy
+    from policy_bundle.quantize.model import load_policy
+    from policy_bundle.quantize.reference import evaluate_accuracy
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(reference_dir))

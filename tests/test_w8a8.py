@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from quantize import linear_stats as ls
-from quantize.gptq import gptq_quantize
-from quantize.model import PolicyConfig, full_logits, greedy_generate, init_random_policy
-from quantize.recipes import RecipeConfig, RecipeError, selected_linears
-from quantize.smooth import make_outlier_model
-from quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, quantize_weight
-from quantize.w8a8_plan import build_plan
+from policy_bundle.quantize import linear_stats as ls
+from policy_bundle.quantize.gptq import gptq_quantize
+from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_generate, init_random_policy
+from policy_bundle.quantize.recipes import RecipeConfig, RecipeError, selected_linears
+from policy_bundle.quantize.smooth import make_outlier_model
+from policy_bundle.quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, quantize_weight
+from policy_bundle.quantize.w8a8_plan import build_plan
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=48)

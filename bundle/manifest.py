@@ -54,19 +54,36 @@ def manifest_hash(root: Path) -> str:
     return sha256_file(Path(root) / MANIFEST)
 
 
-def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None) -> int:
-    """Re-hash every file the manifest lists (only those under ``subdir`` when given).
+def safe_relpath(rel: str) -> str:
+    """A manifest path is relative and stays inside the bundle: no absolute path, no ``..``, no backslash."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or \
+            any(part in ("", ".", "..") for part in rel.split("/")):
+        raise BundleVerificationError(f"{rel!r}: not a relative path inside the bundle (manifest refused)")
+    return rel
 
-    Raises naming the first file that is missing, changed in size or content, or not in the
-    manifest. Returns the number of files checked.
+
+def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None, also: Iterable[str] = ()) -> int:
+    """Re-hash every file the manifest lists (only those under ``subdir``, plus the files named in
+    ``also``, when ``subdir`` is given).
+
+    Raises naming the first file that is missing, changed in size or content, not in the manifest
+    (anywhere, or under ``subdir``), or listed under a path that leaves the bundle. Returns the
+    number of files checked.
     """
     root = Path(root)
     listed = manifest.get("files", {})
+    if not isinstance(listed, dict):
+        raise BundleVerificationError("files: the manifest's file table is not a mapping")
+    for rel in listed:
+        safe_relpath(rel)
     prefix = f"{subdir.rstrip('/')}/" if subdir else ""
+    wanted = set(also)
     checked = 0
     for rel, entry in sorted(listed.items()):
-        if not rel.startswith(prefix):
+        if not (rel.startswith(prefix) or rel in wanted):
             continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+            raise BundleVerificationError(f"{rel}: manifest entry has no size/sha256")
         path = root / rel
         if not path.is_file():
             raise BundleVerificationError(f"{rel}: missing from the bundle")
@@ -75,11 +92,20 @@ def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None) -> in
         if sha256_file(path) != entry["sha256"]:
             raise BundleVerificationError(f"{rel}: sha256 differs from the manifest (file was modified)")
         checked += 1
-    if subdir is None:
-        extra = sorted(set(hash_tree(root)) - set(listed))
-        if extra:
-            raise BundleVerificationError(f"{extra[0]}: not listed in the manifest (file was added)")
+    missing = sorted(wanted - set(listed))
+    if missing:
+        raise BundleVerificationError(f"{missing[0]}: not listed in the manifest")
+    present = _relative_files(root / subdir if subdir else root, prefix)
+    extra = sorted(present - set(listed))
+    if extra:
+        raise BundleVerificationError(f"{extra[0]}: not listed in the manifest (file was added)")
     return checked
+
+
+def _relative_files(top: Path, prefix: str) -> set:
+    """Every file (and symlink) under ``top``, as manifest paths (``prefix`` + path below ``top``)."""
+    return {prefix + p.relative_to(top).as_posix() for p in top.rglob("*")
+            if (p.is_file() or p.is_symlink()) and (prefix or p.relative_to(top).as_posix() != MANIFEST)}
 
 
 def verify_bundle(root: Path) -> int:

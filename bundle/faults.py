@@ -11,11 +11,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 FAULT_ENV = "POLICY_BUNDLE_TEST_FAULT"
+KINDS = ("kill", "raise", "scale", "slow")
+_announced: set = set()
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,33 @@ class Fault:
         if not spec:
             return None
         kind, *fields = spec.split(":")
-        kv = dict(f.split("=", 1) for f in fields)
-        return cls(kind, int(kv.get("rank", -1)), int(kv.get("shard", -1)), int(kv.get("after", 0)),
-                   kv.get("layer", ""), float(kv.get("factor", 1.0)))
+        try:
+            if kind not in KINDS or any("=" not in f for f in fields):
+                raise ValueError
+            kv = dict(f.split("=", 1) for f in fields)
+            return cls(kind, int(kv.get("rank", -1)), int(kv.get("shard", -1)), int(kv.get("after", 0)),
+                       kv.get("layer", ""), float(kv.get("factor", 1.0)))
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}: {spec!r} is not a fault spec (kind one of {', '.join(KINDS)}, "
+                             "then :key=value fields)") from None
+
+
+def fault_spec() -> Optional[str]:
+    """The active fault spec (recorded in the manifest and the servers' health), or None."""
+    return os.environ.get(FAULT_ENV) or None
 
 
 def active_fault() -> Optional[Fault]:
-    return Fault.parse(os.environ.get(FAULT_ENV, ""))
+    """The injected fault, announced once per process on stderr and in the log: a production build or
+    server that has one set says so loudly."""
+    spec = fault_spec()
+    fault = Fault.parse(spec or "")
+    if fault is not None and spec not in _announced:
+        _announced.add(spec)
+        msg = f"policy-bundle: TEST FAULT ACTIVE ({FAULT_ENV}={spec}): this process is deliberately faulty"
+        logging.getLogger("policy_bundle").warning(msg)
+        print(msg, file=sys.stderr, flush=True)
+    return fault
 
 
 def apply_scale_fault(state: dict) -> dict:

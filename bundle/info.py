@@ -1,0 +1,106 @@
+"""What a bundle tells whoever serves or checks it: ``BundleInfo`` from the manifest, the tokenizer, prompt
+encoding (chat template included) and the golden set."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from policy_bundle.bundle.manifest import read_manifest
+from policy_bundle.bundle.store import GOLDEN
+from policy_bundle.quantize.fidelity import GateThresholds, GoldenItem
+
+
+def serving_section(max_seq_len: int, max_new_tokens: int, task: bool, thresholds: GateThresholds) -> dict:
+    """The manifest's ``serving`` section, written by the build and read by ``BundleInfo``."""
+    return {"max_seq_len": int(max_seq_len), "max_new_tokens": int(max_new_tokens), "task": bool(task),
+            "thresholds": asdict(thresholds)}
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    """One place that decides a bundle's serving limits: the router and both variants read the same
+    numbers (a prompt the router accepts fits every variant)."""
+
+    root: Path
+    max_seq_len: int  # prompt + completion tokens, capped by every artifact's max_position_embeddings
+    max_new_tokens: int  # the default completion length
+    has_task: bool  # the policy has a verifiable task: the live canary scores its reward
+    thresholds: GateThresholds  # the build gate's limits, which the live canary applies too
+    manifest_format: str
+
+    @classmethod
+    def read(cls, root: Path) -> "BundleInfo":
+        """From a bundle directory or a store entry (its manifest and the artifact dirs present)."""
+        root = Path(root)
+        m = read_manifest(root)
+        cfg = m.get("config", {})
+        serving = m.get("serving") or {  # bundles written before the serving section
+            "max_seq_len": cfg.get("policy", {}).get("max_seq_len", 256),
+            "max_new_tokens": cfg.get("prompts", {}).get("max_new_tokens", 16),
+            "task": cfg.get("policy", {}).get("source") == "reference" and not cfg.get("prompts", {}).get("file"),
+            "thresholds": {},
+        }
+        known = {f.name for f in fields(GateThresholds)}
+        thresholds = GateThresholds(**{k: v for k, v in (serving.get("thresholds") or {}).items() if k in known})
+        ctx = int(serving["max_seq_len"])
+        for sub in ("int8", "fp16"):
+            conf = root / sub / "config.json"
+            if conf.is_file():
+                ctx = min(ctx, int(json.loads(conf.read_text()).get("max_position_embeddings", ctx)))
+        return cls(root, ctx, int(serving["max_new_tokens"]), bool(serving["task"]), thresholds,
+                   str(m.get("format", "")))
+
+    def golden(self) -> List[GoldenItem]:
+        path = self.root / GOLDEN
+        return read_golden_jsonl(path) if path.is_file() else []
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer stored with an artifact (never fetched from a hub)."""
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def encode_chat(tok, messages: Sequence[dict]) -> List[int]:
+    """Token ids of a conversation (``[{"role", "content"}]``) as the model was trained to see it: the
+    tokenizer's chat template with the generation prompt; without a template, the contents, one per line."""
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return tok("\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def encode_prompt(tok, prompt: str) -> List[int]:
+    """Token ids of a task prompt; chat templates applied (as a user turn) when the tokenizer has one."""
+    return encode_chat(tok, [{"role": "user", "content": prompt}])
+
+
+def encode_text(tok, text: str) -> List[int]:
+    """Token ids of raw text (a completions prompt): no template."""
+    return tok(text)["input_ids"]
+
+
+def decode(tok, ids: Sequence[int]) -> str:
+    """The one decode every path uses (streamed or not), so their texts agree."""
+    return tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def write_golden_jsonl(items: Sequence[GoldenItem], path: Path) -> None:
+    with Path(path).open("w") as f:
+        for it in items:
+            f.write(json.dumps({"prompt": it.prompt, "prompt_ids": it.prompt_ids,
+                                "completion_ids": it.completion_ids, "answer": it.answer}) + "\n")
+
+
+def read_golden_jsonl(path: Path) -> List[GoldenItem]:
+    return [GoldenItem(**json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def golden_answer(item: GoldenItem) -> Optional[str]:
+    return item.answer
