@@ -4,6 +4,8 @@ Only the standard wheel: the editable install maps ``policy_bundle`` to ``policy
 the checkout (exact dev mode), whose search path is the checkout's root.
 """
 
+from pathlib import Path
+
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 FOLDERS = ("bundle", "build", "quantize", "serve", "loadtest")
@@ -11,6 +13,10 @@ FOLDERS = ("bundle", "build", "quantize", "serve", "loadtest")
 
 class NamespaceHook(BuildHookInterface):
     def initialize(self, version, build_data):
-        if self.target_name == "wheel" and version == "standard":
-            for name in FOLDERS:
-                build_data["force_include"][name] = f"policy_bundle/{name}"
+        if self.target_name != "wheel" or version != "standard":
+            return
+        root = Path(self.root)
+        for name in FOLDERS:
+            for path in sorted((root / name).rglob("*")):
+                if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                    build_data["force_include"][str(path)] = f"policy_bundle/{path.relative_to(root).as_posix()}"

@@ -6,7 +6,12 @@
 - ``scale:layer=layers.1.mlp.down_proj:factor=50``: that layer's activation range (and so its scale)
   is multiplied by 50 after calibration, a deliberately broken INT8 candidate;
 - ``slow:factor=0.3``: the served variants' generation sleeps that many seconds per token (so a test
-  can have requests in flight when it stops the server).
+  can have requests in flight when it stops the server);
+- ``loop:name=analysis:count=2``: the router's ``analysis`` (or ``health``) loop raises on its first 2 ticks;
+- ``fail:after=2[:name=int8]``: the served variants (or the one named) fail every generation after its 2nd
+  token (``after=0``: before the first);
+- ``novllm``: the FP16 variant's vLLM engine fails to load (as a broken install would);
+several faults at once: separated by ``;``.
 """
 
 from __future__ import annotations
@@ -15,33 +20,46 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 FAULT_ENV = "POLICY_BUNDLE_TEST_FAULT"
-KINDS = ("kill", "raise", "scale", "slow")
+KINDS = ("kill", "raise", "scale", "slow", "loop", "fail", "novllm")
 _announced: set = set()
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # kill | raise | scale | slow
+    kind: str  # one of KINDS
     rank: int = -1
     shard: int = -1
     after: int = 0
     layer: str = ""
     factor: float = 1.0
+    name: str = ""  # loop: the router's loops it hits (comma-separated); fail: the variant (int8/fp16), "" both
+    count: int = 0  # loop: how many of its ticks raise
+
+    @classmethod
+    def parse_all(cls, spec: str) -> List["Fault"]:
+        """Several faults, separated by ``;``."""
+        return [cls._parse_one(s) for s in (spec or "").split(";") if s.strip()]
 
     @classmethod
     def parse(cls, spec: str) -> Optional["Fault"]:
-        if not spec:
-            return None
-        kind, *fields = spec.split(":")
+        faults = cls.parse_all(spec)
+        return faults[0] if faults else None
+
+    def hits(self, name: str) -> bool:
+        return not self.name or name in self.name.split(",")
+
+    @classmethod
+    def _parse_one(cls, spec: str) -> "Fault":
+        kind, *fields = spec.strip().split(":")
         try:
             if kind not in KINDS or any("=" not in f for f in fields):
                 raise ValueError
             kv = dict(f.split("=", 1) for f in fields)
             return cls(kind, int(kv.get("rank", -1)), int(kv.get("shard", -1)), int(kv.get("after", 0)),
-                       kv.get("layer", ""), float(kv.get("factor", 1.0)))
+                       kv.get("layer", ""), float(kv.get("factor", 1.0)), kv.get("name", ""), int(kv.get("count", 0)))
         except ValueError:
             raise ValueError(f"{FAULT_ENV}: {spec!r} is not a fault spec (kind one of {', '.join(KINDS)}, "
                              "then :key=value fields)") from None
@@ -52,12 +70,13 @@ def fault_spec() -> Optional[str]:
     return os.environ.get(FAULT_ENV) or None
 
 
-def active_fault() -> Optional[Fault]:
-    """The injected fault, announced once per process on stderr and in the log: a production build or
-    server that has one set says so loudly."""
+def active_fault(kind: Optional[str] = None, name: Optional[str] = None) -> Optional[Fault]:
+    """The injected fault (the first of ``kind`` that hits ``name``, when given), announced once per process on
+    stderr and in the log: a production build or server that has one set says so loudly."""
     spec = fault_spec()
-    fault = Fault.parse(spec or "")
-    if fault is not None and spec not in _announced:
+    faults = Fault.parse_all(spec or "")
+    fault = next((f for f in faults if (kind is None or f.kind == kind) and (name is None or f.hits(name))), None)
+    if faults and spec not in _announced:
         _announced.add(spec)
         msg = f"policy-bundle: TEST FAULT ACTIVE ({FAULT_ENV}={spec}): this process is deliberately faulty"
         logging.getLogger("policy_bundle").warning(msg)
@@ -67,8 +86,8 @@ def active_fault() -> Optional[Fault]:
 
 def apply_scale_fault(state: dict) -> dict:
     """Widen one layer's input activation range by ``factor`` (only under a ``scale`` fault)."""
-    fault = active_fault()
-    if fault is None or fault.kind != "scale":
+    fault = active_fault("scale")
+    if fault is None:
         return state
     key = f"{fault.layer}.quant.activation_post_process"
     if key not in state:

@@ -25,9 +25,15 @@ from policy_bundle.loadtest.bench_models import bench_models
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
 from policy_bundle.quantize.model import load_policy
-from policy_bundle.serve.engines import vllm_available
 
 warnings.filterwarnings("ignore")
+
+
+def vllm_available() -> bool:
+    """vLLM importable here (a benchmark is not the service: it never imports serve/)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 def median_time(fn, repeats: int) -> float:

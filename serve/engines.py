@@ -59,8 +59,8 @@ class CachedPolicyEngine:
         from policy_bundle.bundle.faults import active_fault
 
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
-        fault = active_fault()
-        self.delay_s = fault.factor if fault and fault.kind == "slow" else 0.0  # test-only fault switch
+        fault = active_fault("slow")
+        self.delay_s = fault.factor if fault else 0.0  # test-only fault switch
         # Grad mode is per thread: switch it off once on the decode thread (not per generator, whose
         # context managers would interleave across requests).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-decode",
@@ -135,8 +135,9 @@ class VllmEngine:
         self.engine.shutdown()
 
 
-def vllm_available() -> bool:
-    if os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "") not in ("", "0"):
+def vllm_available(importable_only: bool = False) -> bool:
+    """vLLM is importable here and (unless ``importable_only``) not switched off by POLICY_BUNDLE_DISABLE_VLLM."""
+    if not importable_only and os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "") not in ("", "0"):
         return False
     try:
         import vllm  # noqa: F401

@@ -10,11 +10,11 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class RolloutConfig:
     failure_limit: int = 2  # failed analyses in a row before rolling back to 0 %
     max_error_rate: float = 0.05
     max_p99_latency_ratio: float = 3.0  # INT8 p99 / FP16 p99
-    thresholds: GateThresholds = field(default_factory=GateThresholds)
+    thresholds: Optional[GateThresholds] = None  # None: the bundle's own gate thresholds
     shadow_fraction: float = 0.2
     golden_interval_s: float = 60.0
     golden_items: int = 16
@@ -36,7 +36,8 @@ class RolloutConfig:
 class RolloutState:
     weight: float = 0.0  # % of traffic to INT8
     step_index: int = -1
-    # not-started | progressing | waiting (inconclusive data) | paused (operator) | promoted | rolled-back
+    # not-started | progressing | waiting (inconclusive data) | held (operator weight; analyses still roll
+    # back, never promote) | paused (operator: hands off) | promoted | rolled-back
     status: str = "not-started"
     consecutive_failures: int = 0
     updated_at: float = 0.0
@@ -85,9 +86,13 @@ class RolloutStore:
                 raise
 
     def history(self, limit: int = 1000) -> List[Event]:
+        """The newest ``limit`` events, oldest first."""
         rows = self.db.execute("SELECT ts, event, from_weight, to_weight, reason, metrics FROM history "
-                               "ORDER BY id LIMIT ?", (limit,)).fetchall()
-        return [Event(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+                               "ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [Event(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in reversed(rows)]
+
+    def count(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM history").fetchone()[0]
 
 
 @dataclass
@@ -109,8 +114,10 @@ def p99(values: List[float]) -> Optional[float]:
     return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
-def analyse(window: Window, cfg: RolloutConfig) -> Tuple[str, List[str], dict]:
-    """('pass' | 'fail' | 'inconclusive', reasons, metrics) for one window."""
+def analyse(window: Window, cfg: RolloutConfig, bundle_thresholds: GateThresholds) -> Tuple[str, List[str], dict]:
+    """('pass' | 'fail' | 'inconclusive', reasons, metrics) for one window. Golden runs are judged by the
+    build's gate (``quantize.fidelity.evaluate_gate``) with the bundle's thresholds unless the router
+    config sets its own."""
     n_int8 = window.requests["int8"]
     err = window.errors["int8"] / n_int8 if n_int8 else 0.0
     lat_i, lat_f = p99(window.latencies["int8"]), p99(window.latencies["fp16"])
@@ -119,7 +126,7 @@ def analyse(window: Window, cfg: RolloutConfig) -> Tuple[str, List[str], dict]:
     metrics = {"int8_requests": n_int8, "fp16_requests": window.requests["fp16"], "int8_error_rate": err,
                "int8_p99_s": lat_i, "fp16_p99_s": lat_f, "p99_latency_ratio": ratio,
                "shadow_pairs": window.shadow_pairs, "shadow_agreement": shadow, "golden": window.golden}
-    t = cfg.thresholds
+    t = cfg.thresholds or bundle_thresholds
     fails = []
     if n_int8 and err > cfg.max_error_rate:
         fails.append(f"int8 error rate {err:.3f} > max {cfg.max_error_rate}")
@@ -130,10 +137,10 @@ def analyse(window: Window, cfg: RolloutConfig) -> Tuple[str, List[str], dict]:
         fails.append(f"shadow greedy agreement {shadow:.3f} < min {t.min_greedy_agreement}")
     g = window.golden
     if g:
-        if g.get("greedy_agreement") is not None and g["greedy_agreement"] < t.min_greedy_agreement:
-            fails.append(f"golden greedy agreement {g['greedy_agreement']:.3f} < min {t.min_greedy_agreement}")
-        if g.get("reward_delta") is not None and -g["reward_delta"] > t.max_reward_drop:
-            fails.append(f"golden reward drop {-g['reward_delta']:.3f} > max {t.max_reward_drop}")
+        nan = float("nan")  # teacher-forced metrics are the build's; live runs judge generations
+        report = FidelityReport(g["items"], 0, nan, nan, nan, greedy_agreement=g.get("greedy_agreement"),
+                                reward_delta=g.get("reward_delta"))
+        fails += [f"golden {f}" for f in evaluate_gate(report, t).failures]
     if fails:
         return "fail", fails, metrics
     evidence = n_int8 + (g or {}).get("items", 0)
@@ -143,7 +150,10 @@ def analyse(window: Window, cfg: RolloutConfig) -> Tuple[str, List[str], dict]:
 
 
 class RolloutController:
-    """Applies analysis verdicts and operator commands to the persisted state."""
+    """Applies analysis verdicts and operator commands to the persisted state. Every transition is saved
+    (state and event in one transaction) before the in-memory state changes: a failed save changes nothing."""
+
+    ANALYSED = ("progressing", "waiting", "held")
 
     def __init__(self, store: RolloutStore, cfg: RolloutConfig):
         self.store, self.cfg = store, cfg
@@ -154,44 +164,44 @@ class RolloutController:
         if not loaded and cfg.auto_start:
             self._move(0, "start", "rollout started at the first step", {}, status="progressing")
 
-    # -- transitions ---------------------------------------------------------------------------
-    def _set(self, weight: float, event: str, reason: str, metrics: dict, status: Optional[str] = None,
-             step_index: Optional[int] = None) -> None:
-        old = self.state.weight
-        self.state.weight = weight
-        if status:
-            self.state.status = status
-        if step_index is not None:
-            self.state.step_index = step_index
-        self.state.updated_at = time.time()
-        self.store.save(self.state, Event(time.time(), event, old, weight, reason, metrics))
+    def analysing(self) -> bool:
+        return self.state.status in self.ANALYSED
 
-    def _move(self, index: int, event: str, reason: str, metrics: dict, status: Optional[str] = None) -> None:
+    # -- transitions ---------------------------------------------------------------------------
+    def _set(self, weight: float, event: str, reason: str, metrics: dict, **changes) -> None:
+        now = time.time()
+        new = replace(self.state, weight=weight, updated_at=now, **changes)
+        self.store.save(new, Event(now, event, self.state.weight, weight, reason, metrics))
+        self.state = new
+
+    def _move(self, index: int, event: str, reason: str, metrics: dict, **changes) -> None:
         index = max(0, min(index, len(self.cfg.steps) - 1))
-        self._set(self.cfg.steps[index], event, reason, metrics, status, index)
+        self._set(self.cfg.steps[index], event, reason, metrics, step_index=index, **changes)
 
     def apply(self, verdict: str, reasons: List[str], metrics: dict) -> None:
         with self.lock:
             s = self.state
-            if s.status not in ("progressing", "waiting"):  # operator pause, rollback, promoted: hands off
+            if s.status not in self.ANALYSED:  # operator pause, rollback, promoted: hands off
                 return
             if verdict == "fail":
-                s.consecutive_failures += 1
-                if s.consecutive_failures >= self.cfg.failure_limit:
-                    s.consecutive_failures = 0
+                failures = s.consecutive_failures + 1
+                if failures >= self.cfg.failure_limit:
                     self._set(0.0, "rollback", f"{self.cfg.failure_limit} failed analyses: " + "; ".join(reasons),
-                              metrics, status="rolled-back", step_index=-1)
+                              metrics, status="rolled-back", step_index=-1, consecutive_failures=0)
                 else:
-                    self._set(s.weight, "analysis-failed", "; ".join(reasons), metrics)
+                    self._set(s.weight, "analysis-failed", "; ".join(reasons), metrics, consecutive_failures=failures)
             elif verdict == "inconclusive":  # hold the current step until there is enough data
-                if s.status != "waiting":
+                if s.status == "progressing":
                     self._set(s.weight, "waiting", "inconclusive: " + "; ".join(reasons), metrics, status="waiting")
+            elif s.status == "held":  # an operator's weight: passing analyses keep it, failing ones roll back
+                if s.consecutive_failures:
+                    self._set(s.weight, "analysis-passed", "analysis passed at the operator's weight", metrics,
+                              consecutive_failures=0)
+            elif s.step_index + 1 >= len(self.cfg.steps):
+                self._set(s.weight, "promoted", "all steps passed", metrics, status="promoted", consecutive_failures=0)
             else:
-                s.consecutive_failures = 0
-                if s.step_index + 1 >= len(self.cfg.steps):
-                    self._set(s.weight, "promoted", "all steps passed", metrics, status="promoted")
-                else:
-                    self._move(s.step_index + 1, "promote", "analysis passed", metrics, status="progressing")
+                self._move(s.step_index + 1, "promote", "analysis passed", metrics, status="progressing",
+                           consecutive_failures=0)
 
     def note(self, event: str, reason: str, metrics: dict) -> None:
         """Record something that happened without a transition (e.g. variant failures), in any status."""
@@ -215,10 +225,10 @@ class RolloutController:
                 self._set(0.0, "rollback", reason, {}, status="rolled-back", step_index=-1)
             elif action == "set-weight":
                 idx = max([i for i, w in enumerate(self.cfg.steps) if w <= weight] or [-1])
-                self._set(float(weight), "set-weight", reason, {}, status="paused", step_index=idx)
+                self._set(float(weight), "set-weight", reason, {}, status="held", step_index=idx,
+                          consecutive_failures=0)
             elif action == "restart":
-                s.consecutive_failures = 0
-                self._move(0, "start", reason, {}, status="progressing")
+                self._move(0, "start", reason, {}, status="progressing", consecutive_failures=0)
             else:
                 raise ValueError(f"action: {action!r} is not one of promote, pause, resume, rollback, set-weight, restart")
             return self.state

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import List, Literal, Optional, Union
+import math
+from typing import Annotated, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError
 
 MAX_TOKENS_LIMIT = 256
 TEXT = {"type": "string", "pattern": r"\S"}  # not empty, not only whitespace (the server checks it itself)
+MAX_STOP, MAX_STOP_CHARS = 4, 64
+STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+StopText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 def _published(schema: dict):
@@ -29,12 +33,26 @@ class ApiError(Exception):
         self.code, self.headers = code, headers or {}
 
     def body(self) -> dict:
-        err = {"message": self.message, "type": self.code, "param": self.param, "code": self.code}
+        """Always serializable as strict JSON (finite numbers, valid Unicode), whatever the client sent."""
+        err = {"message": _text(self.message), "type": self.code, "param": _text(self.param), "code": self.code}
         if self.value is not None:
-            err["value"] = self.value if isinstance(self.value, (int, float, str, bool)) else repr(self.value)[:200]
+            err["value"] = _json_safe(self.value)
         if self.limit is not None:
-            err["limit"] = self.limit
+            err["limit"] = _json_safe(self.limit)
         return {"error": err}
+
+
+def _text(s: Optional[str]) -> Optional[str]:
+    """``s`` with unpaired surrogates replaced, at most 500 characters."""
+    return None if s is None else str(s)[:500].encode("utf-8", "replace").decode("utf-8")
+
+
+def _json_safe(v):
+    if isinstance(v, bool) or (isinstance(v, int) and abs(v) < 2**63):
+        return v
+    if isinstance(v, float) and math.isfinite(v):
+        return v
+    return _text(v if isinstance(v, str) else repr(v)[:200])
 
 
 class _Request(BaseModel):
@@ -48,6 +66,14 @@ class _Request(BaseModel):
     user: Optional[str] = Field(default=None, max_length=256)
     stream: StrictBool = False
     n: StrictInt = Field(default=1, ge=1, le=1)
+    stop: Optional[Union[StopText, List[StopText]]] = Field(default=None, json_schema_extra=_published(
+        {"anyOf": [STOP, {"type": "array", "items": STOP, "maxItems": MAX_STOP}], "nullable": True}))
+
+    def stop_strings(self) -> List[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:
+            raise ApiError(400, f"stop: at most {MAX_STOP} stop strings", "stop", len(stop), MAX_STOP)
+        return stop
 
 
 class CompletionRequest(_Request):
@@ -80,7 +106,8 @@ def parse_request(model: type[BaseModel], data) -> BaseModel:
         ctx = e.get("ctx") or {}
         limit = next((ctx[k] for k in ("le", "ge", "gt", "lt", "max_length", "min_length", "expected") if k in ctx), None)
         value = e.get("input") if e["type"] != "missing" else None
-        raise ApiError(400, f"{field}: {e['msg']}", param=field, value=value,
+        msg = e["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{field}: {msg}" if field else msg, param=field or msg.split(":")[0], value=value,
                        limit=limit if isinstance(limit, (int, float, str)) else None) from None
 
 

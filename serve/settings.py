@@ -25,30 +25,66 @@ class RouterSettings:
     health_interval_s: float = 1.0  # variant health probes; a variant that fails one gets no new traffic
     health_timeout_s: float = 3.0
     max_body_bytes: int = 65536
+    require_vllm: bool = False  # the FP16 variant refuses to start on the fallback engine
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
+class SettingsError(ValueError):
+    """POLICY_ROUTER_CONFIG (or an env var) names an unknown field or holds a bad value."""
+
+
+def _check_fields(cls, data: dict, prefix: str) -> None:
+    if not isinstance(data, dict):
+        raise SettingsError(f"{prefix.rstrip('.') or 'config'}: must be a mapping")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SettingsError(f"{prefix}{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
+    defaults = cls()
+    for key, value in data.items():
+        default = getattr(defaults, key)
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise SettingsError(f"{prefix}{key}: {value!r} is not true/false")
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise SettingsError(f"{prefix}{key}: {value!r} is not a number >= 0")
+
+
 def _rollout_from(data: dict) -> RolloutConfig:
+    _check_fields(RolloutConfig, data, "rollout.")
     data = dict(data)
-    thresholds = GateThresholds(**data.pop("thresholds", {}))
+    thresholds = data.pop("thresholds", None)
+    if thresholds is not None:
+        _check_fields(GateThresholds, thresholds, "rollout.thresholds.")
+        thresholds = GateThresholds(**thresholds)
     if "steps" in data:
         data["steps"] = tuple(float(s) for s in data["steps"])
-    known = {f.name for f in fields(RolloutConfig)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"rollout.{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
     return RolloutConfig(**data, thresholds=thresholds)
 
 
-def load_settings() -> RouterSettings:
-    s = RouterSettings()
-    path = os.environ.get("POLICY_ROUTER_CONFIG")
-    if path:
+def _from_file(path: str) -> RouterSettings:
+    try:
         data = yaml.safe_load(Path(path).read_text()) or {}
-        rollout = _rollout_from(data.pop("rollout", {}))
-        if "state_dir" in data:
-            data["state_dir"] = Path(data["state_dir"])
-        s = replace(s, **data, rollout=rollout)
+    except (OSError, yaml.YAMLError) as exc:
+        raise SettingsError(f"POLICY_ROUTER_CONFIG: cannot read {path}: {str(exc).splitlines()[0]}") from None
+    _check_fields(RouterSettings, data, "")
+    rollout = _rollout_from(data.pop("rollout", {}) or {})
+    if "state_dir" in data:
+        data["state_dir"] = Path(data["state_dir"])
+    if "api_keys" in data:
+        data["api_keys"] = tuple(data["api_keys"])
+    return replace(RouterSettings(), **data, rollout=rollout)
+
+
+def load_settings() -> RouterSettings:
+    """Settings from the file and the environment; SettingsError names the field that is wrong."""
+    path = os.environ.get("POLICY_ROUTER_CONFIG")
+    try:
+        s = _from_file(path) if path else RouterSettings()
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, SettingsError):
+            raise
+        raise SettingsError(f"POLICY_ROUTER_CONFIG: {exc}") from None
     env = os.environ
     if env.get("POLICY_BUNDLE_STATE_DIR"):
         s = replace(s, state_dir=Path(env["POLICY_BUNDLE_STATE_DIR"]))
@@ -57,3 +93,14 @@ def load_settings() -> RouterSettings:
     if env.get("POLICY_BUNDLE_API_KEYS"):
         s = replace(s, api_keys=tuple(k.strip() for k in env["POLICY_BUNDLE_API_KEYS"].split(",") if k.strip()))
     return s
+
+
+def settings_or_exit() -> RouterSettings:
+    """``load_settings`` for a server's start-up: a bad setting is one log line and exit, not a traceback."""
+    import logging
+
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        logging.getLogger("policy_bundle.router").error("refusing to start: %s", exc)
+        raise SystemExit(f"policy-bundle: {exc}") from None

@@ -13,18 +13,21 @@ from pathlib import Path
 from typing import AsyncGenerator, List, Optional
 
 import bentoml
+from bentoml.exceptions import InvalidArgument
 
+from policy_bundle.bundle.faults import active_fault, fault_spec
+from policy_bundle.bundle.info import BundleInfo
+from policy_bundle.bundle.manifest import BundleVerificationError
+from policy_bundle.bundle.store import verified_store_path
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams, Step, VllmEngine, vllm_available
+from policy_bundle.serve.settings import settings_or_exit
 
 log = logging.getLogger("policy_bundle.serve")
 VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
-MAX_SEQ_LEN = int(os.environ.get("POLICY_BUNDLE_MAX_SEQ_LEN", "256"))
 
 
 def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
-    from policy_bundle.bundle.manifest import BundleVerificationError
-    from policy_bundle.bundle.store import verified_store_path
-
+    """The store entry's artifact dir, verified against the manifest recorded at registration."""
     try:
         return verified_store_path(str(model.tag), sub)
     except BundleVerificationError as exc:
@@ -33,8 +36,8 @@ def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
 
 
 def context_len(artifact: Path) -> int:
-    cfg = json.loads((artifact / "config.json").read_text())
-    return min(MAX_SEQ_LEN, cfg.get("max_position_embeddings", MAX_SEQ_LEN))
+    """The bundle's context length, the same number the router checks prompts against."""
+    return BundleInfo.read(artifact.parent).max_seq_len
 
 
 def vocab_size(artifact: Path) -> int:
@@ -44,8 +47,6 @@ def vocab_size(artifact: Path) -> int:
 def check_input(svc, ids: List[int], max_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0) -> None:
     """The variants' own APIs are HTTP endpoints too: a bad call is a 400 naming the limit, not a
     500 from deep inside the model."""
-    from bentoml.exceptions import InvalidArgument
-
     if not ids:
         raise InvalidArgument("prompt_ids: must not be empty")
     bad = next((t for t in ids if not 0 <= t < svc.vocab_size), None)
@@ -59,8 +60,22 @@ def check_input(svc, ids: List[int], max_tokens: int = 0, temperature: float = 0
                               f"top_p {top_p} in (0, 1]")
 
 
-async def _collect(engine, prompt_ids: List[int], params: SamplingParams) -> dict:
-    steps: List[Step] = [s async for s in engine.generate(prompt_ids, params)]
+async def _steps(variant: str, engine, prompt_ids: List[int], params: SamplingParams) -> AsyncGenerator[Step, None]:
+    """The engine's steps; under the test fault ``fail:after=N`` a RuntimeError after N of them."""
+    fault = active_fault("fail", variant)
+    fail_after = fault.after if fault is not None else None
+    n = 0
+    async for step in engine.generate(prompt_ids, params):
+        if fail_after is not None and n >= fail_after:
+            raise RuntimeError(f"injected fault: generation fails after {fail_after} token(s)")
+        n += 1
+        yield step
+    if fail_after is not None and n >= fail_after:
+        raise RuntimeError(f"injected fault: generation fails after {fail_after} token(s)")
+
+
+async def _collect(variant: str, engine, prompt_ids: List[int], params: SamplingParams) -> dict:
+    steps: List[Step] = [s async for s in _steps(variant, engine, prompt_ids, params)]
     return {"token_ids": [s.token_id for s in steps], "logprobs": [s.logprob for s in steps]}
 
 
@@ -75,21 +90,34 @@ def generation_apis():
     async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
                        top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> dict:
         check_input(self, prompt_ids, max_tokens, temperature, top_p)
-        return await _collect(self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
+        return await _collect(self.variant, self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
 
     @bentoml.api
     async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                      seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> AsyncGenerator[str, None]:
-        check_input(self, prompt_ids, max_tokens, temperature, top_p)
+        # A stream's status line is sent before its body runs, so every outcome is a line: steps, then
+        # {"done": true}, or {"error", "status"}; a stream that ends without either was cut off.
+        try:
+            check_input(self, prompt_ids, max_tokens, temperature, top_p)
+        except InvalidArgument as exc:
+            yield json.dumps({"error": str(exc), "status": 400}) + "\n"
+            return
         params = _params(max_tokens, temperature, top_p, seed, stop_token_id)
-        async for s in self.engine.generate(prompt_ids, params):
-            yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
+        try:
+            async for s in _steps(self.variant, self.engine, prompt_ids, params):
+                yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
+        except Exception as exc:  # noqa: BLE001 - reported in-band: the caller must not take it for an end
+            log.warning("%s stream failed: %s: %s", self.variant, type(exc).__name__, exc)
+            yield json.dumps({"error": f"{type(exc).__name__}: {exc}"[:300], "status": 500}) + "\n"
+            return
+        yield json.dumps({"done": True}) + "\n"
 
     return generate, stream
 
 
 @bentoml.service(name="int8-policy", workers=1, traffic={"timeout": 120})
 class Int8Policy:
+    variant = "int8"
     model = bentoml.models.BentoModel(f"policy-int8:{VERSION}")
 
     def __init__(self) -> None:
@@ -125,23 +153,38 @@ class Int8Policy:
 
     @bentoml.api
     def health(self) -> dict:
-        return {"ready": self.ready, "engine": self.engine.name, "max_seq_len": self.max_seq_len}
+        return {"ready": self.ready, "engine": self.engine.name, "max_seq_len": self.max_seq_len,
+                "test_fault": fault_spec()}
 
 
 @bentoml.service(name="fp16-policy", workers=1, traffic={"timeout": 120})
 class Fp16Policy:
+    variant = "fp16"
     model = bentoml.models.BentoModel(f"policy-fp16:{VERSION}")
 
     def __init__(self) -> None:
         path = verified_artifact(self.model, "fp16")
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
+        require = settings_or_exit().require_vllm
+        # vLLM is expected where it is installed and not switched off (POLICY_BUNDLE_DISABLE_VLLM), or required
+        self.vllm_expected = require or vllm_available()
         self.fallback_reason = None
-        if vllm_available():
+        try:
+            if active_fault("novllm"):
+                raise RuntimeError("injected fault: vLLM failed to load")
+            if not vllm_available():
+                raise ImportError("vllm is switched off (POLICY_BUNDLE_DISABLE_VLLM)" if
+                                  vllm_available(importable_only=True) else "vllm is not importable here")
             self.engine = VllmEngine(path, self.max_seq_len)
-        else:
+        except Exception as exc:  # noqa: BLE001 - the fallback serves; readiness says whether that was the plan
+            if require:
+                log.error("refusing to start: require_vllm is set and vLLM did not load: %s", exc)
+                raise SystemExit(f"policy-bundle: require_vllm: vLLM did not load ({type(exc).__name__}: {exc})"[:500]) \
+                    from None
             from policy_bundle.quantize.model import load_policy
 
-            self.fallback_reason = "vllm is not importable here; serving the FP16 weights with our policy module (FP32)"
+            self.fallback_reason = f"{type(exc).__name__}: {exc}"[:300] + \
+                "; serving the FP16 weights with our policy module (FP32)"
             log.warning("FP16 variant: %s", self.fallback_reason)
             self.engine = CachedPolicyEngine(load_policy(path, max_seq_len=self.max_seq_len), self.max_seq_len,
                                              "policy-module-fp32")
@@ -149,12 +192,14 @@ class Fp16Policy:
 
     @bentoml.on_startup
     async def warm_up(self) -> None:
-        await _collect(self.engine, [1, 2, 3], SamplingParams(max_tokens=1))  # a real forward
+        [s async for s in self.engine.generate([1, 2, 3], SamplingParams(max_tokens=1))]  # a real forward
         self.ready = True
 
     generate, stream = generation_apis()
 
     @bentoml.api
     def health(self) -> dict:
+        # expected_engine: False when vLLM was expected and the fallback loaded (the router is then not ready)
         return {"ready": self.ready, "engine": self.engine.name, "fallback": self.fallback_reason,
+                "expected_engine": not (self.vllm_expected and self.fallback_reason), "test_fault": fault_spec(),
                 "max_seq_len": self.max_seq_len}

@@ -35,3 +35,68 @@ def test_missing_and_added_files_are_named(bundle):
     (bundle / "golden.jsonl").unlink()
     with pytest.raises(BundleVerificationError, match="golden.jsonl: missing"):
         verify_bundle(bundle)
+
+
+# ---- store entries: verified against the manifest hash recorded at registration -------------
+
+
+def store_entry(tmp_path):
+    """A bundle and its INT8 store entry (artifact dir + manifest + golden set), with the recorded hash."""
+    import shutil
+
+    from policy_bundle.bundle.manifest import manifest_hash
+
+    bundle = tmp_path / "bundle"
+    for rel, text in (("int8/policy.ts", "weights"), ("int8/config.json", "{}"), ("fp16/model.safetensors", "w"),
+                      ("golden.jsonl", '{"prompt": "1+1=", "prompt_ids": [1], "completion_ids": [2]}\n')):
+        (bundle / rel).parent.mkdir(parents=True, exist_ok=True)
+        (bundle / rel).write_text(text)
+    write_manifest(bundle, {"format": "policy-bundle/1"})
+    entry = tmp_path / "entry"
+    shutil.copytree(bundle / "int8", entry / "int8")
+    for f in ("bundle.json", "golden.jsonl"):
+        shutil.copy(bundle / f, entry / f)
+    (entry / "model.yaml").write_text("name: policy-int8\n")  # BentoML's own file
+    return entry, manifest_hash(bundle)
+
+
+def test_store_entry_verifies_against_the_registered_manifest_hash(tmp_path):
+    import json
+
+    from policy_bundle.bundle.manifest import hash_tree
+    from policy_bundle.bundle.store import verify_entry
+
+    entry, sha = store_entry(tmp_path)
+    assert verify_entry(entry, "int8", sha) == entry / "int8"
+    # a manifest rewritten to match a tampered artifact no longer matches the hash recorded at registration
+    (entry / "int8" / "policy.ts").write_text("evil")
+    manifest = json.loads((entry / "bundle.json").read_text())
+    manifest["files"].update({k: v for k, v in hash_tree(entry).items() if k.startswith("int8/")})
+    (entry / "bundle.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleVerificationError, match="recorded at registration"):
+        verify_entry(entry, "int8", sha)
+    with pytest.raises(BundleVerificationError, match="records no manifest_sha256"):
+        verify_entry(entry, "int8", None)
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda e: (e / "int8" / "extra.py").write_text("import os"), "int8/extra.py: not listed"),
+    (lambda e: (e / "golden.jsonl").write_text("{}\n"), "golden.jsonl: "),
+    (lambda e: (e / "int8" / "config.json").unlink(), "int8/config.json: missing"),
+    (lambda e: (e / "surprise.bin").write_text("x"), "surprise.bin: not part of the store entry"),
+])
+def test_store_entry_refuses_added_changed_and_missing_files(tmp_path, tamper, message):
+    from policy_bundle.bundle.store import verify_entry
+
+    entry, sha = store_entry(tmp_path)
+    tamper(entry)
+    with pytest.raises(BundleVerificationError, match=message):
+        verify_entry(entry, "int8", sha)
+
+
+@pytest.mark.parametrize("path", ["../outside", "/etc/passwd", "int8/../../x", "int8//x", "int8\\\\x"])
+def test_manifest_paths_must_stay_inside_the_bundle(tmp_path, path):
+    from policy_bundle.bundle.manifest import verify_files
+
+    with pytest.raises(BundleVerificationError, match="not a relative path inside the bundle"):
+        verify_files(tmp_path, {"files": {path: {"sha256": "0" * 64, "size": 1}}})

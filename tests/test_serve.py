@@ -220,6 +220,73 @@ def test_oversized_and_malformed_bodies(good):
     assert broken.status_code == 400 and broken.json()["error"]["param"] == "body"
 
 
+MALFORMED = [
+    b'{"model": "policy", "prompt": "1+1=", "temperature": NaN}',
+    b'{"model": "policy", "prompt": "1+1=", "temperature": Infinity}',
+    b'{"model": "policy", "prompt": "1+1=", "top_p": -Infinity}',
+    b'{"model": "policy", "prompt": "1+1=", "seed": 1e999}',
+    b'{"model": "policy", "prompt": "1+1=", "max_tokens": 1' + b"0" * 5000 + b"}",
+    b'{"model": "policy", "prompt": "\\ud800"}',
+    b'{"model": "policy", "prompt": ["\\udc00x"]}',
+    b'{"model": "policy", "prompt": "1+1=", "user": "\\ud83d"}',
+    b'{"model": "policy", "\\ud800": 1, "prompt": "1+1="}',
+    b"[" * 100000 + b"]" * 100000,
+    b'{"a":' * 5000 + b"1" + b"}" * 5000,
+    b'{"model": "policy", "prompt": "\xff\xfe"}',
+    b"\xef\xbb\xbf{}",
+    b'{"model": "policy", "prompt": {"nested": [1, 2, {"x": null}]}}',
+    b'{"model": "policy", "prompt": "1+1=", "stop": ["", "x"]}',
+    b'{"model": "policy", "prompt": "1+1=", "stop": ["a", "b", "c", "d", "e"]}',
+    b'{"model": ["policy"], "prompt": "1+1="}',
+    b'{"model": "policy", "prompt": "1+1=", "stream": "yes"}',
+    b"null", b"[]", b'"text"', b"1e999", b"", b" ", b"{", b"\x00\x01",
+]
+
+
+def test_any_byte_sequence_gets_a_4xx_json_body_on_one_keep_alive_connection(good):
+    with httpx.Client(base_url=good.url, timeout=60, headers={"content-type": "application/json"}) as client:
+        for body in MALFORMED:
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                r = client.post(path, content=body)
+                assert 400 <= r.status_code < 500, (body[:80], r.status_code, r.text[:300])
+                assert r.json()["error"]["message"], body[:80]
+        ok = client.post("/v1/completions", json={"model": "policy", "prompt": "358+64=", "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "998"
+
+
+def test_stop_strings_and_echo(good):
+    stopped = complete(good, stop=["8"]).json()["choices"][0]
+    assert stopped["text"] == "99" and stopped["finish_reason"] == "stop"
+    assert complete(good, stop="9").json()["choices"][0]["text"] == ""
+    assert complete(good, echo=True).json()["choices"][0]["text"] == "358+64=998"
+    streamed = httpx.post(f"{good.url}/v1/completions", timeout=60, json={
+        "model": "policy", "prompt": "358+64=", "temperature": 0, "stop": ["8"], "stream": True, "echo": True}).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "358+64=99"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    refused = complete(good, echo=True, logprobs=1)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
+def test_history_returns_the_newest_events(good):
+    admin(good, "pause", reason="h1")
+    admin(good, "resume", reason="h2")
+    admin(good, "pause", reason="h3")
+    admin(good, "restart", reason="h4")
+    page = httpx.get(f"{good.url}/admin/rollout/history?limit=3", headers=ADMIN).json()
+    assert [e["reason"] for e in page["history"]] == ["h2", "h3", "h4"] and page["total"] >= 5
+    full = httpx.get(f"{good.url}/admin/rollout/history", headers=ADMIN).json()["history"]
+    assert full[-1]["reason"] == "h4"
+    assert httpx.get(f"{good.url}/admin/rollout/history?limit=0", headers=ADMIN).status_code == 400
+
+
+def test_golden_canary_calls_count_against_the_cap(good):
+    admin(good, "golden-canary")  # 16 golden items per variant, at once
+    metrics = httpx.get(f"{good.url}/metrics").text
+    peak = float(re.search(r"^policy_inflight_peak(?:\{[^}]*\})? (\S+)$", metrics, re.M).group(1))
+    assert peak >= 16
+
+
 def test_restart_resumes_the_rollout_with_its_history(good, small_bundle, state):
     admin(good, "restart")
     admin(good, "promote")
@@ -251,6 +318,10 @@ def test_api_keys_guard_inference_routes(locked):
     assert complete(locked).status_code == 401
     assert complete(locked, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert complete(locked, headers={"Authorization": "Bearer key-two"}).status_code == 200
+    for path in ("/status", "/metrics", "/v1/models"):  # what the service knows is not public either
+        assert httpx.get(f"{locked.url}{path}", timeout=30).status_code == 401, path
+        assert httpx.get(f"{locked.url}{path}", headers={"Authorization": "Bearer key-one"}, timeout=30).status_code == 200
+    assert httpx.get(f"{locked.url}/readyz", timeout=30).status_code == 200  # infrastructure probes stay open
 
 
 def test_admin_api_is_disabled_without_a_token(locked):
@@ -260,9 +331,12 @@ def test_admin_api_is_disabled_without_a_token(locked):
 
 
 def test_fp16_fallback_is_reported_without_vllm(locked):
-    status = httpx.get(f"{locked.url}/status", timeout=30).json()
+    key = {"Authorization": "Bearer key-one"}
+    status = httpx.get(f"{locked.url}/status", headers=key, timeout=30).json()
     assert status["variants"]["fp16"]["engine"] == "policy-module-fp32" and status["variants"]["fp16"]["fallback"]
-    assert re.search(r"^policy_fp16_fallback(\{[^}]*\})? 1\.0", httpx.get(f"{locked.url}/metrics").text, re.M)
+    assert status["variants"]["fp16"]["expected_engine"] and status["ready"]  # switched off on purpose: ready
+    assert re.search(r"^policy_fp16_fallback(\{[^}]*\})? 1\.0", httpx.get(f"{locked.url}/metrics", headers=key).text,
+                     re.M)
 
 
 def test_concurrency_cap_answers_429_with_retry_after(locked):
@@ -272,6 +346,9 @@ def test_concurrency_cap_answers_429_with_retry_after(locked):
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
     limited = next(r for r in responses if r.status_code == 429)
     assert limited.headers["retry-after"] == "1" and limited.json()["error"]["limit"] == 1
+    # the cap held for the whole burst: never two calls in flight at once
+    metrics = httpx.get(f"{locked.url}/metrics", headers={"Authorization": "Bearer key-one"}).text
+    assert re.search(r"^policy_inflight_peak(\{[^}]*\})? 1\.0$", metrics, re.M), metrics[-2000:]
 
 
 # ---- a third server: a deliberately broken INT8 bundle must be rolled back --------------------
@@ -280,19 +357,22 @@ def test_concurrency_cap_answers_429_with_retry_after(locked):
 @pytest.fixture(scope="module")
 def broken_version(tmp_path_factory, small_bundle):
     out = tmp_path_factory.mktemp("broken") / "bundle"
+    fault = "scale:layer=layers.0.mlp.down_proj:factor=400"
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
                   "--set", "canary.enabled=false", "--set", "calibration.procs=0", "--set", "export.onnx=false",
-                  env={"POLICY_BUNDLE_TEST_FAULT": "scale:layer=layers.0.mlp.down_proj:factor=400"})
+                  env={"POLICY_BUNDLE_TEST_FAULT": fault})
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "TEST FAULT ACTIVE" in res.stderr and json.loads((out / "bundle.json").read_text())["test_fault"] == fault
     return bundle_version(out)
 
 
 def test_broken_bundle_is_rolled_back_while_every_request_succeeds(broken_version, state):
+    """Also: the build that had a test fault set records it in its manifest."""
     server = Server(env_for(state, "broken", broken_version, vllm=False, rollout={"golden_items": 32}),
                     state / "broken.log").wait_ready()
     try:
-        admin(server, "set-weight", weight=50)
-        admin(server, "resume")
+        # an operator's weight holds the rollout without switching off automatic rollback
+        assert admin(server, "set-weight", weight=50)["state"]["status"] == "held"
         verdicts = []
         for _ in range(2):
             bodies = [{"model": "policy", "prompt": p, "temperature": 0, "max_tokens": 6, "user": f"u{i}"}

@@ -1,0 +1,159 @@
+"""The live canary: what each analysis window saw (requests, errors, latencies, shadow pairs, golden runs),
+the golden-set run through both variants (``quantize.fidelity``'s metrics, thresholds from the bundle),
+the analysis that drives the rollout, and the supervised loops that run them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Awaitable, Callable, Dict, List
+
+from policy_bundle.bundle.info import BundleInfo, decode
+from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, other_variant
+from policy_bundle.serve.rollout import RolloutController, Window, analyse
+
+log = logging.getLogger("policy_bundle.router")
+
+
+class LiveCanary:
+    def __init__(self, pool: VariantPool, admission: Admission, controller: RolloutController, info: BundleInfo,
+                 tok, settings, metrics):
+        self.pool, self.admission, self.controller, self.info = pool, admission, controller, info
+        self.tok, self.settings, self.metrics = tok, settings, metrics
+        self.golden = info.golden()
+        self.golden_cursor = 0
+        self.window = Window()
+        self.tasks: Dict[str, asyncio.Task] = {}
+        self.background: set = set()  # shadow calls in flight (a reference keeps each task alive)
+
+    # -- recording -----------------------------------------------------------------------------
+    def record(self, variant: str, seconds: float, tokens: int) -> None:
+        self.window.requests[variant] += 1
+        lat = self.window.latencies[variant]
+        lat.append(seconds)
+        del lat[:-5000]
+        self.metrics.requests.labels(variant=variant).inc()
+        self.metrics.latency.labels(variant=variant).observe(seconds)
+        self.metrics.tokens.labels(variant=variant).inc(tokens)
+
+    def record_error(self, variant: str, exc: BaseException) -> None:
+        log.warning("variant %s failed: %s: %s", variant, type(exc).__name__, str(exc)[:200])
+        self.window.requests[variant] += 1
+        self.window.errors[variant] += 1
+        self.metrics.errors.labels(variant=variant).inc()
+
+    # -- shadow --------------------------------------------------------------------------------
+    def maybe_shadow(self, served: str, kwargs: dict, primary_ids: List[int], eligible: bool) -> None:
+        """Send a sample of greedy requests to the other variant too; skipped (never queued) at the cap."""
+        if not eligible or random.random() >= self.settings.rollout.shadow_fraction:
+            return
+        if other_variant(served) in self.pool.down or not self.admission.try_acquire():
+            return
+        task = asyncio.create_task(self._shadow(served, kwargs, primary_ids))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _shadow(self, served: str, kwargs: dict, primary_ids: List[int]) -> None:
+        other = other_variant(served)
+        try:
+            res = await self.pool.call(other, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - shadow failures count, the client already has its answer
+            self.record_error(other, exc)
+            return
+        finally:
+            self.admission.release()
+        same = res["token_ids"] == primary_ids
+        self.window.shadow_pairs += 1
+        self.window.shadow_same += int(same)
+        self.metrics.shadow.labels(outcome="same" if same else "different").inc()
+
+    # -- golden set ----------------------------------------------------------------------------
+    async def run_golden(self) -> dict:
+        """Golden items through both variants, compared with the build's FP32 completions (same metric code)."""
+        from policy_bundle.quantize import task
+        from policy_bundle.quantize.fidelity import FidelityReport, completion_metrics
+
+        n = min(self.settings.rollout.golden_items, len(self.golden))
+        if n == 0:
+            raise RuntimeError("the bundle has no golden set")
+        items = [self.golden[(self.golden_cursor + i) % len(self.golden)] for i in range(n)]
+        self.golden_cursor += n
+        outs = {}
+        for name in VARIANTS:
+            outs[name] = [r["token_ids"] for r in await asyncio.gather(*[self._counted(self.pool.call(
+                name, prompt_ids=it.prompt_ids, max_tokens=self.info.max_new_tokens, temperature=0.0,
+                stop_token_id=self.tok.eos_token_id)) for it in items])]
+        reward = task.reward if self.info.has_task else None
+        ref = [it.completion_ids for it in items]
+        nan = float("nan")
+        summaries = {name: completion_metrics(FidelityReport(n, 0, nan, nan, nan), items, ref, outs[name],
+                                              lambda ids: decode(self.tok, ids), reward).summary() for name in VARIANTS}
+        int8, fp16 = summaries["int8"], summaries["fp16"]
+        out = {"items": n, "greedy_agreement": int8["greedy_agreement"],
+               "fp16_greedy_agreement": fp16["greedy_agreement"],
+               "reward_int8": int8.get("reward_candidate"), "reward_fp16": fp16.get("reward_candidate")}
+        if out["reward_int8"] is not None and out["reward_fp16"] is not None:
+            out["reward_delta"] = out["reward_int8"] - out["reward_fp16"]
+        return out
+
+    async def _counted(self, call: Awaitable):
+        """Golden calls count against the in-flight cap like client calls (they wait for room, never skip)."""
+        while not self.admission.try_acquire():
+            await asyncio.sleep(0.05)
+        try:
+            return await call
+        finally:
+            self.admission.release()
+
+    # -- analysis ------------------------------------------------------------------------------
+    def analyse_now(self) -> dict:
+        window, self.window = self.window, Window()
+        verdict, reasons, metrics = analyse(window, self.settings.rollout, self.info.thresholds)
+        failures = {v: n for v, n in window.errors.items() if n}
+        if failures:  # crashes and timeouts are history even when the rollout is paused or done
+            self.controller.note("variant-errors", ", ".join(f"{n} {v} failure(s)" for v, n in failures.items())
+                                 + " in the last window (requests retried on the other variant)", metrics)
+        if self.controller.analysing():
+            self.metrics.verdicts.labels(verdict=verdict).inc()
+            self.controller.apply(verdict, reasons, metrics)
+        self.metrics.weight.set(self.controller.state.weight)
+        if window.shadow_pairs:
+            self.metrics.shadow_agreement.set(window.shadow_same / window.shadow_pairs)
+        return {"verdict": verdict, "reasons": reasons, "metrics": metrics}
+
+    async def golden_tick(self) -> None:
+        if not self.controller.analysing():
+            return
+        try:
+            self.window.golden = await self.run_golden()
+        except Exception as exc:  # noqa: BLE001 - a failed canary run is an INT8/FP16 error signal
+            log.warning("golden canary run failed: %s", exc)
+            self.window.errors["int8"] += 1
+
+    async def analysis_tick(self) -> None:
+        self.analyse_now()
+
+    # -- supervised loops ----------------------------------------------------------------------
+    def ensure_loops(self, loops: Dict[str, tuple], first: Dict[str, float]) -> None:
+        """Start each ``name -> (interval_s, tick)`` loop (its first tick after ``first[name]`` seconds, else
+        one interval), and start again any that has ended."""
+        for name, (interval, tick) in loops.items():
+            task = self.tasks.get(name)
+            if task is None or task.done():
+                if task is not None:
+                    log.error("%s loop had stopped; restarted", name)
+                self.tasks[name] = asyncio.create_task(self._loop(name, interval, tick, first.get(name, interval)))
+
+    async def _loop(self, name: str, interval: float, tick: Callable[[], Awaitable[None]], delay: float) -> None:
+        """Run ``tick`` every ``interval`` seconds; an exception is logged and counted, never the end of it."""
+        while True:
+            await asyncio.sleep(delay)
+            delay = interval
+            try:
+                await tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a loop that dies silently stops rollbacks: keep going
+                log.exception("%s loop: %s: %s (the loop continues)", name, type(exc).__name__, exc)
+                self.metrics.loop_errors.labels(loop=name).inc()

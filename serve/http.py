@@ -1,0 +1,115 @@
+"""The HTTP edge: reading a body totally (any byte sequence is a 4xx or a valid document), bearer-token
+checks, and error responses whose bodies always serialize."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from policy_bundle.serve.schemas import ApiError
+
+MAX_DEPTH = 32  # nesting a valid request never needs; deeper documents are refused before they recurse
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check(node, path: str = "body", depth: int = 0) -> None:
+    """Refuse what JSON parsers accept but a request must not carry: non-finite numbers (from 1e999),
+    lone surrogates (``"\\ud800"``, which no tokenizer and no UTF-8 encoder takes), deep nesting."""
+    if depth > MAX_DEPTH:
+        raise ApiError(400, f"{path}: nested deeper than {MAX_DEPTH} levels", path.split(".")[-1], limit=MAX_DEPTH)
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ApiError(400, f"{path}: number out of range", path.split(".")[-1])
+    elif isinstance(node, str):
+        try:
+            node.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{path}: string holds an unpaired surrogate (not valid Unicode)",
+                           path.split(".")[-1]) from None
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            _check(key, path, depth + 1)
+            _check(value, f"{path}.{key}" if path != "body" else key, depth + 1)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check(value, f"{path}.{i}", depth + 1)
+
+
+def parse_json(body: bytes):
+    """The document in ``body``, or an ApiError(400): invalid UTF-8 or JSON, NaN/Infinity literals,
+    numbers beyond float range, unpaired surrogates, nesting deeper than MAX_DEPTH."""
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise ApiError(400, f"body is not valid JSON ({str(exc)[:200]})", "body") from None
+    except RecursionError:
+        raise ApiError(400, f"body: nested deeper than {MAX_DEPTH} levels", "body", limit=MAX_DEPTH) from None
+    _check(data)
+    return data
+
+
+async def read_json(request: Request, limit: int):
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body of {length} bytes exceeds the limit", "body", int(length), limit)
+    body = await request.body()
+    if len(body) > limit:
+        raise ApiError(413, f"request body of {len(body)} bytes exceeds the limit", "body", len(body), limit)
+    return parse_json(body)
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def check_token(given: Optional[str], expected: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def bearer(request: Request) -> Optional[str]:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+def require_api_key(request: Request, keys) -> None:
+    """401 unless no keys are configured or the request carries one of them as a bearer token."""
+    if not keys:
+        return
+    key = bearer(request)
+    if key is None or not any(check_token(key, k) for k in keys):
+        raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)", "authorization",
+                       code="invalid_api_key")
+
+
+def require_admin(request: Request, token: Optional[str]) -> None:
+    if not token:
+        raise ApiError(403, "admin API is disabled: set POLICY_BUNDLE_ADMIN_TOKEN to enable it", code="admin_disabled")
+    if bearer(request) is None:
+        raise ApiError(401, "admin API needs Authorization: Bearer <admin token>", "authorization", code="unauthorized")
+    if not check_token(bearer(request), token):
+        raise ApiError(403, "admin token is not valid", "authorization", code="permission_denied")
+
+
+class ApiKeyGuard:
+    """ASGI middleware: with API keys configured, BentoML's own routes named here (e.g. ``/metrics``)
+    need a key like the inference routes (our routes check it themselves)."""
+
+    def __init__(self, app, keys=(), paths=("/metrics",)):
+        self.app, self.keys, self.paths = app, tuple(keys), tuple(paths)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.keys and scope.get("path") in self.paths:
+            request = Request(scope)
+            try:
+                require_api_key(request, self.keys)
+            except ApiError as err:
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

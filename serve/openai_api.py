@@ -1,0 +1,177 @@
+"""OpenAI-compatible formats: one adapter per endpoint (request -> token ids, result -> body or SSE chunks),
+and the incremental detokenizer both the streamed and the plain path use, so their texts are equal."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from policy_bundle.bundle.info import BundleInfo, decode, encode_chat, encode_text
+from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest
+
+
+class TextStream:
+    """Token ids in, text out, as it becomes final: the whole sequence is decoded each time (byte-level and
+    SentencePiece tokenizers only make sense of tokens together), text ending in an incomplete UTF-8
+    character (U+FFFD) or in what could start a stop string is held back, and a stop string ends it."""
+
+    def __init__(self, tok, stop: List[str]):
+        self.tok, self.stop = tok, stop
+        self.ids: List[int] = []
+        self.text, self.sent = "", 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        return "" if self.stopped else self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        text = decode(self.tok, self.ids)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, final, self.stopped = text[:cut], True, True
+        end = len(text)
+        if not final:
+            end = len(text.rstrip("\ufffd"))
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+            end -= hold
+        end = max(end, self.sent)
+        out, self.sent, self.text = text[self.sent:end], end, text[:end]
+        return out
+
+
+@dataclass
+class Prepared:
+    """A validated request: what the variants need and what the response needs."""
+
+    req: object
+    prompt_ids: List[int]
+    prompt_text: str
+    max_tokens: int
+    stop: List[str]
+    rid: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def sampling(self, eos: Optional[int]) -> dict:
+        r = self.req
+        return dict(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, temperature=r.temperature,
+                    top_p=r.top_p, seed=r.seed, stop_token_id=eos)
+
+
+def _finish(stream: TextStream, n_tokens: int, max_tokens: int, eos: Optional[int]) -> str:
+    if stream.stopped or (stream.ids and stream.ids[-1] == eos):
+        return "stop"
+    return "length" if n_tokens >= max_tokens else "stop"
+
+
+class Adapter:
+    """What both endpoints share: limits, ids, the stop strings; subclasses shape bodies and chunks."""
+
+    endpoint, schema, field_name, id_prefix = "", CompletionRequest, "prompt", "cmpl"
+
+    def __init__(self, tok, info: BundleInfo, model_name: str):
+        self.tok, self.info, self.model_name = tok, info, model_name
+
+    def prepare(self, req) -> Prepared:
+        text, ids = self.encode(req)
+        max_tokens = self.max_tokens(req)
+        if len(ids) + max_tokens > self.info.max_seq_len:
+            raise ApiError(400, f"{self.field_name}: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the "
+                           "context", self.field_name, len(ids) + max_tokens, self.info.max_seq_len)
+        return Prepared(req, ids, text, max_tokens, req.stop_strings(), f"{self.id_prefix}-{uuid.uuid4().hex[:24]}")
+
+    def max_tokens(self, req) -> int:
+        return req.max_tokens or self.info.max_new_tokens
+
+    def text_stream(self, p: Prepared) -> TextStream:
+        return TextStream(self.tok, p.stop)
+
+    def _base(self, p: Prepared, variant: str) -> dict:
+        return {"id": p.rid, "created": p.created, "model": self.model_name, "policy_variant": variant}
+
+    def complete(self, p: Prepared, variant: str, result: dict) -> dict:
+        """The non-streamed body, its text made by the same TextStream a stream would use."""
+        stream = self.text_stream(p)
+        for t in result["token_ids"]:
+            stream.push(t)
+            if stream.stopped:
+                break
+        stream.finish()
+        n = len(stream.ids)
+        finish = _finish(stream, n, p.max_tokens, self.tok.eos_token_id)
+        usage = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": n, "total_tokens": len(p.prompt_ids) + n}
+        tokens = [decode(self.tok, [t]) for t in stream.ids]
+        return {**self._base(p, variant), "usage": usage,
+                "choices": [self.choice(p, stream.text, finish, tokens, result["logprobs"][:n])]}
+
+
+class CompletionsAdapter(Adapter):
+    endpoint, schema, field_name, id_prefix = "completions", CompletionRequest, "prompt", "cmpl"
+
+    def encode(self, req: CompletionRequest):
+        if isinstance(req.prompt, list) and len(req.prompt) != 1:
+            raise ApiError(400, "prompt: exactly one prompt per request", "prompt", len(req.prompt), 1)
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo: prompt logprobs are not computed; use echo or logprobs, not both", "echo")
+        text = req.prompt[0] if isinstance(req.prompt, list) else req.prompt
+        if not text.strip():
+            raise ApiError(400, "prompt: must not be empty", "prompt", text)
+        return text, encode_text(self.tok, text)
+
+    def complete(self, p: Prepared, variant: str, result: dict) -> dict:
+        return {**super().complete(p, variant, result), "object": "text_completion"}
+
+    def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float]) -> dict:
+        lp = None
+        if p.req.logprobs is not None:
+            lp = {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+        return {"index": 0, "text": (p.prompt_text if p.req.echo else "") + text, "finish_reason": finish,
+                "logprobs": lp}
+
+    def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None) -> dict:
+        return {**self._base(p, variant), "object": "text_completion",
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+    def opening(self, p: Prepared, variant: str) -> List[dict]:
+        return [self.chunk(p, variant, p.prompt_text)] if p.req.echo else []
+
+
+class ChatAdapter(Adapter):
+    endpoint, schema, field_name, id_prefix = "chat", ChatRequest, "messages", "chatcmpl"
+
+    def encode(self, req: ChatRequest):
+        for i, m in enumerate(req.messages):
+            if not m.content.strip():
+                raise ApiError(400, f"messages.{i}.content: must not be empty", f"messages.{i}.content", m.content)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        return "", encode_chat(self.tok, messages)
+
+    def max_tokens(self, req: ChatRequest) -> int:
+        return req.max_completion_tokens or super().max_tokens(req)
+
+    def complete(self, p: Prepared, variant: str, result: dict) -> dict:
+        return {**super().complete(p, variant, result), "object": "chat.completion"}
+
+    def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float]) -> dict:
+        lp = None
+        if p.req.logprobs:
+            lp = {"content": [{"token": t, "logprob": x, "bytes": list(t.encode()), "top_logprobs": []}
+                              for t, x in zip(tokens, logprobs)]}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp}
+
+    def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, role: bool = False) -> dict:
+        delta = {"role": "assistant", "content": text} if role else ({"content": text} if finish is None else {})
+        return {**self._base(p, variant), "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    def opening(self, p: Prepared, variant: str) -> List[dict]:
+        return [self.chunk(p, variant, "", role=True)]
+
+
+def finish_reason(stream: TextStream, n_tokens: int, max_tokens: int, eos: Optional[int]) -> str:
+    return _finish(stream, n_tokens, max_tokens, eos)

@@ -1,0 +1,214 @@
+"""The two variants as one pool: health (probed by a loop, cached for readers), down/up state, the
+request timeout, the dropped-connection retry and fail-over, for plain and streamed requests alike;
+and admission, counted for every call the router makes (client, shadow, golden canary)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
+
+from policy_bundle.serve.schemas import ApiError
+
+log = logging.getLogger("policy_bundle.router")
+VARIANTS = ("int8", "fp16")
+
+
+def other_variant(name: str) -> str:
+    return "fp16" if name == "int8" else "int8"
+
+
+class VariantDown(RuntimeError):
+    """The variant a request waited for was marked down by the health loop."""
+
+
+class StreamFailed(RuntimeError):
+    """A variant's stream reported an error in-band, or was cut off."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.error_code = status
+
+
+def client_error(exc: BaseException) -> Optional[ApiError]:
+    """A variant's 4xx answer (a request it refuses) as the client's error: not a variant failure."""
+    code = int(getattr(exc, "error_code", 0) or 0)
+    if 400 <= code < 500:
+        return ApiError(400 if code != 429 else 429, f"refused by the variant: {str(exc)[:300]}", "prompt",
+                        code="invalid_request_error" if code != 429 else "rate_limited")
+    return None
+
+
+class Admission:
+    """In-flight calls against a cap: the check and the count are one step (no await between them)."""
+
+    def __init__(self, cap: int, on_change: Callable[[int, int], None]):
+        self.cap, self.inflight, self.peak, self.on_change = cap, 0, 0, on_change
+
+    def try_acquire(self) -> bool:
+        if self.inflight >= self.cap:
+            return False
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+        self.on_change(self.inflight, self.peak)
+        return True
+
+    def release(self) -> None:
+        self.inflight -= 1
+        self.on_change(self.inflight, self.peak)
+
+
+class VariantPool:
+    def __init__(self, services: Dict[str, object], settings, note: Callable[[str, str, dict], None],
+                 on_error: Callable[[str, BaseException], None], metrics):
+        self.services, self.settings, self.note, self.on_error, self.metrics = services, settings, note, on_error, metrics
+        self.health: Dict[str, dict] = {n: {"ready": False, "error": "not probed yet"} for n in VARIANTS}
+        self.down: set = set()
+        self.ever_ready: set = set()
+        self.probe_failures: Dict[str, int] = {}
+        self.down_events: Dict[str, asyncio.Event] = {}
+
+    # -- health --------------------------------------------------------------------------------
+    async def _probe(self, name: str) -> dict:
+        try:
+            return await self._retry_dropped(lambda: asyncio.wait_for(self.services[name].to_async.health(),
+                                                                      self.settings.health_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - a dead variant is a state to report, not raise
+            return {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:300],
+                    "timed_out": isinstance(exc, asyncio.TimeoutError)}
+
+    async def refresh(self) -> Dict[str, dict]:
+        """Probe both variants; update the cached health and the down/up state (with history events)."""
+        results = dict(zip(VARIANTS, await asyncio.gather(*[self._probe(n) for n in VARIANTS])))
+        for name, health in results.items():
+            health["probed_at"] = round(time.time(), 3)
+            ready = bool(health.get("ready"))
+            self.probe_failures[name] = 0 if ready else self.probe_failures.get(name, 0) + 1
+            if ready:
+                self.ever_ready.add(name)
+            # Down once a variant that was ready stops answering its probe (a SIGKILLed worker: the arbiter
+            # keeps its socket open, so the probe times out), or refuses connections 3 probes in a row.
+            down = not ready and (health.get("timed_out") or self.probe_failures[name] >= 3)
+            if down and name in self.ever_ready and name not in self.down:
+                self.down.add(name)
+                self.note("variant-down", f"{name}: {health.get('error')}", {"variant": name})
+            elif ready and name in self.down:
+                self.down.discard(name)
+                self.down_events[name] = asyncio.Event()
+                self.note("variant-up", f"{name}: ready again", {"variant": name})
+            if name in self.down and health.get("timed_out"):
+                self.down_events.setdefault(name, asyncio.Event()).set()  # fail waiting requests over now
+        self.health = results
+        self.metrics.fp16_fallback.set(1.0 if results["fp16"].get("fallback") else 0.0)
+        return results
+
+    def ready(self) -> bool:
+        return all(h.get("ready") and h.get("expected_engine", True) for h in self.health.values())
+
+    # -- calls ---------------------------------------------------------------------------------
+    async def _retry_dropped(self, make_call):
+        """Once more if the connection was dropped under the call: BentoML's dependency client closes its
+        session under in-flight calls (bentoml/BentoML#5540, #5544) and idle keep-alive connections race
+        with the server closing them; generation is pure, so a retry is safe."""
+        import aiohttp
+
+        try:
+            return await make_call()
+        except aiohttp.ClientConnectionError:
+            return await make_call()
+
+    async def _unless_down(self, name: str, call):
+        """``call`` within the request timeout, given up as soon as the health loop marks ``name`` down."""
+        down = self.down_events.setdefault(name, asyncio.Event())
+        task, waiter = asyncio.ensure_future(call), asyncio.ensure_future(down.wait())
+        try:
+            done, _ = await asyncio.wait({task, waiter}, timeout=self.settings.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        if waiter in done:
+            raise VariantDown(f"{name} failed its health probe while this request waited for it")
+        raise asyncio.TimeoutError(f"{name} did not answer in {self.settings.request_timeout_s}s")
+
+    async def call(self, name: str, **kwargs) -> dict:
+        return await self._retry_dropped(
+            lambda: self._unless_down(name, self.services[name].to_async.generate(**kwargs)))
+
+    def order(self, preferred: str, forced: bool) -> List[str]:
+        """Preferred first (unless it is down and the other is not), the other as fail-over unless forced."""
+        if forced:
+            return [preferred]
+        other = other_variant(preferred)
+        if preferred in self.down and other not in self.down:
+            self.metrics.rerouted.labels(variant=preferred).inc()
+            return [other, preferred]
+        return [preferred, other]
+
+    async def generate(self, preferred: str, forced: bool, kwargs: dict) -> Tuple[str, dict]:
+        last: Optional[BaseException] = None
+        for name in self.order(preferred, forced):
+            try:
+                return name, await self.call(name, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - any variant failure is retried on the other
+                refused = client_error(exc)
+                if refused is not None:
+                    raise refused from None
+                last = exc
+                self.on_error(name, exc)
+        raise _unavailable(last)
+
+    async def open_stream(self, preferred: str, forced: bool, kwargs: dict) -> Tuple[str, Optional[dict], AsyncIterator[dict]]:
+        """The first step of a stream from the first variant that gives one (fail-over before any token is
+        sent, with the same down check, timeout and dropped-connection retry as plain calls); then the rest."""
+        import aiohttp
+
+        last: Optional[BaseException] = None
+        for name in self.order(preferred, forced):
+            for attempt in (0, 1):
+                steps = self._steps(name, kwargs)
+                try:
+                    return name, await self.next_step(name, steps), steps
+                except aiohttp.ClientConnectionError as exc:
+                    await steps.aclose()
+                    last = exc
+                    if attempt == 0:
+                        continue
+                except Exception as exc:  # noqa: BLE001 - nothing was sent: try the other variant
+                    await steps.aclose()
+                    refused = client_error(exc)
+                    if refused is not None:
+                        raise refused from None
+                    last = exc
+                self.on_error(name, last)
+                break
+        raise _unavailable(last)
+
+    async def _steps(self, name: str, kwargs: dict) -> AsyncIterator[dict]:
+        """A variant's stream as steps; its in-band error line, or an end without the end marker (a worker
+        that died mid-stream), raises."""
+        async for line in self.services[name].to_async.stream(**kwargs):
+            for item in filter(None, line.splitlines()):
+                step = json.loads(item)
+                if "error" in step:
+                    raise StreamFailed(f"{name}: {step['error']}", step.get("status", 500))
+                if step.get("done"):
+                    return
+                yield step
+        raise StreamFailed(f"{name}: the stream ended without its end marker (cut off)", 502)
+
+    async def next_step(self, name: str, steps: AsyncIterator[dict]) -> Optional[dict]:
+        """The next step of a started stream (None at its end), bounded like any call."""
+        try:
+            return await self._unless_down(name, steps.__anext__())
+        except StopAsyncIteration:
+            return None
+
+
+def _unavailable(last: Optional[BaseException]) -> ApiError:
+    what = f" (last: {type(last).__name__})" if last is not None else ""
+    return ApiError(503, f"no variant could answer{what}", code="service_unavailable", headers={"Retry-After": "1"})

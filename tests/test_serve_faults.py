@@ -1,0 +1,158 @@
+"""Failure paths over a real `bentoml serve` with injected faults (POLICY_BUNDLE_TEST_FAULT): streams that fail
+before or after their first token, loops that raise, vLLM that does not load, bad router settings."""
+
+import json
+import re
+import time
+
+import httpx
+import pytest
+import yaml
+
+from serve_helpers import Server, bundle_version
+
+ADMIN = {"Authorization": "Bearer t"}
+# INT8 fails before its first token, FP16 after two; the analysis and health loops raise on their first 2 ticks
+FAULTS = "fail:after=0:name=int8;fail:after=2:name=fp16;loop:name=analysis,health:count=2"
+
+
+def start(tmp_path, small_bundle, name, fault=None, config=None, wait=True, **env):
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump(config if config is not None else {
+        "rollout": {"analysis_interval_s": 0.5, "golden_interval_s": 3600, "min_samples": 10}}))
+    env = {"POLICY_BUNDLE_VERSION": bundle_version(small_bundle), "POLICY_BUNDLE_STATE_DIR": str(tmp_path / name),
+           "POLICY_BUNDLE_ADMIN_TOKEN": "t", "POLICY_ROUTER_CONFIG": str(cfg), "POLICY_BUNDLE_DISABLE_VLLM": "1",
+           **({"POLICY_BUNDLE_TEST_FAULT": fault} if fault else {}), **env}
+    server = Server(env, tmp_path / f"{name}.log")
+    return server.wait_ready() if wait else server
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory, small_bundle):
+    server = start(tmp_path_factory.mktemp("faulty"), small_bundle, "faulty", FAULTS)
+    yield server
+    server.stop()
+
+
+def metric(server, name, **labels):
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def sse_events(response):
+    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_stream_that_fails_before_its_first_token_everywhere_is_a_503(faulty):
+    served_before = metric(faulty, "policy_requests_total")
+    body = {"model": "policy", "prompt": "12+34=", "max_tokens": 6, "temperature": 0, "stream": True}
+    forced = {"x-policy-variant": "int8", "x-admin-token": "t"}  # only INT8, which fails before its first token
+    with httpx.stream("POST", f"{faulty.url}/v1/completions", json=body, headers=forced, timeout=60) as r:
+        r.read()
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "service_unavailable"
+    assert metric(faulty, "policy_requests_total") == served_before  # not recorded as a success
+    assert metric(faulty, "policy_errors_total", variant="int8") >= 1
+
+
+def test_stream_fails_over_before_its_first_token_and_reports_a_mid_stream_failure(faulty):
+    httpx.post(f"{faulty.url}/admin/rollout", json={"action": "set-weight", "weight": 100}, headers=ADMIN)
+    errors_before = metric(faulty, "policy_errors_total", variant="fp16")
+    body = {"model": "policy", "prompt": "12+34=", "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{faulty.url}/v1/completions", json=body, timeout=60) as r:
+        events = sse_events(r)
+        # INT8 was chosen and failed before a token: the header names the variant that answered
+        assert r.status_code == 200 and r.headers["x-policy-variant"] == "fp16"
+    assert "[DONE]" not in events  # FP16 failed after 2 tokens: an error event, never a normal "stop"
+    chunks = [json.loads(e) for e in events]
+    assert "error" in chunks[-1] and chunks[-1]["error"]["code"] == "variant_failed"
+    assert not any(c.get("choices", [{}])[0].get("finish_reason") for c in chunks[:-1])
+    assert metric(faulty, "policy_errors_total", variant="fp16") == errors_before + 1
+
+
+def test_plain_request_is_a_503_when_no_variant_answers(faulty):
+    r = httpx.post(f"{faulty.url}/v1/completions", json={"model": "policy", "prompt": "1+1=", "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+def test_loops_survive_their_exceptions(faulty):
+    """The analysis and health loops raised twice each at start; both still run (and are reported alive)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if metric(faulty, "policy_canary_verdicts_total") >= 2 and metric(faulty, "policy_loop_errors_total") >= 4:
+            break
+        time.sleep(0.5)
+    assert metric(faulty, "policy_loop_errors_total", loop="analysis") == 2
+    assert metric(faulty, "policy_loop_errors_total", loop="health") == 2
+    assert metric(faulty, "policy_canary_verdicts_total") >= 2  # analyses after the failures
+    status = httpx.get(f"{faulty.url}/status", timeout=10).json()
+    assert all(status["loops"].values()) and status["test_fault"] is True
+    first = status["variants"]["int8"]["probed_at"]
+    time.sleep(2.5)
+    assert httpx.get(f"{faulty.url}/status", timeout=10).json()["variants"]["int8"]["probed_at"] > first
+
+
+def test_the_fault_switch_is_announced(faulty):
+    assert "TEST FAULT ACTIVE" in faulty.log.read_text()
+
+
+def test_status_serves_the_cached_health_without_probing(faulty):
+    a = httpx.get(f"{faulty.url}/status", timeout=10).json()
+    b = httpx.get(f"{faulty.url}/status", timeout=10).json()
+    assert a["variants"]["int8"]["probed_at"] == b["variants"]["int8"]["probed_at"] or \
+        b["variants"]["int8"]["probed_at"] - a["variants"]["int8"]["probed_at"] >= 0.5  # only the loop probes
+    events = httpx.get(f"{faulty.url}/admin/rollout/history", headers=ADMIN).json()["total"]
+    for _ in range(20):
+        httpx.get(f"{faulty.url}/status", timeout=10)
+    assert httpx.get(f"{faulty.url}/admin/rollout/history", headers=ADMIN).json()["total"] <= events + 2
+
+
+def test_vllm_expected_but_the_fallback_loaded_is_not_ready(tmp_path, small_bundle):
+    pytest.importorskip("vllm")
+    server = start(tmp_path, small_bundle, "novllm", "novllm", wait=False, POLICY_BUNDLE_DISABLE_VLLM="0")
+    try:
+        deadline, status = time.monotonic() + 240, {}
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(f"{server.url}/status", timeout=10).json()
+                if status["variants"]["fp16"].get("ready"):
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(1)
+        fp16 = status["variants"]["fp16"]
+        assert fp16["ready"] and fp16["engine"] == "policy-module-fp32" and fp16["expected_engine"] is False
+        assert "injected fault" in fp16["fallback"]
+        assert httpx.get(f"{server.url}/readyz", timeout=10).status_code != 200 and status["ready"] is False
+    finally:
+        server.stop()
+
+
+def wait_exit(server, seconds=120) -> str:
+    server.proc.wait(timeout=seconds)
+    return server.log.read_text()
+
+
+def test_require_vllm_refuses_to_start_on_the_fallback(tmp_path, small_bundle):
+    server = start(tmp_path, small_bundle, "require", config={"require_vllm": True}, wait=False)
+    try:
+        log = wait_exit(server)
+    finally:
+        server.stop()
+    assert server.proc.returncode != 0 and "require_vllm: vLLM did not load" in log
+
+
+def test_bad_router_config_key_is_one_line_not_a_traceback(tmp_path, small_bundle):
+    server = start(tmp_path, small_bundle, "badcfg", config={"rollout": {"analysis_intervall_s": 3}}, wait=False)
+    try:
+        log = wait_exit(server)
+    finally:
+        server.stop()
+    assert server.proc.returncode != 0
+    assert "rollout.analysis_intervall_s: unknown field" in log and "Traceback" not in log

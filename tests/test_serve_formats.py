@@ -1,0 +1,101 @@
+"""Serving a policy with a production-like tokenizer (SentencePiece-style pieces, a chat template) over a real
+`bentoml serve`: streamed text equals plain text, chat roles reach the template, one context length."""
+
+import json
+
+import httpx
+import pytest
+
+from cli_helpers import SMALL, run_cli
+from policies import sentencepiece_policy
+from serve_helpers import Server, bundle_version
+
+FORCE = {"int8": {"x-policy-variant": "int8", "x-admin-token": "t"}, "fp16": {"x-policy-variant": "fp16", "x-admin-token": "t"}}
+CONTEXT = 320  # above the 256 the variants once assumed on their own
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory, bentoml_home):
+    tmp = tmp_path_factory.mktemp("spm")
+    policy = sentencepiece_policy(tmp / "policy")
+    out = tmp / "bundle"
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+                  "--set", f"policy.source={policy}", "--set", f"policy.max_seq_len={CONTEXT}",
+                  "--set", "canary.enabled=false", "--set", "export.onnx=false", "--set", "calibration.procs=0",
+                  "--set", "name=spm")
+    assert res.returncode == 0, res.stderr[-3000:]
+    env = {"POLICY_BUNDLE_VERSION": bundle_version(out), "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
+           "POLICY_BUNDLE_ADMIN_TOKEN": "t", "POLICY_BUNDLE_DISABLE_VLLM": "1"}
+    server = Server(env, tmp / "server.log").wait_ready()
+    yield server, policy
+    server.stop()
+
+
+def stream_text(url, path, body, headers):
+    """The concatenated streamed text, the finish reason, the header's variant and whether [DONE] came."""
+    text, finish, done = "", None, False
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            finish = choice["finish_reason"] or finish
+        return text, finish, r.headers["x-policy-variant"], done
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_streamed_text_equals_plain_text_with_sentencepiece_pieces(spm, variant):
+    server, _ = spm
+    for prompt in ("the policy answers", "one two three", "yes no maybe words"):
+        body = {"model": "policy", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        plain = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 1}, headers=FORCE[variant],
+                           timeout=60).json()
+        text, finish, served, done = stream_text(server.url, "/v1/completions", body, FORCE[variant])
+        assert served == variant and done and finish == plain["choices"][0]["finish_reason"]
+        assert text == plain["choices"][0]["text"] and " " in text.strip()
+        # per-token decoding (what streams once did) loses the word boundaries here
+        assert "".join(plain["choices"][0]["logprobs"]["tokens"]) != text
+
+
+def test_chat_roles_go_through_the_tokenizer_chat_template(spm):
+    from policy_bundle.bundle.info import encode_chat, encode_text, load_tokenizer
+
+    server, policy = spm
+    tok = load_tokenizer(policy)
+    messages = [{"role": "system", "content": "answer with numbers"}, {"role": "user", "content": "one two"}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=FORCE["int8"], timeout=60,
+                   json={"model": "policy", "messages": messages, "max_tokens": 6, "temperature": 0}).json()
+    templated = encode_chat(tok, messages)
+    assert r["usage"]["prompt_tokens"] == len(templated) != len(encode_text(tok, "answer with numbers\none two"))
+    # the same ids sent as raw text through /v1/completions give the same greedy answer
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    raw = httpx.post(f"{server.url}/v1/completions", headers=FORCE["int8"], timeout=60,
+                     json={"model": "policy", "prompt": rendered, "max_tokens": 6, "temperature": 0}).json()
+    assert raw["usage"]["prompt_tokens"] == len(templated)
+    assert raw["choices"][0]["text"] == r["choices"][0]["message"]["content"]
+    streamed, _, _, done = stream_text(server.url, "/v1/chat/completions",
+                                       {"model": "policy", "messages": messages, "max_tokens": 6, "temperature": 0},
+                                       FORCE["int8"])
+    assert done and streamed == r["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_one_context_length_for_the_router_and_both_variants(spm, variant):
+    """A prompt the router accepts fits every variant: the bundle's context (here 320), not a variant default."""
+    server, _ = spm
+    status = httpx.get(f"{server.url}/status", timeout=30).json()
+    assert status["context_tokens"] == CONTEXT
+    assert status["variants"][variant]["max_seq_len"] == CONTEXT
+    words = " ".join(["one"] * 60)  # 60 prompt tokens
+    fits = httpx.post(f"{server.url}/v1/completions", headers=FORCE[variant], timeout=120,
+                      json={"model": "policy", "prompt": " ".join([words] * 4) + " two", "max_tokens": 79,
+                            "temperature": 0})
+    assert fits.status_code == 200, fits.text  # 241 + 79 = 320 tokens
+    over = httpx.post(f"{server.url}/v1/completions", headers=FORCE[variant], timeout=60,
+                      json={"model": "policy", "prompt": " ".join([words] * 4) + " two", "max_tokens": 80})
+    assert over.status_code == 400 and over.json()["error"]["limit"] == CONTEXT
