@@ -26,6 +26,18 @@ log = logging.getLogger("policy_bundle.serve")
 VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
 
 
+def _require_vllm_importable() -> None:
+    """``require_vllm`` with vLLM switched off or missing: stop ``bentoml serve`` itself (this runs where the
+    service graph is imported), one line, before any worker starts."""
+    if settings_or_exit().require_vllm and not vllm_available():
+        why = "switched off (POLICY_BUNDLE_DISABLE_VLLM)" if vllm_available(importable_only=True) else "not importable"
+        log.error("refusing to start: require_vllm is set and vLLM is %s", why)
+        raise SystemExit(f"policy-bundle: require_vllm: vLLM is {why}")
+
+
+_require_vllm_importable()
+
+
 def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
     """The store entry's artifact dir, verified against the manifest recorded at registration."""
     try:
