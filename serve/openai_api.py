@@ -95,17 +95,22 @@ class Adapter:
         return {"id": p.rid, "created": p.created, "model": self.model_name, "policy_variant": variant}
 
     def complete(self, p: Prepared, variant: str, result: dict) -> dict:
-        """The non-streamed body, its text made by the same TextStream a stream would use."""
+        """The non-streamed body: one decode of all ids (what a stream's pieces add up to), or, with stop
+        strings, the same TextStream a stream uses, which ends at the first one."""
         stream = self.text_stream(p)
-        for t in result["token_ids"]:
-            stream.push(t)
-            if stream.stopped:
-                break
-        stream.finish()
+        if p.stop:
+            for t in result["token_ids"]:
+                stream.push(t)
+                if stream.stopped:
+                    break
+            stream.finish()
+        else:
+            stream.ids, stream.text = list(result["token_ids"]), decode(self.tok, result["token_ids"])
         n = len(stream.ids)
         finish = _finish(stream, n, p.max_tokens, self.tok.eos_token_id)
         usage = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": n, "total_tokens": len(p.prompt_ids) + n}
-        tokens = [decode(self.tok, [t]) for t in stream.ids]
+        wanted = p.req.logprobs is not None and p.req.logprobs is not False
+        tokens = [decode(self.tok, [t]) for t in stream.ids] if wanted else []
         return {**self._base(p, variant), "usage": usage,
                 "choices": [self.choice(p, stream.text, finish, tokens, result["logprobs"][:n])]}
 
