@@ -15,7 +15,8 @@ from policy_bundle.build.config import BuildConfig, ConfigError
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer, read_golden_jsonl, write_golden_jsonl  # noqa: F401
 from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import GoldenItem
-from policy_bundle.quantize.model import UnsupportedModelError, greedy_generate, load_hf_config
+from policy_bundle.quantize.decode import greedy_generate
+from policy_bundle.quantize.model import UnsupportedModelError, load_hf_config
 
 GENERAL_PROMPTS = Path(__file__).parent / "prompts" / "general.txt"
 

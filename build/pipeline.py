@@ -29,6 +29,7 @@ from policy_bundle.bundle.info import serving_section
 from policy_bundle.bundle.manifest import manifest_hash, write_manifest
 from policy_bundle.build.progress import Stages, Throttled, bar, log
 from policy_bundle.quantize import recipes, task
+from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
 from policy_bundle.quantize.fidelity import FidelityReport, GateVerdict, measure_fidelity
 from policy_bundle.quantize.model import CastPolicy, Policy, load_hf_config, load_policy
@@ -333,21 +334,8 @@ def _plan_key(recipe: recipes.RecipeConfig) -> tuple:
 
 
 def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int = 3, warmup: int = 3) -> float:
-    """Batch-1 decode tokens/s of the candidate as TorchScript (what ships), median of ``repeats``
-    after ``warmup`` runs (TorchScript's profiling executor optimises the graph on early calls)."""
-    import statistics
-
-    scripted = torch.jit.script(int8)
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats + warmup):
-            k, v = scripted.new_cache(1, prompt_len + new_tokens)
-            logits = scripted.prefill(torch.ones(1, prompt_len, dtype=torch.long), k, v)
-            t = time.perf_counter()
-            for i in range(new_tokens):
-                logits = scripted.decode(logits[:, -1:].argmax(-1), prompt_len + i, k, v)
-            times.append(time.perf_counter() - t)
-    return new_tokens / statistics.median(times[warmup:])
+    """Batch-1 decode tokens/s of the candidate as TorchScript (what ships)."""
+    return decode_tokens_per_s(torch.jit.script(int8), [1] * prompt_len, new_tokens, repeats, warmup)
 
 
 def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, candidates, tok, golden,
