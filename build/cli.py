@@ -84,7 +84,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
     candidate = torch.jit.load(str(bundle / manifest["artifacts"]["int8_torchscript"]))
     golden = read_golden_jsonl(bundle / "golden.jsonl")
     report = measure_fidelity(reference, candidate, golden, **fidelity_kwargs(cfg, load_tokenizer(bundle / "int8")))
-    verdict = evaluate_gate(report, cfg.canary.thresholds())
+    verdict = evaluate_gate(report, cfg.canary.gate)
     print(metrics_table([("INT8 vs FP32", report.summary())]))
     for note in report.notes:
         print(f"note: {note}")

@@ -167,7 +167,7 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
         s.detail = (f"{len(seqs)} calibration sequences from {source}, {len(golden)} golden items, "
                     f"{len(seqs) / max(1e-9, time.monotonic() - t0):.1f} seq/s")
 
-    schemes = list(cfg.recipe.auto_candidates) if cfg.recipe.scheme == "auto" else [cfg.recipe.scheme]
+    schemes = cfg.recipe.candidates()
     candidates = [cfg.recipe_config(scheme) for scheme in schemes]
     calibrated = CalibratedModels(cfg, mesh, policy, batches)
     ao_candidates = [c for c in candidates if c.base_mode != "w8a8"]
@@ -237,7 +237,7 @@ def _quantize_and_export(cfg: BuildConfig, mesh, policy_dir: Path, policy: Polic
                           "fp16_hf": "fp16", "golden": "golden.jsonl"},
             "fidelity": fidelity,
             "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, data.is_task_policy(cfg),
-                                       cfg.canary.thresholds()),
+                                       cfg.canary.gate),
             "test_fault": fault_spec(),
         }
         sha = write_manifest(tmp, body)
@@ -360,7 +360,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
             outcome = CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
         else:
             prepared, _ = calibrated.get(recipe.smooth)
-            outcome = gate_with_fallback(policy, prepared, recipe, golden, c.thresholds(), c.max_fp_layers, measure)
+            outcome = gate_with_fallback(policy, prepared, recipe, golden, c.gate, c.max_fp_layers, measure)
         speed = decode_speed(outcome.int8) if len(candidates) > 1 else None
         trials.append({"recipe": recipe, "outcome": outcome, "decode_tok_s": speed})
         log(f"[auto] {recipe.scheme}: {outcome.verdict.label}, {len(outcome.fp32_layers)} float layers"
@@ -373,7 +373,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
         best = trials[0]["outcome"]
         rejected = final.parent / f"{final.name}.canary-rejected"
         shutil.rmtree(rejected, ignore_errors=True)
-        report = write_report(rejected, best, c.thresholds(), {"candidates": summary})
+        report = write_report(rejected, best, c.gate, {"candidates": summary})
         top = best.sensitivity[0][0] if best.sensitivity else "n/a"
         raise CanaryGateError(f"accuracy gate failed ({'; '.join(best.verdict.failures)}) after keeping "
                               f"{len(best.fp32_layers)} layer(s) in float (canary.max_fp_layers="
@@ -382,7 +382,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     why = (f"{winner['recipe'].scheme} is the fastest of {len(passing)} passing candidate(s)"
            if len(candidates) > 1 else "the configured recipe")
     if c.enabled:
-        write_report(tmp, winner["outcome"], c.thresholds(), {"candidates": summary, "winner": winner["recipe"].scheme,
+        write_report(tmp, winner["outcome"], c.gate, {"candidates": summary, "winner": winner["recipe"].scheme,
                                                             "why": why})
     return winner["outcome"], winner["recipe"], summary
 
@@ -397,7 +397,7 @@ def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: Calibrated
     if not cfg.canary.enabled:
         int8 = plan.convert(policy, names)
         return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
-    return gate_w8a8(policy, plan, names, sensitivity_probe(calibrated.batches), cfg.canary.thresholds(),
+    return gate_w8a8(policy, plan, names, sensitivity_probe(calibrated.batches), cfg.canary.gate,
                      cfg.canary.max_fp_layers, measure, measure_logits)
 
 
