@@ -15,14 +15,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from policy_bundle.build.errors import CanaryGateError  # noqa: F401 - raised by the pipeline's gate
 from policy_bundle.build.progress import log
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits, evaluate_gate,
                                policy_logits_fn, teacher_forced_logits)
-
-
-class CanaryGateError(RuntimeError):
-    """The INT8 candidate failed the accuracy gate even after layer fallback."""
 
 
 @dataclass

@@ -9,9 +9,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-# Expected failures: their message is the whole story, so no traceback (unless --debug).
-USER_ERRORS = ("ConfigError", "RecipeError", "UnsupportedModelError", "BundleExistsError",
-               "BundleVerificationError", "CanaryGateError", "MeshError", "FileNotFoundError")
+from policy_bundle.build.errors import expected_errors
 
 
 def _quiet_runtime() -> None:
@@ -134,12 +132,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the CLI boundary turns errors into one line
         if args.debug:
             raise
-        name = type(exc).__name__
-        kind = "error" if name in USER_ERRORS else f"error ({name})"
-        print(f"{kind}: {exc}", file=sys.stderr)
-        if name not in USER_ERRORS:
-            print("(run with --debug for the traceback)", file=sys.stderr)
-        return 2 if name in USER_ERRORS else 1
+        if isinstance(exc, expected_errors()):  # the message is the whole story: no traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"error ({type(exc).__name__}): {exc}\n(run with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,12 +11,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from policy_bundle.build.errors import ConfigError
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig, RecipeError
-
-
-class ConfigError(ValueError):
-    """A config field has the wrong type, is out of range, or is unknown."""
 
 
 @dataclass(frozen=True)

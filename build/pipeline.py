@@ -21,9 +21,10 @@ from typing import Any, Iterator, List, Optional
 import torch
 
 from policy_bundle.build import data
-from policy_bundle.build.canary import CanaryGateError, CanaryOutcome, add_artifact_comparison, gate_with_fallback, write_report
+from policy_bundle.build.canary import CanaryOutcome, add_artifact_comparison, gate_with_fallback, write_report
 from policy_bundle.build.w8a8 import onnx_recipe_note, w8a8_summary
 from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.errors import BundleExistsError, CanaryGateError
 from policy_bundle.bundle.faults import active_fault, apply_scale_fault, fault_spec
 from policy_bundle.bundle.info import serving_section
 from policy_bundle.bundle.manifest import manifest_hash, write_manifest
@@ -36,10 +37,6 @@ from policy_bundle.quantize.model import CastPolicy, Policy, load_hf_config, loa
 
 INT8_TS = "int8/policy.ts"
 INT8_ONNX = "int8/policy-int8.onnx"
-
-
-class BundleExistsError(FileExistsError):
-    """The output directory exists and --force was not given."""
 
 
 @dataclass
