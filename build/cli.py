@@ -60,11 +60,11 @@ def cmd_check_fp16(args: argparse.Namespace) -> int:
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
+    from policy_bundle.build.artifact_fidelity import fidelity_kwargs
     from policy_bundle.build.canary import metrics_table
     from policy_bundle.build.config import config_from_dict
     from policy_bundle.build.data import load_tokenizer, read_golden_jsonl
     from policy_bundle.bundle.manifest import read_manifest, verify_bundle
-    from policy_bundle.build.pipeline import fidelity_kwargs
     from policy_bundle.quantize.fidelity import evaluate_gate, measure_fidelity
     from policy_bundle.quantize.model import load_policy
 
