@@ -15,7 +15,6 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from policy_bundle.build.errors import CanaryGateError  # noqa: F401 - raised by the pipeline's gate
 from policy_bundle.build.progress import log
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits, evaluate_gate,
