@@ -51,7 +51,7 @@ class CalibrationActor(Actor):
     @endpoint
     def rollouts(self, shard: int, prompt_ids: List[List[int]], max_new_tokens: int,
                  eos: Optional[int], engine: str) -> List[List[int]]:
-        from policy_bundle.quantize.model import greedy_generate
+        from policy_bundle.quantize.decode import greedy_generate
 
         if engine == "vllm":  # one engine per actor, on this actor's share of the prompts
             from policy_bundle.build.data import vllm_rollouts

@@ -21,10 +21,6 @@ from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, Gat
                                policy_logits_fn, teacher_forced_logits)
 
 
-class CanaryGateError(RuntimeError):
-    """The INT8 candidate failed the accuracy gate even after layer fallback."""
-
-
 @dataclass
 class Attempt:
     fp32_layers: List[str]

@@ -9,9 +9,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-# Expected failures: their message is the whole story, so no traceback (unless --debug).
-USER_ERRORS = ("ConfigError", "RecipeError", "UnsupportedModelError", "BundleExistsError",
-               "BundleVerificationError", "CanaryGateError", "MeshError", "FileNotFoundError")
+from policy_bundle.build.errors import expected_errors
 
 
 def _quiet_runtime() -> None:
@@ -62,11 +60,11 @@ def cmd_check_fp16(args: argparse.Namespace) -> int:
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
+    from policy_bundle.build.artifact_fidelity import fidelity_kwargs
     from policy_bundle.build.canary import metrics_table
     from policy_bundle.build.config import config_from_dict
     from policy_bundle.build.data import load_tokenizer, read_golden_jsonl
     from policy_bundle.bundle.manifest import read_manifest, verify_bundle
-    from policy_bundle.build.pipeline import fidelity_kwargs
     from policy_bundle.quantize.fidelity import evaluate_gate, measure_fidelity
     from policy_bundle.quantize.model import load_policy
 
@@ -84,7 +82,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
     candidate = torch.jit.load(str(bundle / manifest["artifacts"]["int8_torchscript"]))
     golden = read_golden_jsonl(bundle / "golden.jsonl")
     report = measure_fidelity(reference, candidate, golden, **fidelity_kwargs(cfg, load_tokenizer(bundle / "int8")))
-    verdict = evaluate_gate(report, cfg.canary.thresholds())
+    verdict = evaluate_gate(report, cfg.canary.gate)
     print(metrics_table([("INT8 vs FP32", report.summary())]))
     for note in report.notes:
         print(f"note: {note}")
@@ -134,12 +132,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the CLI boundary turns errors into one line
         if args.debug:
             raise
-        name = type(exc).__name__
-        kind = "error" if name in USER_ERRORS else f"error ({name})"
-        print(f"{kind}: {exc}", file=sys.stderr)
-        if name not in USER_ERRORS:
-            print("(run with --debug for the traceback)", file=sys.stderr)
-        return 2 if name in USER_ERRORS else 1
+        if isinstance(exc, expected_errors()):  # the message is the whole story: no traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"error ({type(exc).__name__}): {exc}\n(run with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

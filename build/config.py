@@ -5,17 +5,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
-from policy_bundle.quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig
-
-
-class ConfigError(ValueError):
-    """A config field has the wrong type, is out of range, or is unknown."""
+from policy_bundle.build.errors import ConfigError
+from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig, RecipeError
 
 
 @dataclass(frozen=True)
@@ -47,40 +45,46 @@ class CalibrationSection:
     timeout_s: float = 600.0
 
 
+INLINE = "inline"
+
+
+def inline(cls: type) -> Any:
+    """A section field holding a library dataclass whose fields are written as the section's own keys."""
+    return field(default_factory=cls, metadata={INLINE: True})
+
+
 @dataclass(frozen=True)
 class RecipeSection:
+    """``recipe:``: the quantize library's ``RecipeConfig`` (its fields are this section's keys) and ``auto``.
+
+    Two keys are written differently from the library and are this section's own: ``scheme`` may also
+    be ``auto`` (gate every ``auto_candidates`` scheme, ship the fastest that passes), and
+    ``overrides`` is a mapping (layer pattern -> mode) rather than pairs.
+    """
+
     scheme: str = "static"
-    backend: str = "x86"
-    reduce_range: bool = True
-    skip: Tuple[str, ...] = ("embed_tokens", "lm_head")
-    fp32_layers: Tuple[str, ...] = ()
-    smooth_alpha: float = 0.65
-    overrides: Dict[str, str] = field(default_factory=dict)  # layer pattern -> static|dynamic|weight-only|fp32
     auto_candidates: Tuple[str, ...] = ("static", "smooth-static", "dynamic", "smooth-dynamic", "weight-only")
-    outlier_ratio: float = 8.0
-    smooth_alphas: Tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
-    rounding: str = "gptq"
-    gptq_damp: float = 0.01
-    lm_head_topk: int = 64
+    overrides: Dict[str, str] = field(default_factory=dict)  # layer pattern -> static|dynamic|weight-only|fp32
+    base: RecipeConfig = inline(RecipeConfig)  # scheme: the first candidate; overrides: as above
+
+    @classmethod
+    def from_keys(cls, own: dict, inlined: Dict[str, dict]) -> "RecipeSection":
+        section = cls(**own)
+        base = RecipeConfig(**inlined["base"], scheme=section.candidates()[0], overrides=tuple(section.overrides.items()))
+        return replace(section, base=base)
+
+    def candidates(self) -> List[str]:
+        """The schemes the build gates: the configured one, or every auto candidate."""
+        return list(self.auto_candidates) if self.scheme == "auto" else [self.scheme]
 
 
 @dataclass(frozen=True)
 class CanarySection:
-    """The build's accuracy gate (same metric names as the live canary)."""
+    """``canary:``: the build's accuracy gate; its ``GateThresholds`` fields (the live canary's too) are keys here."""
 
     enabled: bool = True
-    max_reward_drop: float = 0.02
-    min_top1_agreement: float = 0.95
-    max_kl_mean: float = 0.05
-    max_kl_p99: float = 0.5
-    min_greedy_agreement: float = 0.90
     max_fp_layers: int = 8  # layer fallback budget; 0 = no fallback, fail at once
-
-    def thresholds(self):
-        from policy_bundle.quantize.fidelity import GateThresholds
-
-        return GateThresholds(self.max_reward_drop, self.min_top1_agreement, self.max_kl_mean, self.max_kl_p99,
-                              self.min_greedy_agreement)
+    gate: GateThresholds = inline(GateThresholds)
 
 
 @dataclass(frozen=True)
@@ -107,17 +111,12 @@ class BuildConfig:
     register: RegisterSection = field(default_factory=RegisterSection)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The YAML shape (library dataclasses flattened into their sections), as the manifest stores it."""
+        return _as_mapping(self)
 
     def recipe_config(self, scheme: Optional[str] = None) -> RecipeConfig:
         """The quantize-library recipe (``scheme`` replaces the configured one, e.g. per auto candidate)."""
-        r = self.recipe
-        scheme = scheme or (r.scheme if r.scheme != "auto" else r.auto_candidates[0])
-        return RecipeConfig(scheme=scheme, backend=r.backend, reduce_range=r.reduce_range, skip=r.skip,
-                            fp32_layers=r.fp32_layers, smooth_alpha=r.smooth_alpha,
-                            overrides=tuple(r.overrides.items()), outlier_ratio=r.outlier_ratio,
-                            smooth_alphas=r.smooth_alphas, rounding=r.rounding, gptq_damp=r.gptq_damp,
-                            lm_head_topk=r.lm_head_topk)
+        return replace(self.recipe.base, scheme=scheme) if scheme else self.recipe.base
 
 
 # (field path) -> (minimum, maximum) for numbers; (field path) -> allowed values for strings.
@@ -196,29 +195,69 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     return value
 
 
+def _keys(cls: type) -> Dict[str, Tuple[Optional[str], Any]]:
+    """Every key a section accepts -> (the inline field holding it, or None for the section's own; its type).
+    A section's own field shadows an inline dataclass field of the same name."""
+    keys: Dict[str, Tuple[Optional[str], Any]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get(INLINE):
+            inner = typing.get_type_hints(hints[f.name])
+            keys.update({g.name: (f.name, inner[g.name]) for g in dataclasses.fields(hints[f.name])
+                         if g.name not in keys and g.name not in hints})
+        else:
+            keys[f.name] = (None, hints[f.name])
+    return keys
+
+
+def _check_limits(path: str, value: Any) -> None:
+    if path in RANGES and value is not None:
+        lo, hi = RANGES[path]
+        if not lo <= value <= hi:
+            raise ConfigError(f"{path}: {value!r} is out of range [{lo}, {hi}]")
+    if path in CHOICES and value not in CHOICES[path]:
+        raise ConfigError(f"{path}: {value!r} is not one of {list(CHOICES[path])}")
+
+
 def _build(cls: type, data: Any, prefix: str = "") -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+    keys = _keys(cls)
+    unknown = sorted(set(data) - set(keys))
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"{where}{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
-    kwargs = {}
+        raise ConfigError(f"{where}{unknown[0]}: unknown field (known: {', '.join(sorted(keys))})")
+    own: dict = {}
+    inlined: Dict[str, dict] = {f.name: {} for f in dataclasses.fields(cls) if f.metadata.get(INLINE)}
     for name, value in data.items():
         path = f"{prefix}.{name}" if prefix else name
-        value = _coerce(path, value, hints[name])
-        if path in RANGES and value is not None:
-            lo, hi = RANGES[path]
-            if not lo <= value <= hi:
-                raise ConfigError(f"{path}: {value!r} is out of range [{lo}, {hi}]")
-        if path in CHOICES and value not in CHOICES[path]:
-            raise ConfigError(f"{path}: {value!r} is not one of {list(CHOICES[path])}")
-        kwargs[name] = value
-    return cls(**kwargs)
+        holder, tp = keys[name]
+        value = _coerce(path, value, tp)
+        _check_limits(path, value)
+        (own if holder is None else inlined[holder])[name] = value
+    try:
+        if hasattr(cls, "from_keys"):
+            return cls.from_keys(own, inlined)
+        hints = typing.get_type_hints(cls)
+        return cls(**own, **{name: hints[name](**kw) for name, kw in inlined.items()})
+    except RecipeError as exc:  # a combination the library refuses, e.g. a w8a8 override under scheme static
+        raise ConfigError(str(exc)) from None
+
+
+def _as_mapping(obj: Any) -> dict:
+    out: dict = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get(INLINE):
+            own = {g.name for g in dataclasses.fields(obj)}
+            out.update({k: v for k, v in dataclasses.asdict(value).items() if k not in own})
+        elif dataclasses.is_dataclass(value):
+            out[f.name] = _as_mapping(value)
+        else:
+            out[f.name] = dict(value) if isinstance(value, dict) else value
+    return out
 
 
 def _apply_override(data: dict, override: str) -> None:

@@ -11,11 +11,13 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from policy_bundle.build.config import BuildConfig, ConfigError
+from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.errors import ConfigError, UnsupportedPolicyError
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer, read_golden_jsonl, write_golden_jsonl  # noqa: F401
 from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import GoldenItem
-from policy_bundle.quantize.model import UnsupportedModelError, greedy_generate, load_hf_config
+from policy_bundle.quantize.decode import greedy_generate
+from policy_bundle.quantize.model import UnsupportedModelError, load_hf_config
 
 GENERAL_PROMPTS = Path(__file__).parent / "prompts" / "general.txt"
 
@@ -31,9 +33,12 @@ def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> 
         raise ConfigError(f"policy.source: {str(path)!r} does not exist")
     if not path.is_dir():
         raise ConfigError(f"policy.source: {str(path)!r} is not a directory")
-    load_hf_config(path)  # raises UnsupportedModelError for e.g. GPT-2
+    try:
+        load_hf_config(path)
+    except UnsupportedModelError as exc:  # e.g. GPT-2
+        raise UnsupportedPolicyError(f"policy.source: {exc}") from None
     if not list(path.glob("*.safetensors")):
-        raise UnsupportedModelError(f"policy.source: {path} holds no *.safetensors weights")
+        raise UnsupportedPolicyError(f"policy.source: {path} holds no *.safetensors weights")
     return path
 
 

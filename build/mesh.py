@@ -23,14 +23,11 @@ from typing import Any, Iterator, List, Optional, Sequence
 from torch import Tensor
 
 from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.errors import MeshError
 
 from policy_bundle.build.progress import log
 from policy_bundle.quantize import recipes
 
-
-
-class MeshError(RuntimeError):
-    """A shard failed on the mesh (its endpoint raised, timed out, or every process died)."""
 
 
 def _import_monarch():

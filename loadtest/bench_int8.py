@@ -23,6 +23,7 @@ import torch
 
 from policy_bundle.loadtest.bench_models import bench_models
 from policy_bundle.quantize import recipes
+from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
 from policy_bundle.quantize.model import load_policy
 
@@ -46,19 +47,10 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-@torch.no_grad()
 def decode_tps(policy, prompt_len: int, new_tokens: int, vocab: int, repeats: int) -> float:
-    """Tokens/s of the decode loop alone (prefill untimed), median over ``repeats`` fresh caches."""
-    prompt = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(repeats + 1):
-        k, v = policy.new_cache(1, prompt_len + new_tokens)
-        logits = policy.prefill(prompt, k, v)
-        t = time.perf_counter()
-        for i in range(new_tokens):
-            logits = policy.decode(logits[:, -1:].argmax(-1), prompt_len + i, k, v)
-        times.append(time.perf_counter() - t)
-    return new_tokens / statistics.median(times[1:])
+    """Tokens/s of the decode steps alone (prefill untimed), median over ``repeats`` fresh caches."""
+    prompt = torch.randint(3, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    return decode_tokens_per_s(policy, prompt, new_tokens, repeats, warmup=1)
 
 
 def onnx_decode_tps(sess, prompt_len: int, new_tokens: int, vocab: int, repeats: int) -> float:

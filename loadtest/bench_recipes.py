@@ -23,7 +23,8 @@ from policy_bundle.build.w8a8 import collect_stats, make_plan, sensitivity_probe
 from policy_bundle.loadtest.real_lm import smollm2_dir
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
-from policy_bundle.quantize.model import greedy_generate, load_policy
+from policy_bundle.quantize.decode import decode_tokens_per_s, greedy_generate
+from policy_bundle.quantize.model import load_policy
 from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
 from policy_bundle.quantize.w8a8_plan import layer_sensitivity
 
@@ -46,17 +47,8 @@ def hf_generate_tps(path, new_tokens: int, repeats: int) -> float:
 
 
 def ts_decode_tps(model, new_tokens: int, repeats: int) -> float:
-    scripted = torch.jit.script(model)
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats + 3):
-            k, v = scripted.new_cache(1, 8 + new_tokens)
-            logits = scripted.prefill(torch.ones(1, 8, dtype=torch.long), k, v)
-            t = time.perf_counter()
-            for i in range(new_tokens):
-                logits = scripted.decode(logits[:, -1:].argmax(-1), 8 + i, k, v)
-            times.append(time.perf_counter() - t)
-    return new_tokens / statistics.median(times[3:])
+    """Decode tokens/s of ``model`` as TorchScript (what ships), 3 warm-up runs."""
+    return decode_tokens_per_s(torch.jit.script(model), [1] * 8, new_tokens, repeats, warmup=3)
 
 
 def ao_recipe(policy, batches, scheme: str):

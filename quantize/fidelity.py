@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from policy_bundle.quantize.model import full_logits, greedy_generate
+from policy_bundle.quantize.decode import greedy_generate
+from policy_bundle.quantize.model import full_logits
 
 
 @dataclass(frozen=True)

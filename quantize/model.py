@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from policy_bundle.quantize.decode import greedy_generate  # re-exported (see __all__)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -308,28 +310,6 @@ def run_with_hooks(policy: nn.Module, batches, hooks: list, stop: Tuple[type, ..
     finally:
         for h in hooks:
             h.remove()
-
-
-@torch.no_grad()
-def greedy_generate(
-    policy: nn.Module, prompt: List[int], max_new_tokens: int, eos_token_id: Optional[int] = None
-) -> List[int]:
-    """Greedy decoding with the KV cache: one prefill, then one decode step per new token."""
-    total = len(prompt) + max_new_tokens
-    k, v = policy.new_cache(1, total)
-    logits = policy.prefill(torch.tensor([prompt]), k, v)
-    out: List[int] = []
-    pos = len(prompt)
-    for _ in range(max_new_tokens):
-        nxt = int(logits[0, -1].argmax())
-        out.append(nxt)
-        if eos_token_id is not None and nxt == eos_token_id:
-            break
-        if pos >= total:
-            break
-        logits = policy.decode(torch.tensor([[nxt]]), pos, k, v)
-        pos += 1
-    return out
 
 
 # ---- HF weights in and out -------------------------------------------------------------------

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from policy_bundle.quantize import task
-from policy_bundle.quantize.model import Policy, PolicyConfig, full_logits, greedy_generate, save_hf_weights
+from policy_bundle.quantize.decode import greedy_generate
+from policy_bundle.quantize.model import Policy, PolicyConfig, full_logits, save_hf_weights
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
 """Build config: defaults load, and every bad field is named with its value and limit."""
 
+import json
+
 import pytest
 
-from policy_bundle.build.config import ConfigError, load_config
+from policy_bundle.build.config import ConfigError, config_from_dict, load_config
+from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.recipes import RecipeConfig
 
 
 def test_reference_config_loads_with_mesh_by_default():
@@ -19,6 +23,8 @@ def test_reference_config_loads_with_mesh_by_default():
         ("recipe.smooth_alpha=1.5", r"recipe.smooth_alpha: 1.5 is out of range \[0.0, 1.0\]"),
         ("calibration.batch_size=abc", r"calibration.batch_size: expected int, got str 'abc'"),
         ("calibration.bogus=1", r"calibration.bogus: unknown field"),
+        ("canary.bogus=1", r"canary.bogus: unknown field \(known: enabled, max_fp_layers, max_kl_mean"),
+        ("canary.max_kl_p99=-1", r"canary.max_kl_p99: -1.0 is out of range \[0.0, 100.0\]"),
         ("export.onnx=3", r"export.onnx: expected bool"),
         ("calibration.batch_size=999", r"calibration.batch_size: 999 exceeds calibration.samples"),
         ("recipe.skip=lm_head", r"recipe.skip: expected a list of strings"),
@@ -32,3 +38,26 @@ def test_bad_field_is_named(override, message):
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_sections_hold_the_library_dataclasses_with_their_yaml_keys():
+    cfg = load_config("build/configs/smollm2.yaml", ("canary.max_kl_mean=0.01", "recipe.overrides={down_proj: fp32}"))
+    assert cfg.canary.gate == GateThresholds(0.02, 0.98, 0.01, 0.5, 0.5)
+    assert cfg.recipe_config() == RecipeConfig(scheme="smooth-w8a8", overrides=(("down_proj", "fp32"),))
+
+
+def test_auto_scheme_gates_every_candidate_starting_with_the_first():
+    cfg = load_config("build/configs/reference.yaml", ("recipe.scheme=auto", "recipe.auto_candidates=[dynamic, static]"))
+    assert cfg.recipe.candidates() == ["dynamic", "static"] and cfg.recipe_config().scheme == "dynamic"
+
+
+def test_resolved_config_round_trips_through_its_manifest_shape():
+    cfg = load_config("build/configs/smollm2.yaml")
+    stored = json.loads(json.dumps(cfg.to_dict()))
+    assert stored["canary"]["max_kl_mean"] == 0.005 and stored["recipe"]["overrides"] == {}
+    assert config_from_dict(stored) == cfg
+
+
+def test_a_combination_the_recipe_refuses_is_a_config_error():
+    with pytest.raises(ConfigError, match="recipe.overrides: mode 'w8a8' needs scheme"):
+        load_config("build/configs/reference.yaml", ("recipe.overrides={down_proj: w8a8}",))

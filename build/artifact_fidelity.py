@@ -1,0 +1,46 @@
+"""Fidelity of what the build ships: the exported artifacts, loaded back the way their consumers load
+them, against the FP32 policy on the golden set (and the keyword arguments every fidelity run shares)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from policy_bundle.build import data
+from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.manifest_body import INT8_ONNX, INT8_TS
+from policy_bundle.quantize import task
+from policy_bundle.quantize.fidelity import FidelityReport, measure_fidelity
+from policy_bundle.quantize.model import CastPolicy, Policy, load_policy
+
+
+def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
+    reward = task.reward if data.is_task_policy(cfg) else None
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
+
+
+def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
+    """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set."""
+    kw = fidelity_kwargs(cfg, tok)
+    scripted = torch.jit.load(str(bundle / INT8_TS))
+    ref_outputs = [g.completion_ids for g in golden]
+    out = {"int8_torchscript": measure_fidelity(policy, scripted, golden, reference_outputs=ref_outputs, **kw).summary()}
+    # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
+    # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU);
+    # `policy-bundle check-fp16 --engine vllm` adds vLLM's own greedy agreement.
+    fp16 = CastPolicy(load_policy(bundle / "fp16", max_seq_len=cfg.policy.max_seq_len), torch.float16)
+    out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, reference_outputs=ref_outputs, **kw).summary(),
+                      "computed_as": "float16 weights and compute (torch, CPU)"}
+    if cfg.export.onnx:
+        out["int8_onnx"] = onnx_fidelity(policy, bundle / INT8_ONNX, golden, kw).summary()
+    return out
+
+
+def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict) -> FidelityReport:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    logits = lambda b: torch.from_numpy(sess.run(None, {"input_ids": b.numpy()})[0])  # noqa: E731
+    return measure_fidelity(policy, None, golden, candidate_logits=logits, generate=False, **kw)

@@ -1,0 +1,98 @@
+"""Calibration shared by the recipe candidates, each piece computed once: observer states of the plain
+and the smoothed policy (torch.ao recipes), linear statistics and quantization plans (w8a8 recipes).
+
+On the Monarch mesh when the build has one, else in this process.
+"""
+
+from __future__ import annotations
+
+from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.progress import bar
+from policy_bundle.bundle.faults import apply_scale_fault
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.model import Policy
+
+
+def calibrate_observers(mesh, prepared, batches) -> recipes.ObserverState:
+    """Observer state over all calibration batches: sharded over the Monarch mesh or in-process."""
+    if mesh is not None:
+        from policy_bundle.build.mesh import mesh_calibrate
+
+        return mesh_calibrate(mesh, batches)
+    b = bar(len(batches), "calibrate", "batch")
+    for batch in batches:
+        recipes.calibrate(prepared, [batch])
+        b.update(1)
+    b.close()
+    return recipes.observer_state(prepared)
+
+
+class CalibratedModels:
+    """Prepared + calibrated models, one per smoothing choice, computed once and shared by candidates."""
+
+    def __init__(self, cfg: BuildConfig, mesh, policy: Policy, batches: list):
+        self.cfg, self.mesh, self.policy, self.batches = cfg, mesh, policy, batches
+        self.scales = None
+        self.cache: dict = {}
+        self.stats: dict = {}  # w8a8: linear statistics per rounding (Hessians only for gptq)
+        self.plans: dict = {}  # w8a8: plan per (smooth, rounding, ...)
+
+    def linear_stats(self, recipe: recipes.RecipeConfig):
+        from policy_bundle.build.w8a8 import collect_stats
+
+        key = (recipe.rounding == "gptq", recipe.outlier_ratio)
+        if key not in self.stats:
+            self.stats[key] = collect_stats(self.mesh, self.policy, self.batches, recipe)
+        return self.stats[key]
+
+    def plan(self, recipe: recipes.RecipeConfig):
+        from policy_bundle.build.w8a8 import make_plan
+
+        key = plan_key(recipe)
+        if key not in self.plans:
+            self.plans[key] = make_plan(self.policy, self.linear_stats(recipe), recipe)
+        return self.plans[key]
+
+    def summary(self, recipe: recipes.RecipeConfig) -> dict:
+        """The manifest's calibration section for the recipe that shipped."""
+        if recipe.base_mode == "w8a8":
+            from policy_bundle.build.w8a8 import stats_summary
+
+            return {"statistics": "per input group: row max |x|, channel max |x|, Hessian (gptq), row sample",
+                    "groups": stats_summary(self.linear_stats(recipe))}
+        return {"observer": "MinMaxObserver (per-tensor affine quint8)",
+                "weight_observer": "PerChannelMinMaxObserver (per-channel symmetric qint8)",
+                "activation_ranges": recipes.activation_ranges(self.get(recipe.smooth)[1])}
+
+    def smoothing_scales(self, alpha: float):
+        from policy_bundle.quantize.smooth import collect_channel_absmax, smoothing_scales
+
+        if self.mesh is not None:
+            from policy_bundle.build.mesh import mesh_channel_stats
+
+            stats = mesh_channel_stats(self.mesh, self.batches)
+        else:
+            stats = collect_channel_absmax(self.policy, self.batches)
+        self.scales = smoothing_scales(self.policy, stats, alpha)
+        return self.scales
+
+    def get(self, smooth: bool):
+        """(prepared, observer state) of the plain or the smoothed policy."""
+        if smooth not in self.cache:
+            from policy_bundle.quantize.smooth import apply_smoothing
+
+            base = apply_smoothing(self.policy, self.scales) if smooth else self.policy
+            prepared = recipes.prepare(base, self.cfg.recipe_config())
+            if smooth and self.mesh is not None:
+                from policy_bundle.build.mesh import mesh_apply_smoothing
+
+                mesh_apply_smoothing(self.mesh, self.scales)
+            state = apply_scale_fault(calibrate_observers(self.mesh, prepared, self.batches))
+            recipes.load_observer_state(prepared, state)
+            self.cache[smooth] = (prepared, state)
+        return self.cache[smooth]
+
+
+def plan_key(recipe: recipes.RecipeConfig) -> tuple:
+    return (recipe.smooth, recipe.rounding, recipe.outlier_ratio, recipe.smooth_alphas, recipe.gptq_damp,
+            recipe.skip, recipe.overrides, recipe.lm_head_topk)

