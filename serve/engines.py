@@ -17,6 +17,8 @@ from typing import AsyncIterator, Iterator, List, Optional
 import torch
 from torch import Tensor
 
+from policy_bundle.quantize.decode import decode_steps
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -67,20 +69,15 @@ class CachedPolicyEngine:
                                            initializer=torch.set_grad_enabled, initargs=(False,))
 
     def _run(self, prompt_ids: List[int], params: SamplingParams) -> Iterator[Step]:
+        """The one decode loop (``quantize.decode``) with this request's sampling."""
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        total = min(self.max_seq_len, len(prompt_ids) + params.max_tokens)
-        k, v = self.module.new_cache(1, total)
-        logits = self.module.prefill(torch.tensor([prompt_ids]), k, v)
-        pos = len(prompt_ids)
-        for _ in range(total - len(prompt_ids)):
-            if self.delay_s:
+
+        def pick(logits: Tensor) -> Step:
+            if self.delay_s:  # the test fault ``slow``
                 time.sleep(self.delay_s)
-            step = pick_token(logits[0, -1], params, gen)
-            yield step
-            if step.token_id == params.stop_token_id or pos >= total:
-                return
-            logits = self.module.decode(torch.tensor([[step.token_id]]), pos, k, v)
-            pos += 1
+            return pick_token(logits, params, gen)
+
+        return decode_steps(self.module, prompt_ids, params.max_tokens, pick, params.stop_token_id, self.max_seq_len)
 
     async def generate(self, prompt_ids: List[int], params: SamplingParams) -> AsyncIterator[Step]:
         loop = asyncio.get_running_loop()
