@@ -25,6 +25,7 @@ import httpx
 import yaml
 
 from policy_bundle.loadtest.load import ADMIN, TOKEN, DrillRun, closed_loop, drive, load_and_watch, open_loop, sample_rss, watch
+from policy_bundle.loadtest.procs import server_processes
 from policy_bundle.loadtest.servers import ROOT, Server
 from policy_bundle.loadtest.stats import pct
 
@@ -136,16 +137,9 @@ def drill_restart(run: DrillRun, home: Path, seconds: float) -> None:
 
 
 def int8_worker_pids(server: Server) -> List[int]:
-    """PIDs of the INT8 service's worker processes under this server (from /proc)."""
-    pids = []
-    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "int8-policy" in text or ("Int8Policy" in text and "serve.variants" in text):
-            pids.append(int(cmd.parent.name))
-    return pids
+    """PIDs of the INT8 service's workers inside this server: descendants of its pid whose command
+    line is BentoML's worker for ``int8-policy``; a process elsewhere never qualifies, whatever its name."""
+    return [p.pid for p in server_processes(server.proc.pid) if p.role == "int8"]
 
 
 def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
@@ -181,7 +175,8 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
         run.history = history(server.url)
     finally:
         server.stop()
-    run.check(f"killed the INT8 worker ({len(pids)} process(es))", bool(pids))
+    run.figures["int8_pids_killed"] = pids
+    run.check(f"killed the INT8 worker ({len(pids)} process(es) under the server: {pids})", bool(pids))
     run.check("readiness reports the degraded INT8 variant", status["variants"]["int8"]["ready"] is False)
     before = [r for r in run.requests if r["t"] + r["latency"] <= run.crash_t]  # answered before the kill
     after = [r for r in run.requests if r["t"] > run.crash_t]

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import httpx
 
+from policy_bundle.loadtest.procs import tree_rss_mb
 from policy_bundle.loadtest.servers import Server
 from policy_bundle.quantize.task import rollout_prompts
 
@@ -89,28 +90,6 @@ async def load_and_watch(run: DrillRun, url: str, seconds: float, until: Optiona
     stop.set()
     await load
     return state
-
-
-def tree_rss_mb(root_pid: int) -> float:
-    """Resident memory of a process and all its descendants (the server and every worker), in MB."""
-    parent, rss = {}, {}
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            info = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-            pid = int(status.parent.name)
-            parent[pid] = int(info["PPid"])
-            rss[pid] = int(info.get("VmRSS", "0 kB").split()[0])
-        except (OSError, KeyError, ValueError):
-            continue
-
-    def under_root(pid: int) -> bool:
-        while pid > 1:
-            if pid == root_pid:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    return sum(kb for pid, kb in rss.items() if under_root(pid)) / 1024
 
 
 async def sample_rss(run: DrillRun, server: Server, stop: asyncio.Event) -> None:
