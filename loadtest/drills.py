@@ -1,6 +1,7 @@
 """Rollout drills: build what is needed, serve it, drive load, assert the outcome, write a report.
 
     .venv/bin/python -m policy_bundle.loadtest.drills promote|bad-build|restart|crash|overload|bad-input [--seconds N] [--out DIR]
+        [--fp16-engine vllm|fallback]
 
 Each drill uses its own BentoML home and state dir under ``--out`` (default ``.cache/drills``),
 sends traffic only to the loopback server it started, and stops by itself. The load (``loadtest/load.py``) is an
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import shutil
 import signal
@@ -60,12 +62,27 @@ def start_server(run: DrillRun, home: Path, version: str, log_name: str, interva
                                                "max_p99_latency_ratio": 10.0}}))
     env = {"BENTOML_HOME": str(home), "POLICY_BUNDLE_VERSION": version, "POLICY_BUNDLE_ADMIN_TOKEN": TOKEN,
            "POLICY_BUNDLE_STATE_DIR": str(run.out / "state"), "POLICY_ROUTER_CONFIG": str(cfg),
-           "POLICY_BUNDLE_DISABLE_VLLM": os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "1"),
+           "POLICY_BUNDLE_DISABLE_VLLM": "0" if run.fp16_engine == "vllm" else "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    server = Server(env, run.out / log_name).wait_ready(300)
+    server = Server(env, run.out / log_name).wait_ready(600 if run.fp16_engine == "vllm" else 300)
+    check_fp16_engine(run, server)
     if not run.requests and not run.states:  # the drill's clock starts when traffic can start
         run.t0 = time.monotonic()
     return server
+
+
+def check_fp16_engine(run: DrillRun, server: Server) -> None:
+    """The FP16 variant runs the engine the drill asked for (``/status``: its health dict's ``engine``)."""
+    try:
+        engine = httpx.get(f"{server.url}/status", timeout=10).json()["variants"]["fp16"].get("engine")
+    except (httpx.HTTPError, KeyError, ValueError):
+        server.stop()  # the drill's try/finally has not started yet
+        raise
+    run.figures["fp16_engine"] = engine
+    if run.fp16_engine == "vllm":
+        run.check(f"the FP16 variant serves with vLLM (/status engine: {engine})", engine == "vllm")
+    else:
+        run.check(f"the FP16 variant serves with the fallback (/status engine: {engine})", engine != "vllm")
 
 
 def history(url: str) -> List[dict]:
@@ -337,16 +354,22 @@ DRILLS = {"promote": drill_promote, "bad-build": drill_bad_build, "restart": dri
           "overload": drill_overload, "bad-input": drill_bad_input}
 
 
+def default_fp16_engine() -> str:
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "fallback"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Run a rollout drill against a freshly served bundle.")
     ap.add_argument("drill", choices=sorted(DRILLS))
     ap.add_argument("--seconds", type=float, default=90.0, help="load budget (the drill stops by itself)")
     ap.add_argument("--out", type=Path, default=ROOT / ".cache" / "drills")
+    ap.add_argument("--fp16-engine", choices=("vllm", "fallback"), default=default_fp16_engine(),
+                    help="what serves the FP16 variant: vLLM (the default when it is importable) or our policy module")
     args = ap.parse_args(argv)
     out = args.out / args.drill
     shutil.rmtree(out, ignore_errors=True)  # a drill starts from no rollout state and no old report
     out.mkdir(parents=True)
-    run = DrillRun(args.drill, out)
+    run = DrillRun(args.drill, out, fp16_engine=args.fp16_engine)
     DRILLS[args.drill](run, args.out / "home", args.seconds)
     from policy_bundle.loadtest.report import write_report
 

@@ -25,6 +25,7 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 class DrillRun:
     name: str
     out: Path
+    fp16_engine: str = "fallback"  # vllm | fallback: what serves the FP16 variant
     requests: List[dict] = field(default_factory=list)  # t, variant, status, latency
     states: List[dict] = field(default_factory=list)  # t, weight, status
     history: List[dict] = field(default_factory=list)

