@@ -1,6 +1,8 @@
 """Rollout drills end to end (short budgets): each command builds, serves, drives load and asserts."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,13 +53,14 @@ def test_int8_worker_pids_are_only_workers_inside_the_server():
     worker = ["-m", WORKER_SCRIPT, "policy_bundle.serve.service:PolicyRouter", "--service-name", "int8-policy"]
     decoy = subprocess.Popen(SLEEPER + ["int8-policy", *worker])  # not a descendant of the "server"
     server = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])",
-                               *SLEEPER, *worker])  # its child has the INT8 worker's command line
+                               *SLEEPER, *worker], start_new_session=True)  # its child: the INT8 worker's command line
     try:
         deadline = time.monotonic() + 30
         while not (pids := int8_worker_pids(SimpleNamespace(proc=server))) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(pids) == 1 and pids[0] not in (decoy.pid, server.pid)
     finally:
+        os.killpg(server.pid, signal.SIGKILL)  # the fake server and its child
         for p in (decoy, server):
             p.kill()
             p.wait()
