@@ -32,6 +32,8 @@ class DrillRun:
     checks: List[tuple] = field(default_factory=list)
     rss: List[dict] = field(default_factory=list)  # t, mb (server process tree)
     marks: List[dict] = field(default_factory=list)  # t, label: phase changes drawn on the plots
+    memory: List[dict] = field(default_factory=list)  # t, requests, label, pid, mb: per server process (soak)
+    growth: list = field(default_factory=list)  # soak.Growth per server process
     figures: dict = field(default_factory=dict)  # drill-specific numbers for report.json / report.md
     t0: float = field(default_factory=time.monotonic)
 
@@ -127,15 +129,33 @@ def session():
                                  timeout=aiohttp.ClientTimeout(total=60))
 
 
-async def closed_loop(run: DrillRun, url: str, phase: str, clients: int, seconds: float) -> None:
-    """``clients`` users, each sending its next request as soon as the last one is answered."""
-    prompts, deadline = rollout_prompts(256), time.monotonic() + seconds
+async def closed_loop(run: DrillRun, url: str, phase: str, clients: int, seconds: float, rate: float = 0.0,
+                      requests: int = 0) -> None:
+    """``clients`` users, each sending its next request as soon as the last one is answered or, with
+    ``rate`` (requests/s for all users together), at its next turn after that (never in a burst to catch
+    up); stops after ``seconds`` or, with ``requests``, once that many have been sent."""
+    prompts, deadline, sent = rollout_prompts(256), time.monotonic() + seconds, 0
     async with session() as s:
         async def user(i: int) -> None:
-            rng = random.Random(i)
-            while time.monotonic() < deadline:
+            nonlocal sent
+            rng, due = random.Random(i), time.monotonic() + (i / rate if rate else 0.0)
+            while time.monotonic() < deadline and not (requests and sent >= requests):
+                sent += 1
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
                 await post(run, s, url, phase, body_for(rng, prompts, i))
+                due = max(due + (clients / rate if rate else 0.0), time.monotonic())
         await asyncio.gather(*[user(i) for i in range(clients)])
+
+
+def phase_requests(run: DrillRun, phase: str) -> List[dict]:
+    return [r for r in run.requests if r.get("phase") == phase]
+
+
+async def measure_capacity(run: DrillRun, url: str, clients: int, seconds: float) -> float:
+    """Answered requests/s of a closed loop of ``clients`` users, after a 3 s warm-up."""
+    await closed_loop(run, url, "warm-up", clients, 3)
+    await closed_loop(run, url, "capacity", clients, seconds)
+    return sum(r["status"] == 200 for r in phase_requests(run, "capacity")) / seconds
 
 
 async def open_loop(run: DrillRun, url: str, phase: str, rate: float, seconds: float) -> None:

@@ -17,7 +17,7 @@ PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 @dataclass(frozen=True)
 class ServerProcess:
     pid: int
-    role: str  # arbiter | router | int8 | fp16 | <role>-child (a process a worker started, e.g. vLLM's engine)
+    role: str  # arbiter | router | int8 | fp16 | <owner>:<comm> for a process one of those started (vLLM's engine)
     rss_mb: float
 
 
@@ -38,6 +38,13 @@ def _argv(pid: int) -> List[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def service_name(argv: List[str]) -> Optional[str]:
@@ -61,7 +68,7 @@ def server_processes(root_pid: int) -> List[ServerProcess]:
         found.append(ServerProcess(pid, role, table[pid][1] * PAGE_KB / 1024))
         for child in sorted(children.get(pid, [])):
             name = service_name(_argv(child))
-            queue.append((child, SERVICE_ROLES.get(name, name) if name else f"{role.split('-')[0]}-child"))
+            queue.append((child, SERVICE_ROLES.get(name, name) if name else f"{role.split(':')[0]}:{_comm(child)}"))
     return found
 
 
