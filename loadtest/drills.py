@@ -1,6 +1,7 @@
 """Rollout drills: build what is needed, serve it, drive load, assert the outcome, write a report.
 
-    .venv/bin/python -m policy_bundle.loadtest.drills promote|bad-build|restart|crash|overload|bad-input [--seconds N] [--out DIR]
+    .venv/bin/python -m policy_bundle.loadtest.drills promote|bad-build|restart|crash|overload|bad-input|soak [--seconds N] [--out DIR]
+        [--fp16-engine vllm|fallback] [--requests N] [--max-growth-kb KB]
 
 Each drill uses its own BentoML home and state dir under ``--out`` (default ``.cache/drills``),
 sends traffic only to the loopback server it started, and stops by itself. The load (``loadtest/load.py``) is an
@@ -12,20 +13,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
 import httpx
 import yaml
 
-from policy_bundle.loadtest.load import ADMIN, TOKEN, DrillRun, closed_loop, drive, load_and_watch, open_loop, sample_rss, watch
+from policy_bundle.loadtest.load import (ADMIN, TOKEN, DrillRun, closed_loop, drive, load_and_watch, measure_capacity,
+                                         open_loop, phase_requests, sample_rss, watch)
+from policy_bundle.loadtest.procs import server_processes
 from policy_bundle.loadtest.servers import ROOT, Server
+from policy_bundle.loadtest.soak import memory_growth, sample_memory_every
 from policy_bundle.loadtest.stats import pct
 
 SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64",
@@ -59,12 +65,27 @@ def start_server(run: DrillRun, home: Path, version: str, log_name: str, interva
                                                "max_p99_latency_ratio": 10.0}}))
     env = {"BENTOML_HOME": str(home), "POLICY_BUNDLE_VERSION": version, "POLICY_BUNDLE_ADMIN_TOKEN": TOKEN,
            "POLICY_BUNDLE_STATE_DIR": str(run.out / "state"), "POLICY_ROUTER_CONFIG": str(cfg),
-           "POLICY_BUNDLE_DISABLE_VLLM": os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "1"),
+           "POLICY_BUNDLE_DISABLE_VLLM": "0" if run.fp16_engine == "vllm" else "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    server = Server(env, run.out / log_name).wait_ready(300)
+    server = Server(env, run.out / log_name).wait_ready(600 if run.fp16_engine == "vllm" else 300)
+    check_fp16_engine(run, server)
     if not run.requests and not run.states:  # the drill's clock starts when traffic can start
         run.t0 = time.monotonic()
     return server
+
+
+def check_fp16_engine(run: DrillRun, server: Server) -> None:
+    """The FP16 variant runs the engine the drill asked for (``/status``: its health dict's ``engine``)."""
+    try:
+        engine = httpx.get(f"{server.url}/status", timeout=10).json()["variants"]["fp16"].get("engine")
+    except (httpx.HTTPError, KeyError, ValueError):
+        server.stop()  # the drill's try/finally has not started yet
+        raise
+    run.figures["fp16_engine"] = engine
+    if run.fp16_engine == "vllm":
+        run.check(f"the FP16 variant serves with vLLM (/status engine: {engine})", engine == "vllm")
+    else:
+        run.check(f"the FP16 variant serves with the fallback (/status engine: {engine})", engine != "vllm")
 
 
 def history(url: str) -> List[dict]:
@@ -136,23 +157,15 @@ def drill_restart(run: DrillRun, home: Path, seconds: float) -> None:
 
 
 def int8_worker_pids(server: Server) -> List[int]:
-    """PIDs of the INT8 service's worker processes under this server (from /proc)."""
-    pids = []
-    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "int8-policy" in text or ("Int8Policy" in text and "serve.variants" in text):
-            pids.append(int(cmd.parent.name))
-    return pids
+    """PIDs of the INT8 service's workers inside this server: descendants of its pid whose command
+    line is BentoML's worker for ``int8-policy``; a process elsewhere never qualifies, whatever its name."""
+    return [p.pid for p in server_processes(server.proc.pid) if p.role == "int8"]
 
 
 def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
     server = start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0)
     try:
-        # all traffic on INT8 (paused there): every FP16 answer after the kill is a fail-over
-        httpx.post(f"{server.url}/admin/rollout", json={"action": "set-weight", "weight": 100}, headers=ADMIN)
+        pin_weight(server, 100)  # all traffic on INT8: every FP16 answer after the kill is a fail-over
 
         async def scenario():
             stop = asyncio.Event()
@@ -181,7 +194,8 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
         run.history = history(server.url)
     finally:
         server.stop()
-    run.check(f"killed the INT8 worker ({len(pids)} process(es))", bool(pids))
+    run.figures["int8_pids_killed"] = pids
+    run.check(f"killed the INT8 worker ({len(pids)} process(es) under the server: {pids})", bool(pids))
     run.check("readiness reports the degraded INT8 variant", status["variants"]["int8"]["ready"] is False)
     before = [r for r in run.requests if r["t"] + r["latency"] <= run.crash_t]  # answered before the kill
     after = [r for r in run.requests if r["t"] > run.crash_t]
@@ -198,27 +212,33 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
 # ---- overload --------------------------------------------------------------------------------
 
 
-def _phase(run: DrillRun, phase: str) -> List[dict]:
-    return [r for r in run.requests if r.get("phase") == phase]
+LOAD_CAP = 8  # the load drills' admission cap (router max_inflight) and closed-loop users
+
+
+def serve_with_cap(run: DrillRun, home: Path) -> Server:
+    """A good bundle served with the load drills' admission cap."""
+    return start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0,
+                        router={"max_inflight": LOAD_CAP, "request_timeout_s": 30.0})
+
+
+def pin_weight(server: Server, weight: float) -> None:
+    """Pause the rollout at ``weight`` % INT8."""
+    httpx.post(f"{server.url}/admin/rollout", json={"action": "set-weight", "weight": weight}, headers=ADMIN,
+               timeout=10).raise_for_status()
 
 
 def drill_overload(run: DrillRun, home: Path, seconds: float) -> None:
     """Measure capacity with a closed loop at the admission cap, offer twice that as open-loop
     arrivals, then drop the load and check the server recovers."""
-    cap = 8
-    server = start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0,
-                          router={"max_inflight": cap, "request_timeout_s": 30.0})
+    cap = LOAD_CAP
+    server = serve_with_cap(run, home)
     try:
-        for action in ({"action": "set-weight", "weight": 50}, ):  # a fixed split: this drill is about load
-            httpx.post(f"{server.url}/admin/rollout", json=action, headers=ADMIN, timeout=10).raise_for_status()
+        pin_weight(server, 50)  # a fixed split: this drill is about load
 
         async def scenario() -> dict:
             stop = asyncio.Event()
             sampler = asyncio.create_task(sample_rss(run, server, stop))
-            await closed_loop(run, server.url, "warm-up", cap, 3)
-            measure_s = max(6.0, seconds * 0.2)
-            await closed_loop(run, server.url, "capacity", cap, measure_s)
-            capacity = sum(r["status"] == 200 for r in _phase(run, "capacity")) / measure_s
+            capacity = await measure_capacity(run, server.url, cap, max(6.0, seconds * 0.2))
             run.marks.append({"t": time.monotonic() - run.t0, "label": f"offer 2x ({2 * capacity:.0f}/s)"})
             rss_before = max(x["mb"] for x in run.rss)
             await open_loop(run, server.url, "overload", 2 * capacity, max(10.0, seconds * 0.5))
@@ -236,7 +256,7 @@ def drill_overload(run: DrillRun, home: Path, seconds: float) -> None:
         run.history = history(server.url)
     finally:
         server.stop()
-    base, over, rec = _phase(run, "capacity"), _phase(run, "overload"), _phase(run, "recovery")
+    base, over, rec = phase_requests(run, "capacity"), phase_requests(run, "overload"), phase_requests(run, "recovery")
     base_lat = [r["latency"] for r in base if r["status"] == 200]
     admitted = [r["latency"] for r in over if r["status"] == 200]
     rejected = [r for r in over if r["status"] != 200]
@@ -271,6 +291,52 @@ def drill_overload(run: DrillRun, home: Path, seconds: float) -> None:
     run.check(f"recovered when load dropped: {len(rec)} requests all 200, p50 {fig['p50_recovery_ms']:.0f} ms "
               f"(at capacity {fig['p50_at_capacity_ms']:.0f} ms)",
               bool(rec) and all(r["status"] == 200 for r in rec))
+
+
+# ---- soak ------------------------------------------------------------------------------------
+
+
+def drill_soak(run: DrillRun, home: Path, seconds: float, requests: int = 50_000, max_growth_kb: float = 0.5) -> None:
+    """``requests`` at about half the measured capacity (a paced closed loop, 50/50 split), the RSS of every
+    server process sampled every few hundred requests; each must grow less than ``max_growth_kb`` per request."""
+    every = min(250, max(25, requests // 40))
+    server = serve_with_cap(run, home)
+    try:
+        pin_weight(server, 50)
+
+        async def scenario() -> float:
+            capacity = await measure_capacity(run, server.url, LOAD_CAP, 6.0)
+            run.marks.append({"t": time.monotonic() - run.t0, "label": f"soak at {capacity / 2:.0f} req/s"})
+            done = asyncio.Event()
+            sampler = asyncio.create_task(sample_memory_every(run, server.proc.pid, every, done))
+            await closed_loop(run, server.url, "soak", LOAD_CAP, seconds, rate=capacity / 2, requests=requests)
+            done.set()
+            await sampler
+            return capacity
+
+        capacity = asyncio.run(scenario())
+        run.history = history(server.url)
+    finally:
+        server.stop()
+    soak = phase_requests(run, "soak")
+    run.growth = memory_growth(run.memory)
+    took = max(r["t"] + r["latency"] for r in soak) - soak[0]["t"] if soak else 0.0
+    run.figures.update({"capacity_rps": capacity, "soak_rps": len(soak) / max(took, 1e-9), "soak_requests": len(soak),
+                        "soak_seconds": took, "sample_every": every, "max_growth_kb_per_request": max_growth_kb,
+                        "memory_growth": {g.label: asdict(g) for g in run.growth}})
+    print(f"[soak] {len(soak)} requests in {took:.0f} s ({run.figures['soak_rps']:.1f} req/s, capacity "
+          f"{capacity:.1f}); growth after warm-up per process:", flush=True)
+    for g in run.growth:
+        print(f"[soak]   {g.label:<14} pid {g.pid:<7} {g.first_mb:7.1f} -> {g.last_mb:7.1f} MB, "
+              f"{g.mb_per_1000_requests:+.3f} MB per 1000 requests ({g.kb_per_request:+.4f} KB/request)", flush=True)
+    run.check(f"served the whole budget: {len(soak)} of {requests} requests within {seconds:.0f} s", len(soak) >= requests)
+    run.check("every request got a 200", bool(soak) and all(r["status"] == 200 for r in soak))
+    roles = {g.label for g in run.growth}
+    run.check(f"sampled every server process ({', '.join(g.label for g in run.growth)})",
+              {"arbiter", "router", "int8", "fp16"} <= roles)
+    for g in run.growth:  # NaN (too few samples) fails
+        run.check(f"{g.label} grew {g.kb_per_request:+.4f} KB/request after warm-up (bound {max_growth_kb} KB)",
+                  g.kb_per_request < max_growth_kb)
 
 
 # ---- bad input -------------------------------------------------------------------------------
@@ -339,20 +405,32 @@ def drill_bad_input(run: DrillRun, home: Path, seconds: float) -> None:
 
 
 DRILLS = {"promote": drill_promote, "bad-build": drill_bad_build, "restart": drill_restart, "crash": drill_crash,
-          "overload": drill_overload, "bad-input": drill_bad_input}
+          "overload": drill_overload, "bad-input": drill_bad_input, "soak": drill_soak}
+
+
+def default_fp16_engine() -> str:
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "fallback"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Run a rollout drill against a freshly served bundle.")
     ap.add_argument("drill", choices=sorted(DRILLS))
-    ap.add_argument("--seconds", type=float, default=90.0, help="load budget (the drill stops by itself)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="load budget (the drill stops by itself); default 90, for soak an upper bound of 3600")
+    ap.add_argument("--requests", type=int, default=50_000, help="soak: requests to serve")
+    ap.add_argument("--max-growth-kb", type=float, default=0.5, help="soak: allowed RSS growth per request, per process")
     ap.add_argument("--out", type=Path, default=ROOT / ".cache" / "drills")
+    ap.add_argument("--fp16-engine", choices=("vllm", "fallback"), default=default_fp16_engine(),
+                    help="what serves the FP16 variant: vLLM (the default when it is importable) or our policy module")
     args = ap.parse_args(argv)
     out = args.out / args.drill
     shutil.rmtree(out, ignore_errors=True)  # a drill starts from no rollout state and no old report
     out.mkdir(parents=True)
-    run = DrillRun(args.drill, out)
-    DRILLS[args.drill](run, args.out / "home", args.seconds)
+    run = DrillRun(args.drill, out, fp16_engine=args.fp16_engine)
+    if args.drill == "soak":
+        drill_soak(run, args.out / "home", args.seconds or 3600.0, args.requests, args.max_growth_kb)
+    else:
+        DRILLS[args.drill](run, args.out / "home", args.seconds or 90.0)
     from policy_bundle.loadtest.report import write_report
 
     report = write_report(run)

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import httpx
 
+from policy_bundle.loadtest.procs import tree_rss_mb
 from policy_bundle.loadtest.servers import Server
 from policy_bundle.quantize.task import rollout_prompts
 
@@ -24,12 +25,15 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 class DrillRun:
     name: str
     out: Path
+    fp16_engine: str = "fallback"  # vllm | fallback: what serves the FP16 variant
     requests: List[dict] = field(default_factory=list)  # t, variant, status, latency
     states: List[dict] = field(default_factory=list)  # t, weight, status
     history: List[dict] = field(default_factory=list)
     checks: List[tuple] = field(default_factory=list)
     rss: List[dict] = field(default_factory=list)  # t, mb (server process tree)
     marks: List[dict] = field(default_factory=list)  # t, label: phase changes drawn on the plots
+    memory: List[dict] = field(default_factory=list)  # t, requests, label, pid, mb: per server process (soak)
+    growth: list = field(default_factory=list)  # soak.Growth per server process
     figures: dict = field(default_factory=dict)  # drill-specific numbers for report.json / report.md
     t0: float = field(default_factory=time.monotonic)
 
@@ -91,28 +95,6 @@ async def load_and_watch(run: DrillRun, url: str, seconds: float, until: Optiona
     return state
 
 
-def tree_rss_mb(root_pid: int) -> float:
-    """Resident memory of a process and all its descendants (the server and every worker), in MB."""
-    parent, rss = {}, {}
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            info = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-            pid = int(status.parent.name)
-            parent[pid] = int(info["PPid"])
-            rss[pid] = int(info.get("VmRSS", "0 kB").split()[0])
-        except (OSError, KeyError, ValueError):
-            continue
-
-    def under_root(pid: int) -> bool:
-        while pid > 1:
-            if pid == root_pid:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    return sum(kb for pid, kb in rss.items() if under_root(pid)) / 1024
-
-
 async def sample_rss(run: DrillRun, server: Server, stop: asyncio.Event) -> None:
     while not stop.is_set():
         run.rss.append({"t": time.monotonic() - run.t0, "mb": tree_rss_mb(server.proc.pid)})
@@ -147,15 +129,33 @@ def session():
                                  timeout=aiohttp.ClientTimeout(total=60))
 
 
-async def closed_loop(run: DrillRun, url: str, phase: str, clients: int, seconds: float) -> None:
-    """``clients`` users, each sending its next request as soon as the last one is answered."""
-    prompts, deadline = rollout_prompts(256), time.monotonic() + seconds
+async def closed_loop(run: DrillRun, url: str, phase: str, clients: int, seconds: float, rate: float = 0.0,
+                      requests: int = 0) -> None:
+    """``clients`` users, each sending its next request as soon as the last one is answered or, with
+    ``rate`` (requests/s for all users together), at its next turn after that (never in a burst to catch
+    up); stops after ``seconds`` or, with ``requests``, once that many have been sent."""
+    prompts, deadline, sent = rollout_prompts(256), time.monotonic() + seconds, 0
     async with session() as s:
         async def user(i: int) -> None:
-            rng = random.Random(i)
-            while time.monotonic() < deadline:
+            nonlocal sent
+            rng, due = random.Random(i), time.monotonic() + (i / rate if rate else 0.0)
+            while time.monotonic() < deadline and not (requests and sent >= requests):
+                sent += 1
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
                 await post(run, s, url, phase, body_for(rng, prompts, i))
+                due = max(due + (clients / rate if rate else 0.0), time.monotonic())
         await asyncio.gather(*[user(i) for i in range(clients)])
+
+
+def phase_requests(run: DrillRun, phase: str) -> List[dict]:
+    return [r for r in run.requests if r.get("phase") == phase]
+
+
+async def measure_capacity(run: DrillRun, url: str, clients: int, seconds: float) -> float:
+    """Answered requests/s of a closed loop of ``clients`` users, after a 3 s warm-up."""
+    await closed_loop(run, url, "warm-up", clients, 3)
+    await closed_loop(run, url, "capacity", clients, seconds)
+    return sum(r["status"] == 200 for r in phase_requests(run, "capacity")) / seconds
 
 
 async def open_loop(run: DrillRun, url: str, phase: str, rate: float, seconds: float) -> None:

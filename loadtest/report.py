@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from policy_bundle.loadtest.soak import WARM_UP  # noqa: E402
+
 
 def _buckets(run):
     """About 40 buckets whatever the drill's length, 1 s at least."""
@@ -112,6 +114,35 @@ def plot_load(run, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_memory(run, path: Path) -> None:
+    """RSS (MB) of every server process against requests served, with the line fitted after warm-up (soak)."""
+    labels = sorted({s["label"] for s in run.memory})
+    fig, axes = plt.subplots(len(labels), 1, figsize=(9, 1.9 * len(labels) + 0.6), sharex=True, squeeze=False)
+    fitted = {g.label: g for g in run.growth}
+    for ax, label in zip(axes[:, 0], labels):
+        rows = sorted((s for s in run.memory if s["label"] == label), key=lambda s: s["requests"])
+        x, y = np.array([s["requests"] for s in rows], float), np.array([s["mb"] for s in rows], float)
+        ax.plot(x, y, ".-", ms=3, color="k")
+        g = fitted.get(label)
+        if g is not None and np.isfinite(g.kb_per_request):
+            tx, ty = x[int(len(x) * WARM_UP):], y[int(len(y) * WARM_UP):]  # a least-squares line goes through the means
+            ax.plot(tx, ty.mean() + g.kb_per_request / 1024 * (tx - tx.mean()), "--", color="tab:red",
+                    label=f"{g.mb_per_1000_requests:+.3f} MB / 1000 requests")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_ylabel(f"{label}\nRSS (MB)", fontsize=8)
+    axes[-1, 0].set_xlabel("requests served")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def memory_table(run) -> list:
+    md = ["", "## Memory per server process (after warm-up: a line fitted over the last 80 % of samples)", "",
+          "| process | pid | first MB | last MB | MB per 1000 requests | KB per request |", "|---|---|---|---|---|---|"]
+    return md + [f"| {g.label} | {g.pid} | {g.first_mb:.1f} | {g.last_mb:.1f} | {g.mb_per_1000_requests:+.3f} | "
+                 f"{g.kb_per_request:+.4f} |" for g in run.growth]
+
+
 def write_report(run) -> Path:
     import time
 
@@ -119,6 +150,8 @@ def write_report(run) -> Path:
     plots = {"traffic.png": plot_traffic, "latency.png": plot_latency, "canary.png": plot_canary}
     if run.rss:
         plots["load.png"] = plot_load
+    if run.memory:
+        plots["memory.png"] = plot_memory
     for name, fn in plots.items():
         fn(run, run.out / name)
     ok = sum(r["status"] == 200 for r in run.requests)
@@ -129,7 +162,8 @@ def write_report(run) -> Path:
                "latency_ms": {v: {f"p{q}": 1000 * float(np.percentile(x, q)) for q in (50, 95, 99)}
                               for v, x in lat.items() if x},
                "failures": [r for r in run.requests if r["status"] != 200],
-               "figures": run.figures, "history": run.history, "states": run.states, "rss": run.rss}
+               "figures": run.figures, "history": run.history, "states": run.states, "rss": run.rss,
+               "memory": run.memory}
     (run.out / "report.json").write_text(json.dumps(figures, indent=2, default=str))
     md = [f"# Drill `{run.name}`: {'PASSED' if run.passed else 'FAILED'}", ""]
     md += [f"- {'✅' if okk else '❌'} {what}" for what, okk in run.checks] + [""]
@@ -139,7 +173,10 @@ def write_report(run) -> Path:
         md.append(f"| {v} | {q['p50']:.0f} | {q['p95']:.0f} | {q['p99']:.0f} |")
     if run.figures:
         md += ["", "## Figures", "", "| figure | value |", "|---|---|"]
-        md += [f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in run.figures.items()]
+        md += [f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in run.figures.items()
+               if k != "memory_growth"]  # in the table below
+    if run.growth:
+        md += memory_table(run)
     md += ["", "## Rollout history", "", "| t (s) | event | weight | reason |", "|---|---|---|---|"]
     for e in run.history:
         md.append(f"| {e['ts'] - run.wall_t0:.0f} | {e['event']} | {e['from_weight']} → {e['to_weight']} | "
