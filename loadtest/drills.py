@@ -176,10 +176,11 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
                 os.kill(pid, signal.SIGKILL)
             run.crash_t = time.monotonic() - run.t0
             run.marks.append({"t": run.crash_t, "label": "INT8 worker SIGKILLed"})
-            # BentoML's watcher restarts a dead worker within seconds: look while it is down.
+            # BentoML's watcher restarts a dead worker within seconds: look while it is down. /status shows
+            # what the router's probe loop last saw (a killed worker's probe times out after health_timeout_s).
             degraded = []
             async with httpx.AsyncClient(timeout=10) as client:
-                for _ in range(20):
+                for _ in range(150):
                     degraded.append((await client.get(f"{server.url}/status")).json())
                     if degraded[-1]["variants"]["int8"]["ready"] is False:
                         break
