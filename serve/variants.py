@@ -20,6 +20,7 @@ from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.manifest import BundleVerificationError
 from policy_bundle.bundle.store import verified_store_path
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams, Step, VllmEngine, vllm_available
+from policy_bundle.serve.http import patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
 
 log = logging.getLogger("policy_bundle.serve")
@@ -36,6 +37,7 @@ def _require_vllm_importable() -> None:
 
 
 _require_vllm_importable()
+patch_bentoml_timeout()  # every service here (the router imports this module too)
 
 
 def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
