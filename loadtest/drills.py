@@ -213,13 +213,15 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
 # ---- overload --------------------------------------------------------------------------------
 
 
-LOAD_CAP = 8  # the load drills' admission cap (router max_inflight) and closed-loop users
+LOAD_CAP = 8  # the load drills' closed-loop users: the admission cap's room for clients
+BACKGROUND = 2  # the router's background_slots (shadow + golden calls), counted in max_inflight too
 
 
 def serve_with_cap(run: DrillRun, home: Path) -> Server:
-    """A good bundle served with the load drills' admission cap."""
+    """A good bundle served with the load drills' admission cap: LOAD_CAP clients + the canary's calls."""
     return start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0,
-                        router={"max_inflight": LOAD_CAP, "request_timeout_s": 30.0})
+                        router={"max_inflight": LOAD_CAP + BACKGROUND, "background_slots": BACKGROUND,
+                                "request_timeout_s": 30.0})
 
 
 def pin_weight(server: Server, weight: float) -> None:
@@ -229,7 +231,7 @@ def pin_weight(server: Server, weight: float) -> None:
 
 
 def drill_overload(run: DrillRun, home: Path, seconds: float) -> None:
-    """Measure capacity with a closed loop at the admission cap, offer twice that as open-loop
+    """Measure capacity with a closed loop at the admission cap's room for clients, offer twice that as open-loop
     arrivals, then drop the load and check the server recovers."""
     cap = LOAD_CAP
     server = serve_with_cap(run, home)

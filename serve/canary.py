@@ -48,8 +48,9 @@ class LiveCanary:
         """Send a sample of greedy requests to the other variant too; skipped (never queued) at the cap."""
         if not eligible or random.random() >= self.settings.rollout.shadow_fraction:
             return
-        if other_variant(served) in self.pool.down or not self.admission.try_acquire():
+        if other_variant(served) in self.pool.down or not self.admission.try_acquire(background=True):
             return
+        self.metrics.background.labels(kind="shadow").inc()
         task = asyncio.create_task(self._shadow(served, kwargs, primary_ids))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
@@ -62,7 +63,7 @@ class LiveCanary:
             self.record_error(other, exc)
             return
         finally:
-            self.admission.release()
+            self.admission.release(background=True)
         same = res["token_ids"] == primary_ids
         self.window.shadow_pairs += 1
         self.window.shadow_same += int(same)
@@ -98,13 +99,14 @@ class LiveCanary:
         return out
 
     async def _counted(self, call: Awaitable):
-        """Golden calls count against the in-flight cap like client calls (they wait for room, never skip)."""
-        while not self.admission.try_acquire():
-            await asyncio.sleep(0.05)
+        """Golden calls count against the in-flight cap as background calls (they wait for room, never skip)."""
+        while not self.admission.try_acquire(background=True):
+            await asyncio.sleep(0.02)
+        self.metrics.background.labels(kind="golden").inc()
         try:
             return await call
         finally:
-            self.admission.release()
+            self.admission.release(background=True)
 
     # -- analysis ------------------------------------------------------------------------------
     def analyse_now(self) -> dict:

@@ -30,6 +30,8 @@ class Metrics:
                                  multiprocess_mode="livemostrecent")
         self.inflight_peak = m.Gauge(name="policy_inflight_peak", documentation="Most calls in flight at once since "
                                      "start (client, shadow and golden-canary calls)", multiprocess_mode="livemax")
+        self.background = m.Counter(name="policy_background_calls_total", documentation="Shadow and golden-canary "
+                                    "calls admitted (counted against max_inflight)", labelnames=["kind"])
         self.loop_errors = m.Counter(name="policy_loop_errors_total", documentation="Exceptions in the router's "
                                      "background loops (each loop logs them and goes on)", labelnames=["loop"])
         self.fp16_fallback = m.Gauge(name="policy_fp16_fallback", documentation="1 when FP16 runs without vLLM",

@@ -42,21 +42,28 @@ def client_error(exc: BaseException) -> Optional[ApiError]:
 
 
 class Admission:
-    """In-flight calls against a cap: the check and the count are one step (no await between them)."""
+    """In-flight calls against a cap: the check and the count are one step (no await between them).
 
-    def __init__(self, cap: int, on_change: Callable[[int, int], None]):
-        self.cap, self.inflight, self.peak, self.on_change = cap, 0, 0, on_change
+    Background calls (shadow, golden canary) count too, but at most ``background_cap`` of them at once, so
+    that with ``max_inflight`` = client concurrency + ``background_slots`` clients never meet a 429 that
+    the canary caused."""
 
-    def try_acquire(self) -> bool:
-        if self.inflight >= self.cap:
+    def __init__(self, cap: int, background_cap: int, on_change: Callable[[int, int], None]):
+        self.cap, self.background_cap, self.on_change = cap, background_cap, on_change
+        self.inflight = self.background = self.peak = 0
+
+    def try_acquire(self, background: bool = False) -> bool:
+        if self.inflight >= self.cap or (background and self.background >= self.background_cap):
             return False
         self.inflight += 1
+        self.background += int(background)
         self.peak = max(self.peak, self.inflight)
         self.on_change(self.inflight, self.peak)
         return True
 
-    def release(self) -> None:
+    def release(self, background: bool = False) -> None:
         self.inflight -= 1
+        self.background -= int(background)
         self.on_change(self.inflight, self.peak)
 
 

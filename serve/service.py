@@ -68,7 +68,7 @@ class PolicyRouter:
         self.metrics = Metrics()
         self.store = RolloutStore(self.settings.state_dir)
         self.controller = RolloutController(self.store, self.settings.rollout)
-        self.admission = Admission(self.settings.max_inflight, self.metrics.set_inflight)
+        self.admission = Admission(self.settings.max_inflight, self.settings.background_slots, self.metrics.set_inflight)
         self.pool = VariantPool({"int8": self.int8, "fp16": self.fp16}, self.settings, self.controller.note,
                                 lambda name, exc: self.canary.record_error(name, exc), self.metrics)
         self.canary = LiveCanary(self.pool, self.admission, self.controller, self.info, self.tok, self.settings,

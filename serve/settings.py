@@ -20,7 +20,8 @@ class RouterSettings:
     api_keys: Tuple[str, ...] = ()  # POLICY_BUNDLE_API_KEYS (comma-separated); empty = open
     model_name: str = "policy"
     sticky_salt: str = "policy-bundle"
-    max_inflight: int = 32  # beyond this: 429 with Retry-After
+    max_inflight: int = 32  # calls in flight (client, shadow, golden); beyond this: 429 with Retry-After
+    background_slots: int = 2  # of those, the most shadow + golden-canary calls at once
     request_timeout_s: float = 60.0
     health_interval_s: float = 1.0  # variant health probes; a variant that fails one gets no new traffic
     health_timeout_s: float = 3.0

@@ -281,10 +281,16 @@ def test_history_returns_the_newest_events(good):
 
 
 def test_golden_canary_calls_count_against_the_cap(good):
-    admin(good, "golden-canary")  # 16 golden items per variant, at once
+    def golden_calls():
+        m = re.search(r'^policy_background_calls_total\{[^}]*kind="golden"[^}]*\} (\S+)$',
+                      httpx.get(f"{good.url}/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = golden_calls()
+    admin(good, "golden-canary")  # 16 golden items through each variant, at most 2 calls at once
     metrics = httpx.get(f"{good.url}/metrics").text
     peak = float(re.search(r"^policy_inflight_peak(?:\{[^}]*\})? (\S+)$", metrics, re.M).group(1))
-    assert peak >= 16
+    assert golden_calls() == before + 32 and peak >= 2
 
 
 def test_restart_resumes_the_rollout_with_its_history(good, small_bundle, state):
