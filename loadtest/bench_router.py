@@ -46,7 +46,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    # the router's own cost: no golden-canary runs or shadow calls competing with the measured requests
+    (tmp / "router.yaml").write_text("rollout: {golden_interval_s: 36000, analysis_interval_s: 36000, "
+                                     "shadow_fraction: 0.0}\n")
     env = {"POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
+           "POLICY_ROUTER_CONFIG": str(tmp / "router.yaml"),
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     servers = {"router": Server(env, tmp / "router.log"),
                "int8": Server(env, tmp / "int8.log", target="policy_bundle.serve.variants:Int8Policy")}
