@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 from policy_bundle.bundle.manifest import read_manifest
 from policy_bundle.bundle.store import GOLDEN
@@ -100,7 +100,3 @@ def write_golden_jsonl(items: Sequence[GoldenItem], path: Path) -> None:
 
 def read_golden_jsonl(path: Path) -> List[GoldenItem]:
     return [GoldenItem(**json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def golden_answer(item: GoldenItem) -> Optional[str]:
-    return item.answer
