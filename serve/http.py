@@ -99,10 +99,10 @@ def require_admin(request: Request, token: Optional[str]) -> None:
 
 
 class ApiKeyGuard:
-    """ASGI middleware: with API keys configured, BentoML's own routes named here (e.g. ``/metrics``)
-    need a key like the inference routes (our routes check it themselves)."""
+    """ASGI middleware: with API keys configured, BentoML's own routes named here (the metrics and the
+    published spec) need a key like the inference routes (our routes check it themselves)."""
 
-    def __init__(self, app, keys=(), paths=("/metrics",)):
+    def __init__(self, app, keys=(), paths=("/metrics", "/docs.json")):
         self.app, self.keys, self.paths = app, tuple(keys), tuple(paths)
 
     async def __call__(self, scope, receive, send):

@@ -324,7 +324,7 @@ def test_api_keys_guard_inference_routes(locked):
     assert complete(locked).status_code == 401
     assert complete(locked, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert complete(locked, headers={"Authorization": "Bearer key-two"}).status_code == 200
-    for path in ("/status", "/metrics", "/v1/models"):  # what the service knows is not public either
+    for path in ("/status", "/metrics", "/v1/models", "/docs.json"):  # what the service knows is not public either
         assert httpx.get(f"{locked.url}{path}", timeout=30).status_code == 401, path
         assert httpx.get(f"{locked.url}{path}", headers={"Authorization": "Bearer key-one"}, timeout=30).status_code == 200
     assert httpx.get(f"{locked.url}/readyz", timeout=30).status_code == 200  # infrastructure probes stay open
