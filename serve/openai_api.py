@@ -63,7 +63,7 @@ class Prepared:
                     top_p=r.top_p, seed=r.seed, stop_token_id=eos)
 
 
-def _finish(stream: TextStream, n_tokens: int, max_tokens: int, eos: Optional[int]) -> str:
+def finish_reason(stream: TextStream, n_tokens: int, max_tokens: int, eos: Optional[int]) -> str:
     if stream.stopped or (stream.ids and stream.ids[-1] == eos):
         return "stop"
     return "length" if n_tokens >= max_tokens else "stop"
@@ -107,7 +107,7 @@ class Adapter:
         else:
             stream.ids, stream.text = list(result["token_ids"]), decode(self.tok, result["token_ids"])
         n = len(stream.ids)
-        finish = _finish(stream, n, p.max_tokens, self.tok.eos_token_id)
+        finish = finish_reason(stream, n, p.max_tokens, self.tok.eos_token_id)
         usage = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": n, "total_tokens": len(p.prompt_ids) + n}
         wanted = p.req.logprobs is not None and p.req.logprobs is not False
         tokens = [decode(self.tok, [t]) for t in stream.ids] if wanted else []
@@ -176,7 +176,3 @@ class ChatAdapter(Adapter):
 
     def opening(self, p: Prepared, variant: str) -> List[dict]:
         return [self.chunk(p, variant, "", role=True)]
-
-
-def finish_reason(stream: TextStream, n_tokens: int, max_tokens: int, eos: Optional[int]) -> str:
-    return _finish(stream, n_tokens, max_tokens, eos)
