@@ -156,9 +156,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
-    ) -> Tensor:
+    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries and keys, and values, as [B, heads, T, head_dim]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
@@ -166,18 +165,37 @@ class Attention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k).transpose(1, 2)
         v = v.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        # Write this step's keys/values into the caller's preallocated cache, then attend over it.
-        k_cache[:, :, start_pos : start_pos + t] = k
-        v_cache[:, :, start_pos : start_pos + t] = v
-        keys, values = k_cache, v_cache
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        b, t = q.shape[0], q.shape[2]
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             keys = keys.repeat_interleave(rep, dim=1)
             values = values.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        t = x.shape[1]
+        # Write this step's keys/values into the caller's preallocated cache, then attend over it.
+        k_cache[:, :, start_pos : start_pos + t] = k
+        v_cache[:, :, start_pos : start_pos + t] = v
+        return self._attend(q, k_cache, v_cache, mask)
+
+    def forward_rows(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        """One token per row, each row at its own position ``pos[b]`` (batched decode)."""
+        q, k, v = self._qkv(x, cos, sin)
+        rows = torch.arange(x.shape[0])
+        # [B, S, kv_heads, head_dim] views of the cache: (row, pos) picks the slot this row writes.
+        k_cache.transpose(1, 2).index_put_([rows, pos], k[:, :, 0])
+        v_cache.transpose(1, 2).index_put_([rows, pos], v[:, :, 0])
+        return self._attend(q, k_cache, v_cache, mask)
 
 
 class MLP(nn.Module):
@@ -203,6 +221,12 @@ class Block(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_rows(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        x = x + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -253,6 +277,20 @@ class Policy(nn.Module):
     def decode(self, token: Tensor, pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         return self.forward(token, pos, k_cache, v_cache)
 
+    @torch.jit.export
+    def decode_batch(self, tokens: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """One decode step for B sequences at once, row b at its own position ``pos[b]`` (continuous
+        batching): ``tokens`` [B, 1], ``pos`` [B] int64, caches [layers, B, kv_heads, S, head_dim] with
+        S > max(pos); row b attends to its slots 0..pos[b]. Returns logits [B, 1, V]."""
+        cache_len = k_cache.shape[3]
+        cos = self.rope_cos.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
+        sin = self.rope_sin.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
+        mask = (torch.arange(cache_len).unsqueeze(0) <= pos.unsqueeze(1)).view(pos.shape[0], 1, 1, cache_len)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_rows(x, cos, sin, mask, pos, k_cache[i], v_cache[i])
+        return self.lm_head(self.norm(x))
+
 
 class FullSequence(nn.Module):
     """Cache-free full-sequence forward (tokens -> logits), the shape ONNX export wants."""
@@ -289,6 +327,9 @@ class CastPolicy(nn.Module):
 
     def decode(self, token: Tensor, pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         return self.forward(token, pos, k_cache, v_cache)
+
+    def decode_batch(self, tokens: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.policy.decode_batch(tokens, pos, k_cache, v_cache).float()
 
 
 def full_logits(policy: nn.Module, tokens: Tensor) -> Tensor:

@@ -19,7 +19,8 @@ from policy_bundle.bundle.faults import active_fault, fault_spec
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.manifest import BundleVerificationError
 from policy_bundle.bundle.store import verified_store_path
-from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams, Step, VllmEngine, vllm_available
+from policy_bundle.serve.batching import policy_engine
+from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine, vllm_available
 from policy_bundle.serve.http import patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
 
@@ -56,6 +57,11 @@ def context_len(artifact: Path) -> int:
 
 def vocab_size(artifact: Path) -> int:
     return int(json.loads((artifact / "config.json").read_text())["vocab_size"])
+
+
+def engine_stats(engine) -> Optional[dict]:
+    """The batched engine's slots and peak batch (None for engines that batch on their own, e.g. vLLM)."""
+    return engine.stats() if hasattr(engine, "stats") else None
 
 
 def check_input(svc, ids: List[int], max_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0) -> None:
@@ -139,7 +145,8 @@ class Int8Policy:
 
         path = verified_artifact(self.model, "int8")
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
-        self.engine = CachedPolicyEngine(torch.jit.load(str(path / "policy.ts")), self.max_seq_len, "int8-torchscript")
+        self.engine = policy_engine(torch.jit.load(str(path / "policy.ts")), self.max_seq_len, "int8-torchscript",
+                                    max_batch=settings_or_exit().max_batch)
         self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
         self.ready = True
         log.info("INT8 TorchScript loaded from %s (verified)", path)
@@ -168,7 +175,7 @@ class Int8Policy:
     @bentoml.api
     def health(self) -> dict:
         return {"ready": self.ready, "engine": self.engine.name, "max_seq_len": self.max_seq_len,
-                "test_fault": fault_spec()}
+                "test_fault": fault_spec(), "batch": engine_stats(self.engine)}
 
 
 @bentoml.service(name="fp16-policy", workers=1, traffic={"timeout": 120})
@@ -200,8 +207,8 @@ class Fp16Policy:
             self.fallback_reason = f"{type(exc).__name__}: {exc}"[:300] + \
                 "; serving the FP16 weights with our policy module (FP32)"
             log.warning("FP16 variant: %s", self.fallback_reason)
-            self.engine = CachedPolicyEngine(load_policy(path, max_seq_len=self.max_seq_len), self.max_seq_len,
-                                             "policy-module-fp32")
+            self.engine = policy_engine(load_policy(path, max_seq_len=self.max_seq_len), self.max_seq_len,
+                                        "policy-module-fp32", max_batch=settings_or_exit().max_batch)
         self.ready = False
 
     @bentoml.on_startup
@@ -216,4 +223,4 @@ class Fp16Policy:
         # expected_engine: False when vLLM was expected and the fallback loaded (the router is then not ready)
         return {"ready": self.ready, "engine": self.engine.name, "fallback": self.fallback_reason,
                 "expected_engine": not (self.vllm_expected and self.fallback_reason), "test_fault": fault_spec(),
-                "max_seq_len": self.max_seq_len}
+                "max_seq_len": self.max_seq_len, "batch": engine_stats(self.engine)}
