@@ -4,7 +4,8 @@ memory of each variant's worker (with its child processes: vLLM's engine core is
 
 Printed, never asserted; both variants are measured in one run against one server. Needs a bundle
 in the BentoML store (``policy-bundle build ...``). FP16 is served by vLLM where it is importable.
-Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_sweep [--seconds 8] [--max-tokens 8]``.
+Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_sweep [--seconds 8] [--max-tokens 8]``; it serves the
+newest bundle of the BentoML store (``BENTOML_HOME``), or ``POLICY_BUNDLE_VERSION``.
 
 The knee is the last concurrency before adding clients stops buying throughput: the first level
 whose next doubling raises requests/s by less than 10 % (latency only grows from there on).
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import List
 
 import aiohttp
+import httpx
 
 from policy_bundle.loadtest.load import tree_rss_mb
 from policy_bundle.loadtest.servers import Server
@@ -101,7 +103,7 @@ def main() -> None:
     server = Server(env, tmp / "server.log").wait_ready(600)
     results = {}
     try:
-        status = json.loads(__import__("httpx").get(f"{server.url}/status", timeout=30).text)
+        status = json.loads(httpx.get(f"{server.url}/status", timeout=30).text)
         engines = {v: status["variants"][v]["engine"] for v in ("int8", "fp16")}
         print(f"engines: {engines}; {os.cpu_count()} cores; {args.seconds:.0f} s per level, "
               f"max_tokens {args.max_tokens}")
@@ -109,8 +111,9 @@ def main() -> None:
             pid = worker_pid(service)
             asyncio.run(level(server.url, variant, 4, 2.0, args.max_tokens, pid))  # warm-up
             rows = [asyncio.run(level(server.url, variant, c, args.seconds, args.max_tokens, pid)) for c in LEVELS]
-            results[variant] = {"engine": engines[variant], "levels": rows, "knee": knee(rows)["clients"]}
-            print(f"\n== {variant} ({engines[variant]})")
+            batch = json.loads(httpx.get(f"{server.url}/status", timeout=30).text)["variants"][variant].get("batch")
+            results[variant] = {"engine": engines[variant], "levels": rows, "knee": knee(rows)["clients"], "batch": batch}
+            print(f"\n== {variant} ({engines[variant]})" + (f", peak decode batch {batch['peak_batch']}" if batch else ""))
             print(f"{'clients':>8s} {'req/s':>8s} {'tok/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'peak MB':>8s}")
             for r in rows:
                 mark = "  <- knee" if r["clients"] == results[variant]["knee"] else ""

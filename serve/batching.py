@@ -1,8 +1,9 @@
 """Continuous batching for the INT8 TorchScript policy (and our FP policy module, its fallback).
 
 One decode thread owns the model and a KV cache of ``capacity`` slots. Each step it admits
-newcomers (a prefill each into a free slot, a few per step while others are decoding, so running
-streams keep flowing), then advances every active request by one token with the artifact's
+newcomers (their prompts prefilled into free slots; while others are decoding, at most
+``prefill_chunk`` prompt tokens per step, a long prompt in chunks across steps, so running streams
+keep flowing), then advances every active request by one token with the artifact's
 ``decode_batch(tokens [B, 1], pos [B], k, v)``: each row at its own position. A finished or
 cancelled request leaves at once; the last row moves into its slot, so the active rows are always
 slots ``0..n-1`` and a step runs on a view of the cache, never on a copy. Sampling, seeds, stop
@@ -35,6 +36,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     gen: Optional[torch.Generator] = None
+    filled: int = 0  # prompt tokens already in the cache (chunked prefill)
     pos: int = 0  # where ``last`` is written by the next decode step
     last: int = 0
     produced: int = 0
@@ -51,16 +53,17 @@ class _Request:
 class BatchedEngine:
     """``generate(prompt_ids, params)`` like every engine; all requests share one batched decode."""
 
-    def __init__(self, module, max_seq_len: int, name: str, max_batch: int = 32, prefill_per_step: int = 4):
+    def __init__(self, module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64):
         from policy_bundle.bundle.faults import active_fault
 
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
-        self.max_batch, self.prefill_per_step = max(1, max_batch), max(1, prefill_per_step)
+        self.max_batch, self.prefill_chunk = max(1, max_batch), max(1, prefill_chunk)
         fault = active_fault("slow")
         self.delay_s = fault.factor if fault else 0.0  # test-only fault: seconds per step
         self._pending: Deque[_Request] = deque()
         self._cv = threading.Condition()
         self._active: List[_Request] = []
+        self._filling: Optional[_Request] = None  # a newcomer whose prompt is part-way into slot len(active)
         self._k = self._v = None
         self.capacity = 0
         self.peak_batch = 0
@@ -109,7 +112,7 @@ class BatchedEngine:
         while True:
             try:
                 with self._cv:
-                    while not self._pending and not self._active:
+                    while not self._pending and not self._active and self._filling is None:
                         self._cv.wait()
                 self._admit()
                 if self._active:
@@ -118,33 +121,48 @@ class BatchedEngine:
                 self.loop_errors += 1
                 log.error("%s: batched decode failed (%s: %s); failing %d request(s)", self.name,
                           type(exc).__name__, exc, len(self._active))
-                for r in self._active:
+                for r in self._active + ([self._filling] if self._filling else []):
                     r.emit(RuntimeError(f"{type(exc).__name__}: {exc}"))
-                self._active = []
+                self._active, self._filling = [], None
 
-    def _take_newcomers(self) -> List[_Request]:
-        room = self.max_batch - len(self._active)
-        n = room if not self._active else min(room, self.prefill_per_step)
-        out: List[_Request] = []
+    def _next_newcomer(self) -> Optional[_Request]:
+        if len(self._active) >= self.max_batch:
+            return None
         with self._cv:
-            while self._pending and len(out) < n:
+            while self._pending:
                 r = self._pending.popleft()
                 if not r.cancelled:
-                    out.append(r)
-        return out
+                    return r
+        return None
 
     def _admit(self) -> None:
-        for r in self._take_newcomers():
+        """Prefill newcomers into slot ``len(active)``: all of them when nothing is decoding, else at
+        most ``prefill_chunk`` prompt tokens this step (the rest of a long prompt waits for the next)."""
+        budget = self.prefill_chunk if self._active else None
+        while budget is None or budget > 0:
+            r = self._filling or self._next_newcomer()
+            self._filling = None
+            if r is None:
+                break
+            if r.cancelled:
+                continue
             slot = len(self._active)
             self._ensure_capacity(slot + 1)
-            n = len(r.prompt)
+            start, n = r.filled, len(r.prompt)
+            end = n if budget is None else min(n, start + budget)
             try:
-                logits = self.module.prefill(torch.tensor([r.prompt]), self._k[:, slot:slot + 1, :, :n],
-                                             self._v[:, slot:slot + 1, :, :n])
+                logits = self.module(torch.tensor([r.prompt[start:end]]), start, self._k[:, slot:slot + 1, :, :end],
+                                     self._v[:, slot:slot + 1, :, :end])
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
                 r.emit(RuntimeError(f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
             self._sleep_for_fault()
+            r.filled = end
+            if budget is not None:
+                budget -= end - start
+            if end < n:
+                self._filling = r
+                break
             r.pos = n
             self._active.append(r)
             self._advance(r, logits[0, -1])
@@ -185,6 +203,7 @@ class BatchedEngine:
     def _drop_finished(self) -> None:
         """Remove done and cancelled rows; the last row moves into each freed slot (its filled positions only)."""
         rows = self._active
+        fill_slot = len(rows)
         for i in range(len(rows) - 1, -1, -1):
             if not (rows[i].done or rows[i].cancelled):
                 continue
@@ -195,6 +214,10 @@ class BatchedEngine:
                 self._v[:, i, :, :filled] = self._v[:, last, :, :filled]
                 rows[i] = rows[last]
             rows.pop()
+        if self._filling is not None and fill_slot != len(rows):  # the part-prefilled newcomer follows the rows
+            filled = self._filling.filled
+            self._k[:, len(rows), :, :filled] = self._k[:, fill_slot, :, :filled]
+            self._v[:, len(rows), :, :filled] = self._v[:, fill_slot, :, :filled]
 
     def _ensure_capacity(self, n: int) -> None:
         if n <= self.capacity:
@@ -212,13 +235,13 @@ class BatchedEngine:
             time.sleep(self.delay_s)
 
 
-def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32):
+def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64):
     """The batched engine when the module has ``decode_batch`` (artifacts since batched decode), else
     the one-sequence-at-a-time engine, with one log line naming why."""
     from policy_bundle.serve.engines import CachedPolicyEngine
 
     if hasattr(module, "decode_batch"):
-        return BatchedEngine(module, max_seq_len, name, max_batch=max_batch)
+        return BatchedEngine(module, max_seq_len, name, max_batch=max_batch, prefill_chunk=prefill_chunk)
     log.warning("%s: the artifact has no decode_batch (exported before batched decode): decoding one "
                 "sequence at a time; rebuild the bundle for continuous batching", name)
     return CachedPolicyEngine(module, max_seq_len, name + "-sequential")

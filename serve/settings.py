@@ -23,6 +23,7 @@ class RouterSettings:
     max_inflight: int = 32  # calls in flight (client, shadow, golden); beyond this: 429 with Retry-After
     background_slots: int = 2  # of those, the most shadow + golden-canary calls at once
     max_batch: int = 32  # sequences one INT8 (TorchScript) decode step advances at once (continuous batching)
+    prefill_chunk: int = 64  # prompt tokens prefilled per decode step while others decode (long prompts: chunks)
     request_timeout_s: float = 60.0
     health_interval_s: float = 1.0  # variant health probes; a variant that fails one gets no new traffic
     health_timeout_s: float = 3.0
@@ -89,6 +90,8 @@ def load_settings() -> RouterSettings:
         raise SettingsError(f"POLICY_ROUTER_CONFIG: {exc}") from None
     if s.max_batch < 1:
         raise SettingsError(f"max_batch: {s.max_batch} must be >= 1 (sequences per INT8 decode step)")
+    if s.prefill_chunk < 1:
+        raise SettingsError(f"prefill_chunk: {s.prefill_chunk} must be >= 1 (prompt tokens per decode step)")
     env = os.environ
     if env.get("POLICY_BUNDLE_STATE_DIR"):
         s = replace(s, state_dir=Path(env["POLICY_BUNDLE_STATE_DIR"]))

@@ -59,6 +59,11 @@ def vocab_size(artifact: Path) -> int:
     return int(json.loads((artifact / "config.json").read_text())["vocab_size"])
 
 
+def batching_settings() -> dict:
+    s = settings_or_exit()
+    return {"max_batch": s.max_batch, "prefill_chunk": s.prefill_chunk}
+
+
 def engine_stats(engine) -> Optional[dict]:
     """The batched engine's slots and peak batch (None for engines that batch on their own, e.g. vLLM)."""
     return engine.stats() if hasattr(engine, "stats") else None
@@ -146,7 +151,7 @@ class Int8Policy:
         path = verified_artifact(self.model, "int8")
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         self.engine = policy_engine(torch.jit.load(str(path / "policy.ts")), self.max_seq_len, "int8-torchscript",
-                                    max_batch=settings_or_exit().max_batch)
+                                    **batching_settings())
         self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
         self.ready = True
         log.info("INT8 TorchScript loaded from %s (verified)", path)
@@ -208,7 +213,7 @@ class Fp16Policy:
                 "; serving the FP16 weights with our policy module (FP32)"
             log.warning("FP16 variant: %s", self.fallback_reason)
             self.engine = policy_engine(load_policy(path, max_seq_len=self.max_seq_len), self.max_seq_len,
-                                        "policy-module-fp32", max_batch=settings_or_exit().max_batch)
+                                        "policy-module-fp32", **batching_settings())
         self.ready = False
 
     @bentoml.on_startup
