@@ -50,18 +50,19 @@ class CalibrationActor(Actor):
 
     @endpoint
     def rollouts(self, shard: int, prompt_ids: List[List[int]], max_new_tokens: int,
-                 eos: Optional[int], engine: str) -> List[List[int]]:
-        from policy_bundle.quantize.decode import greedy_generate
+                 eos: Optional[int], engine: str, batch_size: int = 16) -> List[List[int]]:
+        from policy_bundle.quantize.decode import greedy_generate_batch
 
         if engine == "vllm":  # one engine per actor, on this actor's share of the prompts
             from policy_bundle.build.data import vllm_rollouts
 
             self._maybe_fail(shard, 0)
             return vllm_rollouts(self.policy_dir, prompt_ids, max_new_tokens)
-        out = []
-        for i, ids in enumerate(prompt_ids):
-            self._maybe_fail(shard, i)
-            out.append(greedy_generate(self.policy, ids, max_new_tokens, eos))
+        out: List[List[int]] = []
+        for start in range(0, len(prompt_ids), batch_size):  # the fault drills count finished prompts
+            self._maybe_fail(shard, start)
+            out += greedy_generate_batch(self.policy, prompt_ids[start:start + batch_size], max_new_tokens, eos,
+                                         batch_size)
         return out
 
     @endpoint

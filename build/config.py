@@ -32,6 +32,7 @@ class PromptsSection:
 class RolloutsSection:
     engine: str = "local"  # local | vllm
     jsonl: Optional[str] = None  # {"prompt", "completion"} records used instead of generating
+    batch_size: int = 16  # local engine: sequences per batched decode step
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ RANGES = {
     "calibration.samples": (1, 100_000),
     "calibration.batch_size": (1, 4096),
     "calibration.golden": (1, 100_000),
+    "rollouts.batch_size": (1, 1024),
     "calibration.procs": (0, 256),
     "calibration.hosts": (0, 4096),
     "calibration.timeout_s": (1.0, 86_400.0),

@@ -16,7 +16,7 @@ from policy_bundle.build.errors import ConfigError, UnsupportedPolicyError
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer, read_golden_jsonl, write_golden_jsonl  # noqa: F401
 from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import GoldenItem
-from policy_bundle.quantize.decode import greedy_generate
+from policy_bundle.quantize.decode import greedy_generate_batch
 from policy_bundle.quantize.model import UnsupportedModelError, load_hf_config
 
 GENERAL_PROMPTS = Path(__file__).parent / "prompts" / "general.txt"
@@ -101,14 +101,11 @@ def split_prompts(cfg: BuildConfig) -> PromptSplit:
 
 @torch.no_grad()
 def local_rollouts(
-    policy, prompt_ids: Sequence[List[int]], max_new_tokens: int, eos: Optional[int], tick: Callable[[], None] = lambda: None
+    policy, prompt_ids: Sequence[List[int]], max_new_tokens: int, eos: Optional[int], tick: Callable[[], None] = lambda: None,
+    batch_size: int = 16,
 ) -> List[List[int]]:
-    """Greedy completions from our own KV-cache generate."""
-    outs = []
-    for ids in prompt_ids:
-        outs.append(greedy_generate(policy, ids, max_new_tokens, eos))
-        tick()
-    return outs
+    """Greedy completions from our own KV-cache generate, ``batch_size`` sequences per decode step."""
+    return greedy_generate_batch(policy, prompt_ids, max_new_tokens, eos, batch_size, done=lambda i: tick())
 
 
 def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tokens: int) -> List[List[int]]:

@@ -87,6 +87,6 @@ def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: Ch
         "artifacts": artifacts_section(cfg, chosen.recipe),
         "fidelity": fidelity,
         "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, data.is_task_policy(cfg),
-                                   cfg.canary.gate),
+                                   cfg.canary.gate, chosen.recipe.rows_independent),
         "test_fault": fault_spec(),
     }

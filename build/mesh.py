@@ -181,12 +181,12 @@ def shard(items: Sequence, n: int) -> List[List]:
 def mesh_rollouts(mesh: CalibrationMesh, prompt_ids: Sequence[List[int]], eos: Optional[int]) -> List[List[int]]:
     """Greedy completions, sharded over the actors; the order of results follows ``prompt_ids``."""
     cfg = mesh.cfg
-    # Shards of at most 8 prompts: a progress line per shard keeps long rollouts visible (a 135M
-    # policy generates ~1 sequence/s per process).
-    # (vLLM starts one engine per call, so it keeps one shard per actor.)
-    n = len(mesh.workers) if cfg.rollouts.engine == "vllm" else max(len(mesh.workers), -(-len(prompt_ids) // 8))
+    # Shards of one decode batch (``rollouts.batch_size``): a progress line per shard keeps long rollouts
+    # visible. (vLLM starts one engine per call, so it keeps one shard per actor.)
+    b = cfg.rollouts.batch_size
+    n = len(mesh.workers) if cfg.rollouts.engine == "vllm" else max(len(mesh.workers), -(-len(prompt_ids) // b))
     shards = shard(prompt_ids, n)
-    args = [(s, cfg.prompts.max_new_tokens, eos, cfg.rollouts.engine) for s in shards]
+    args = [(s, cfg.prompts.max_new_tokens, eos, cfg.rollouts.engine, b) for s in shards]
     outs = mesh.run_shards("rollouts", args, [len(s) for s in shards], "seq")
     return [c for part in outs for c in part]
 

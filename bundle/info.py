@@ -14,10 +14,12 @@ from policy_bundle.bundle.store import GOLDEN
 from policy_bundle.quantize.fidelity import GateThresholds, GoldenItem
 
 
-def serving_section(max_seq_len: int, max_new_tokens: int, task: bool, thresholds: GateThresholds) -> dict:
-    """The manifest's ``serving`` section, written by the build and read by ``BundleInfo``."""
+def serving_section(max_seq_len: int, max_new_tokens: int, task: bool, thresholds: GateThresholds,
+                    batch_rows: bool = True) -> dict:
+    """The manifest's ``serving`` section, written by the build and read by ``BundleInfo``. ``batch_rows``:
+    the INT8 artifact's rows are independent, so its engine may decode many requests in one batch."""
     return {"max_seq_len": int(max_seq_len), "max_new_tokens": int(max_new_tokens), "task": bool(task),
-            "thresholds": asdict(thresholds)}
+            "thresholds": asdict(thresholds), "batch_rows": bool(batch_rows)}
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class BundleInfo:
     has_task: bool  # the policy has a verifiable task: the live canary scores its reward
     thresholds: GateThresholds  # the build gate's limits, which the live canary applies too
     manifest_format: str
+    batch_rows: bool = True  # the INT8 engine may batch requests (false for per-tensor dynamic activations)
 
     @classmethod
     def read(cls, root: Path) -> "BundleInfo":
@@ -52,7 +55,7 @@ class BundleInfo:
             if conf.is_file():
                 ctx = min(ctx, int(json.loads(conf.read_text()).get("max_position_embeddings", ctx)))
         return cls(root, ctx, int(serving["max_new_tokens"]), bool(serving["task"]), thresholds,
-                   str(m.get("format", "")))
+                   str(m.get("format", "")), bool(serving.get("batch_rows", True)))
 
     def golden(self) -> List[GoldenItem]:
         path = self.root / GOLDEN

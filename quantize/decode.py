@@ -83,3 +83,50 @@ def decode_tokens_per_s(module, prompt_ids: Sequence[int], new_tokens: int, repe
             pass
         times.append(time.perf_counter() - t)
     return new_tokens / statistics.median(times[warmup:])
+
+
+@torch.no_grad()
+def greedy_generate_batch(module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                          eos_token_id: Optional[int] = None, batch_size: int = 16,
+                          done: Callable[[int], None] = lambda i: None) -> list[list[int]]:
+    """``greedy_generate`` for many prompts, ``batch_size`` sequences per decode step (``decode_batch``:
+    one position per row), prompts of similar length together. Only for modules whose rows do not
+    see each other (float policies, per-token or static int8), whose greedy tokens do not depend on
+    the batch. ``done(i)`` is called as sequence ``i`` finishes."""
+    outs: list[list[int]] = [[] for _ in prompts]
+    if max_new_tokens <= 0:
+        for i in range(len(prompts)):
+            done(i)
+        return outs
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), max(1, batch_size)):
+        rows = order[start : start + max(1, batch_size)]
+        total = max(len(prompts[i]) for i in rows) + max_new_tokens
+        k, v = module.new_cache(len(rows), total)
+        last, pos = [], []
+        for b, i in enumerate(rows):
+            n = len(prompts[i])
+            logits = module.prefill(torch.tensor([list(prompts[i])]), k[:, b : b + 1, :, :n], v[:, b : b + 1, :, :n])
+            last.append(int(logits[0, -1].argmax()))
+            pos.append(n)
+        live = list(range(len(rows)))  # indices into ``rows`` still generating, in cache-row order
+        while True:
+            keep = []
+            for r, b in enumerate(live):
+                outs[rows[b]].append(last[r])
+                if last[r] == eos_token_id or len(outs[rows[b]]) >= max_new_tokens:
+                    done(rows[b])
+                else:
+                    keep.append(r)
+            if not keep:
+                break
+            if len(keep) < len(live):  # finished rows leave: compact the cache to the live rows
+                idx = torch.tensor(keep)
+                k, v = k.index_select(1, idx), v.index_select(1, idx)
+                live, last, pos = [live[r] for r in keep], [last[r] for r in keep], [pos[r] for r in keep]
+            p = torch.tensor(pos)
+            s = int(p.max()) + 1
+            logits = module.decode_batch(torch.tensor(last).view(-1, 1), p, k[:, :, :, :s], v[:, :, :, :s])
+            last = logits[:, 0].argmax(-1).tolist()
+            pos = [x + 1 for x in pos]
+    return outs

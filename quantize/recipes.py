@@ -103,6 +103,13 @@ class RecipeConfig:
     def base_mode(self) -> str:
         return self.scheme.removeprefix("smooth-")
 
+    @property
+    def rows_independent(self) -> bool:
+        """Each sequence's logits do not depend on the others in its batch: false when a layer quantizes its
+        activations dynamically with one scale over the whole input (torch.ao ``dynamic``), so a batched
+        decode would change a request's tokens with its neighbours."""
+        return self.base_mode != "dynamic" and all(mode != "dynamic" for _, mode in self.overrides)
+
     def layer_mode(self, name: str) -> str:
         """The mode of one layer: the first matching override, else the scheme's."""
         for pattern, mode in self.overrides:

@@ -150,8 +150,12 @@ class Int8Policy:
 
         path = verified_artifact(self.model, "int8")
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
+        batching = batching_settings()
+        if not BundleInfo.read(path.parent).batch_rows:  # per-tensor dynamic activations: rows see each other
+            log.info("INT8 recipe quantizes activations per tensor at run time: one request per decode step")
+            batching["max_batch"] = 1
         self.engine = policy_engine(torch.jit.load(str(path / "policy.ts")), self.max_seq_len, "int8-torchscript",
-                                    **batching_settings())
+                                    **batching)
         self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
         self.ready = True
         log.info("INT8 TorchScript loaded from %s (verified)", path)

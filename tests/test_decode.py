@@ -55,3 +55,21 @@ def test_torchscript_module_decodes_like_the_eager_policy():
 
 def test_decode_speed_times_only_the_decode_steps():
     assert decode_tokens_per_s(init_random_policy(CFG, 0), [1] * 8, 4, repeats=1, warmup=0) > 0
+
+
+def test_batched_greedy_generation_equals_one_sequence_at_a_time():
+    """Prompts of different lengths, rows leaving at the stop token or the length limit, odd batch sizes."""
+    from policy_bundle.quantize.decode import greedy_generate_batch
+
+    policy = init_random_policy(CFG, 1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, CFG.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 12, (37,), generator=g)]
+    free = [greedy_generate(policy, p, 10) for p in prompts]
+    eos = max(set(t for f in free for t in f[:5]), key=lambda t: sum(t in f[:5] for f in free))  # a common token
+    alone = [greedy_generate(policy, p, 10, eos_token_id=eos) for p in prompts]
+    assert any(len(a) < 10 for a in alone) and any(len(a) == 10 for a in alone)  # some rows do stop early
+    finished = []
+    assert greedy_generate_batch(policy, prompts, 10, eos, batch_size=8, done=finished.append) == alone
+    assert sorted(finished) == list(range(len(prompts)))
+    assert greedy_generate_batch(torch.jit.script(policy), prompts[:5], 10, eos, batch_size=3) == alone[:5]

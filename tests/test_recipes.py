@@ -91,3 +91,13 @@ def test_loaded_merged_state_gives_identical_quantized_parameters(policy):
 def test_unknown_scheme_names_the_field():
     with pytest.raises(recipes.RecipeError, match="recipe.scheme: 'int4'"):
         recipes.RecipeConfig(scheme="int4")
+
+
+def test_only_per_tensor_dynamic_activations_make_rows_depend_on_each_other():
+    from policy_bundle.quantize.recipes import RecipeConfig
+
+    assert RecipeConfig(scheme="static").rows_independent and RecipeConfig(scheme="smooth-w8a8").rows_independent
+    assert RecipeConfig(scheme="weight-only").rows_independent
+    assert not RecipeConfig(scheme="dynamic").rows_independent
+    assert not RecipeConfig(scheme="smooth-dynamic").rows_independent
+    assert not RecipeConfig(scheme="static", overrides=(("down_proj", "dynamic"),)).rows_independent
