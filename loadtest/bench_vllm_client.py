@@ -79,9 +79,9 @@ def client_args(port: int, tokenizer: Path, concurrency: int, a, result_dir: Pat
             "--num-prompts", str(a.num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
             "--temperature", "0", "--seed", str(a.seed), "--num-warmups", str(min(concurrency, a.num_prompts)),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
-    for k, v in headers.items():
-        argv += ["--header", f"{k}={v}"]
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
+    if headers:  # one --header with every pair: the flag is nargs="*", a second --header replaces the first
+        argv += ["--header", *(f"{k}={v}" for k, v in headers.items())]
     return parser.parse_args(argv)
 
 
@@ -153,6 +153,9 @@ def bench_router(bundle: Path, a, levels: List[int], tmp: Path, variants: List[s
             served = {v: after.get(v, 0) - before.get(v, 0) for v in ("int8", "fp16")}
             for r in rows:
                 r.update(engine=engines[variant], served_by=served)
+            other = "fp16" if variant == "int8" else "int8"
+            if served[other] or not served[variant]:
+                raise RuntimeError(f"the requests pinned to {variant} were served by {served} (router /metrics)")
             out[variant] = rows
     finally:
         server.stop()

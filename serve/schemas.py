@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Annotated, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError, \
-    model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError,
+                      ValidationInfo, field_validator)
 
 MAX_TOKENS_LIMIT = 256
 TEXT = {"type": "string", "pattern": r"\S"}  # not empty, not only whitespace (the server checks it itself)
@@ -78,11 +78,12 @@ class _Request(BaseModel):
     stop: Optional[Union[StopText, List[StopText]]] = Field(default=None, json_schema_extra=_published(
         {"anyOf": [STOP, {"type": "array", "items": STOP, "maxItems": MAX_STOP}], "nullable": True}))
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed with stream: true")
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed with stream: true")
+        return value
 
     def stop_strings(self) -> List[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
