@@ -22,13 +22,19 @@ def free_port() -> int:
 
 
 class Server:
+    """``bentoml serve <target>`` on a free loopback port; subclasses change ``command`` and ``ready_path``."""
+
+    ready_path = "/readyz"
+
     def __init__(self, env: dict, log: Path, target: str = "policy_bundle.serve.service:PolicyRouter"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "bentoml", "serve", target, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log.open("w"),
+        self.proc = subprocess.Popen(self.command(target), cwd=ROOT, env={**os.environ, **env}, stdout=log.open("w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
+
+    def command(self, target: str) -> list:
+        return [sys.executable, "-m", "bentoml", "serve", target, "--host", "127.0.0.1", "--port", str(self.port)]
 
     def wait_ready(self, timeout: float = 240) -> "Server":
         deadline = time.monotonic() + timeout
@@ -36,7 +42,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log.read_text()[-4000:]}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=5).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

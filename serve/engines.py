@@ -117,7 +117,7 @@ class VllmEngine:
 
         self._n += 1
         vp = VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                     seed=params.seed, logprobs=0,
+                     seed=params.seed, logprobs=0, ignore_eos=params.stop_token_id is None,  # as CachedPolicyEngine
                      stop_token_ids=[params.stop_token_id] if params.stop_token_id is not None else None)
         seen = 0
         async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, vp, f"req-{os.getpid()}-{self._n}"):

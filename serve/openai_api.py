@@ -57,10 +57,22 @@ class Prepared:
     rid: str
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    def stop_id(self, eos: Optional[int]) -> Optional[int]:
+        """The token that ends generation: the tokenizer's EOS, or none with ``ignore_eos``."""
+        return None if self.req.ignore_eos else eos
+
     def sampling(self, eos: Optional[int]) -> dict:
         r = self.req
         return dict(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, temperature=r.temperature,
-                    top_p=r.top_p, seed=r.seed, stop_token_id=eos)
+                    top_p=r.top_p, seed=r.seed, stop_token_id=self.stop_id(eos))
+
+    def usage(self, n_tokens: int) -> dict:
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n_tokens,
+                "total_tokens": len(self.prompt_ids) + n_tokens}
 
 
 def finish_reason(stream: TextStream, n_tokens: int, max_tokens: int, eos: Optional[int]) -> str:
@@ -94,6 +106,19 @@ class Adapter:
     def _base(self, p: Prepared, variant: str) -> dict:
         return {"id": p.rid, "created": p.created, "model": self.model_name, "policy_variant": variant}
 
+    def _chunk_base(self, p: Prepared, variant: str) -> dict:
+        """A stream chunk's common fields; with ``stream_options.include_usage`` every chunk has ``usage: null``."""
+        return {**self._base(p, variant), **({"usage": None} if p.include_usage else {})}
+
+    def closing(self, p: Prepared, variant: str, stream: TextStream, n_tokens: int, eos: Optional[int]) -> List[dict]:
+        """A stream's last chunks before [DONE]: the finish reason, then (``include_usage``) the usage chunk
+        the OpenAI spec describes: empty ``choices``, the whole request's ``usage``."""
+        last = [self.chunk(p, variant, "", finish_reason(stream, n_tokens, p.max_tokens, p.stop_id(eos)))]
+        if p.include_usage:
+            last.append({**self._base(p, variant), "object": last[0]["object"], "choices": [],
+                         "usage": p.usage(n_tokens)})
+        return last
+
     def complete(self, p: Prepared, variant: str, result: dict) -> dict:
         """The non-streamed body: one decode of all ids (what a stream's pieces add up to), or, with stop
         strings, the same TextStream a stream uses, which ends at the first one."""
@@ -107,8 +132,8 @@ class Adapter:
         else:
             stream.ids, stream.text = list(result["token_ids"]), decode(self.tok, result["token_ids"])
         n = len(stream.ids)
-        finish = finish_reason(stream, n, p.max_tokens, self.tok.eos_token_id)
-        usage = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": n, "total_tokens": len(p.prompt_ids) + n}
+        finish = finish_reason(stream, n, p.max_tokens, p.stop_id(self.tok.eos_token_id))
+        usage = p.usage(n)
         wanted = p.req.logprobs is not None and p.req.logprobs is not False
         tokens = [decode(self.tok, [t]) for t in stream.ids] if wanted else []
         return {**self._base(p, variant), "usage": usage,
@@ -139,7 +164,7 @@ class CompletionsAdapter(Adapter):
                 "logprobs": lp}
 
     def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None) -> dict:
-        return {**self._base(p, variant), "object": "text_completion",
+        return {**self._chunk_base(p, variant), "object": "text_completion",
                 "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
 
     def opening(self, p: Prepared, variant: str) -> List[dict]:
@@ -171,7 +196,7 @@ class ChatAdapter(Adapter):
 
     def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, role: bool = False) -> dict:
         delta = {"role": "assistant", "content": text} if role else ({"content": text} if finish is None else {})
-        return {**self._base(p, variant), "object": "chat.completion.chunk",
+        return {**self._chunk_base(p, variant), "object": "chat.completion.chunk",
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
     def opening(self, p: Prepared, variant: str) -> List[dict]:

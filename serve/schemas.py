@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Annotated, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError,
+                      ValidationInfo, field_validator)
 
 MAX_TOKENS_LIMIT = 256
 TEXT = {"type": "string", "pattern": r"\S"}  # not empty, not only whitespace (the server checks it itself)
@@ -55,6 +56,12 @@ def _json_safe(v):
     return _text(v if isinstance(v, str) else repr(v)[:200])
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    include_usage: StrictBool = False  # one more chunk before [DONE]: empty choices, the request's usage
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=False)
 
@@ -65,9 +72,18 @@ class _Request(BaseModel):
     seed: Optional[StrictInt] = Field(default=None, ge=0, le=2**63 - 1)
     user: Optional[str] = Field(default=None, max_length=256)
     stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens tokens, EOS or not
     n: StrictInt = Field(default=1, ge=1, le=1)
     stop: Optional[Union[StopText, List[StopText]]] = Field(default=None, json_schema_extra=_published(
         {"anyOf": [STOP, {"type": "array", "items": STOP, "maxItems": MAX_STOP}], "nullable": True}))
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed with stream: true")
+        return value
 
     def stop_strings(self) -> List[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -24,7 +24,7 @@ from policy_bundle.serve import admin
 from policy_bundle.serve.canary import LiveCanary
 from policy_bundle.serve.http import ApiKeyGuard, error_response, read_json, require_admin, require_api_key
 from policy_bundle.serve.metrics import Metrics
-from policy_bundle.serve.openai_api import Adapter, ChatAdapter, CompletionsAdapter, finish_reason
+from policy_bundle.serve.openai_api import Adapter, ChatAdapter, CompletionsAdapter
 from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool
 from policy_bundle.serve.rollout import RolloutController, RolloutStore
 from policy_bundle.serve.routing import choose, forced_variant
@@ -169,7 +169,8 @@ class PolicyRouter:
             tail = text.finish()
             if tail:
                 yield sse(adapter.chunk(p, served, tail))
-            yield sse(adapter.chunk(p, served, "", finish_reason(text, n, p.max_tokens, self.tok.eos_token_id)))
+            for chunk in adapter.closing(p, served, text, n, self.tok.eos_token_id):
+                yield sse(chunk)
             yield "data: [DONE]\n\n"
             ok = True
         except Exception as exc:  # noqa: BLE001 - tokens were sent: the client gets an error event, not a "stop"

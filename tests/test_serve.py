@@ -268,6 +268,69 @@ def test_stop_strings_and_echo(good):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
 
 
+
+def sse_chunks(server, path, body, headers):
+    """Every JSON event of a streamed answer, and whether it ended with [DONE]."""
+    text = httpx.post(f"{server.url}{path}", timeout=60, headers=headers, json={**body, "stream": True}).text
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    return [json.loads(x) for x in lines if x != "[DONE]"], lines[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_ignore_eos_generates_max_tokens(good, variant):
+    """vLLM's ``ignore_eos`` (its benchmark client sends it): past EOS up to max_tokens, plain and streamed,
+    on both variants (FP16 on vLLM where installed, whose engine stops at EOS unless told not to)."""
+    hdr = {"x-policy-variant": variant, "x-admin-token": "test-admin-token"}
+    natural = complete(good, headers=hdr, max_tokens=12).json()
+    assert natural["usage"]["completion_tokens"] < 12 and natural["choices"][0]["finish_reason"] == "stop"
+    forced = complete(good, headers=hdr, max_tokens=12, ignore_eos=True).json()
+    assert forced["policy_variant"] == variant and forced["usage"]["completion_tokens"] == 12
+    assert forced["choices"][0]["finish_reason"] == "length"
+    assert forced["choices"][0]["text"].startswith(natural["choices"][0]["text"])
+    chunks, done = sse_chunks(good, "/v1/completions", {"model": "policy", "prompt": "358+64=", "temperature": 0,
+                                                         "max_tokens": 12, "ignore_eos": True,
+                                                         "stream_options": {"include_usage": True}}, hdr)
+    assert done and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == forced["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_include_usage_adds_the_usage_chunk(good, path):
+    """OpenAI's ``stream_options.include_usage``: every chunk has ``usage: null``; one more chunk before
+    [DONE] has empty ``choices`` and the request's usage (the same numbers as the plain answer's)."""
+    body = {"model": "policy", "temperature": 0, "max_tokens": 6,
+            **({"prompt": "358+64="} if "chat" not in path else {"messages": [{"role": "user", "content": "12+34="}]})}
+    plain = httpx.post(f"{good.url}{path}", json=body, headers=FORCE_INT8, timeout=60).json()
+    chunks, done = sse_chunks(good, path, {**body, "stream_options": {"include_usage": True}}, FORCE_INT8)
+    assert done and chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    assert chunks[-1]["id"] == chunks[0]["id"] and chunks[-1]["object"] == chunks[0]["object"]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    without, _ = sse_chunks(good, path, body, FORCE_INT8)
+    assert all("usage" not in c for c in without) and without[-1]["choices"]
+    refused = httpx.post(f"{good.url}{path}", json={**body, "stream_options": {"include_usage": True}}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_vllm_benchmark_request_function_reads_the_router(good, variant):
+    """vLLM's own benchmark request function (what ``vllm bench serve --backend openai`` sends and parses):
+    every request succeeds, and the token count it takes from the usage chunk is max_tokens."""
+    aiohttp = pytest.importorskip("aiohttp")
+    lib = pytest.importorskip("vllm.benchmarks.lib.endpoint_request_func")
+
+    async def run():
+        inp = lib.RequestFuncInput(prompt="0123456", api_url=f"{good.url}/v1/completions", prompt_len=8,
+                                   output_len=10, model="policy", ignore_eos=True, extra_body={"temperature": 0},
+                                   extra_headers={"x-policy-variant": variant, "x-admin-token": "test-admin-token"})
+        async with aiohttp.ClientSession() as session:
+            return await lib.async_request_openai_completions(inp, session)
+
+    out = asyncio.run(run())
+    assert out.success, out.error
+    assert out.output_tokens == 10 and out.prompt_len == 8 and len(out.itl) >= 1 and out.ttft > 0
+
 def test_history_returns_the_newest_events(good):
     admin(good, "pause", reason="h1")
     admin(good, "resume", reason="h2")
