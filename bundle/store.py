@@ -2,8 +2,8 @@
 
 An entry (``policy-int8:<version>`` or ``policy-fp16:<version>``) holds its artifact directories plus the
 bundle's manifest and golden set: ``policy-int8`` holds ``int8/`` (TorchScript) and, when the build wrote
-it, ``int8-vllm/`` (the W8A8 checkpoint vLLM serves); ``policy-fp16`` holds ``fp16/``. Registration (build/) records the manifest's sha256 in the entry's
-metadata; a read re-hashes the manifest against that record first, then every file it serves against
+it, ``int8-vllm/`` (the W8A8 checkpoint vLLM serves); ``policy-fp16`` holds ``fp16/``. Registration
+(build/) records the manifest's sha256 in the entry's metadata; a read re-hashes the manifest against that record first, then every file it serves against
 the manifest, and refuses files the manifest does not list.
 """
 
