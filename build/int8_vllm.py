@@ -29,7 +29,7 @@ from policy_bundle.build.fp16check import trim_at_eos
 from policy_bundle.build.vllm_golden import VllmGoldenRequest, VllmGoldenResult, VllmRunError, run_vllm_golden
 from policy_bundle.bundle.store import INT8_VLLM_DIR as INT8_VLLM
 from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
-from policy_bundle.quantize.model import Policy, load_hf_config
+from policy_bundle.quantize.model import Policy, full_logits, load_hf_config
 from policy_bundle.quantize.recipes import selected_linears
 from policy_bundle.quantize.smooth import apply_smoothing
 from policy_bundle.quantize.w8a8 import quantize_weight
@@ -140,11 +140,16 @@ def vllm_fidelity_summary(cfg: BuildConfig, policy: Policy, tok, golden: List[Go
     """The gate's metrics for vLLM's outputs: logits from its prompt logprobs, greedy from its completions."""
     kw = fidelity_kwargs(cfg, tok)
     table = {tuple(g.prompt_ids + g.completion_ids): rows for g, rows in zip(golden, result.prompt_logprobs)}
-    logits = lambda batch: torch.stack([dense_logprobs(table[tuple(r.tolist())], vocab) for r in batch])  # noqa: E731
+
+    def logits(batch: Tensor) -> Tensor:
+        ref = torch.log_softmax(full_logits(policy, batch).double(), dim=-1)
+        return torch.stack([vllm_logprobs(table[tuple(r.tolist())], lp) for r, lp in zip(batch, ref)])
+
     report = measure_fidelity(policy, None, golden, candidate_logits=logits, generate=False, **kw)
     k = min(TOP_K, vocab)
-    report.notes = [f"top-1 and KL from vLLM's top-{k} prompt logprobs" +
-                    (" (the whole vocabulary: exact)" if k >= vocab else "; the rest of each row's mass spread evenly")]
+    report.notes = [f"top-1 and KL from vLLM's top-{k} prompt logprobs" + (
+        " (the whole vocabulary: exact)" if k >= vocab else
+        "; KL over those tokens plus the rest as one bucket (a lower bound of the full KL)")]
     eos = kw["eos_token_id"]
     refs = [trim_at_eos(g.completion_ids, eos) for g in golden]
     outs = [trim_at_eos(c, eos) for c in result.completions]
@@ -154,15 +159,18 @@ def vllm_fidelity_summary(cfg: BuildConfig, policy: Policy, tok, golden: List[Go
             "gate": verdict.label, "failures": verdict.failures}
 
 
-def dense_logprobs(rows: List[Optional[dict]], vocab: int) -> Tensor:
-    """[T, V] log-probabilities where row t predicts token t + 1 (vLLM's prompt_logprobs[t + 1]); tokens
-    outside a row's top-k share the rest of its mass evenly. The last row predicts nothing (zeros)."""
-    out = torch.zeros(len(rows), vocab, dtype=torch.float64)
+def vllm_logprobs(rows: List[Optional[dict]], ref: Tensor) -> Tensor:
+    """[T, V] log-probabilities where row t predicts token t + 1 (vLLM's prompt_logprobs[t + 1]).
+
+    Tokens outside a row's top-k take the reference's (``ref``, [T, V] log-probabilities) shape scaled to
+    the mass vLLM left them: KL(ref || this) is then the KL over the top-k tokens plus one bucket for the
+    rest, exact when k covers the vocabulary. The last row predicts nothing (the reference's)."""
+    out = ref.clone()
     for t, row in enumerate(rows[1:]):
         ids = torch.tensor([int(k) for k in row], dtype=torch.long)
         vals = torch.tensor(list(row.values()), dtype=torch.float64)
-        rest = vocab - len(ids)
-        if rest:
-            out[t].fill_(math.log(max(1.0 - float(vals.exp().sum()), 1e-12) / rest))
+        rest = max(1.0 - float(vals.exp().sum()), 1e-12)
+        ref_rest = max(1.0 - float(ref[t, ids].exp().sum()), 1e-12)
+        out[t] += math.log(rest / ref_rest)
         out[t, ids] = vals
     return out
