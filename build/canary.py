@@ -272,7 +272,8 @@ def add_artifact_comparison(out_dir: Path, fidelity: dict) -> None:
     md, js = out_dir / "canary_report.md", out_dir / "canary_report.json"
     if not md.is_file():
         return
-    names = {"int8_torchscript": "INT8 TorchScript", "int8_onnx": "INT8 ONNX", "fp16_hf": "FP16 directory"}
+    names = {"int8_torchscript": "INT8 TorchScript", "int8_onnx": "INT8 ONNX", "fp16_hf": "FP16 directory",
+             "int8_vllm": "INT8 W8A8 in vLLM"}
     rows = [(names.get(k, k), v) for k, v in fidelity.items()]
     md.write_text(md.read_text() + "\n## Exported artifacts vs FP32 (same golden set)\n\n" + metrics_table(rows) + "\n")
     body = json.loads(js.read_text())

@@ -91,6 +91,7 @@ class CanarySection:
 @dataclass(frozen=True)
 class ExportSection:
     onnx: bool = True
+    int8_vllm: str = "auto"  # the compressed-tensors W8A8 dir vLLM serves: auto (when vLLM is here) | true | false
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,9 @@ CHOICES = {
     "recipe.scheme": SCHEMES + ("auto",),
     "recipe.backend": BACKENDS,
     "recipe.rounding": ROUNDINGS,
+    "export.int8_vllm": ("auto", "true", "false"),
 }
+AUTO_OR_BOOL = ("export.int8_vllm",)  # YAML's true/false are read as the strings "true"/"false"
 
 
 def _type_name(tp: Any) -> str:
@@ -156,6 +159,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(path: str, value: Any, tp: Any) -> Any:
+    if path in AUTO_OR_BOOL and isinstance(value, bool):
+        value = str(value).lower()
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:  # Optional[X]
         if value is None:

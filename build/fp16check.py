@@ -24,7 +24,7 @@ class Fp16Check:
     greedy_agreement: float
 
 
-def _trim(ids: List[int], eos: Optional[int]) -> List[int]:
+def trim_at_eos(ids: List[int], eos: Optional[int]) -> List[int]:
     return ids[: ids.index(eos) + 1] if eos is not None and eos in ids else ids
 
 
@@ -38,7 +38,7 @@ def transformers_completions(fp16_dir: Path, prompts: List[List[int]], max_new: 
             x = torch.tensor([ids])
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
                                eos_token_id=eos, pad_token_id=eos)
-            outs.append(_trim(y[0, len(ids):].tolist(), eos))
+            outs.append(trim_at_eos(y[0, len(ids):].tolist(), eos))
     return outs
 
 
@@ -50,7 +50,7 @@ def vllm_completions(fp16_dir: Path, prompts: List[List[int]], max_new: int, eos
     llm = LLM(model=str(fp16_dir), dtype="float16", enforce_eager=True, seed=0, max_model_len=None)
     params = SamplingParams(temperature=0.0, max_tokens=max_new)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [_trim(list(o.outputs[0].token_ids), eos) for o in outs]
+    return [trim_at_eos(list(o.outputs[0].token_ids), eos) for o in outs]
 
 
 def check_fp16(bundle: Path, engine: str = "transformers") -> Fp16Check:
@@ -64,5 +64,5 @@ def check_fp16(bundle: Path, engine: str = "transformers") -> Fp16Check:
     prompts = [g.prompt_ids for g in golden]
     run = vllm_completions if engine == "vllm" else transformers_completions
     outs = run(bundle / "fp16", prompts, max_new, eos)
-    same = sum(_trim(g.completion_ids, eos) == o for g, o in zip(golden, outs))
+    same = sum(trim_at_eos(g.completion_ids, eos) == o for g, o in zip(golden, outs))
     return Fp16Check(engine, len(golden), same / max(1, len(golden)))

@@ -29,6 +29,7 @@ INT8_TS = "int8/policy.ts"
 INT8_ONNX = "int8/policy-int8.onnx"
 
 if TYPE_CHECKING:
+    from policy_bundle.build.int8_vllm import Int8Vllm
     from policy_bundle.build.recipe_choice import ChosenRecipe
 
 
@@ -66,14 +67,14 @@ def calibration_section(cfg: BuildConfig, seqs: List[List[int]], batches: list, 
             "procs": cfg.calibration.procs, **summary}
 
 
-def artifacts_section(cfg: BuildConfig, recipe: recipes.RecipeConfig) -> dict:
+def artifacts_section(cfg: BuildConfig, recipe: recipes.RecipeConfig, int8_vllm: Int8Vllm) -> dict:
     return {"int8_torchscript": INT8_TS, "int8_onnx": INT8_ONNX if cfg.export.onnx else None,
             "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.export.onnx else None,
-            "fp16_hf": "fp16", "golden": "golden.jsonl"}
+            **int8_vllm.artifacts_section(), "fp16_hf": "fp16", "golden": "golden.jsonl"}
 
 
 def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: ChosenRecipe, calibration: dict,
-                  fidelity: dict) -> dict[str, Any]:
+                  fidelity: dict, int8_vllm: Int8Vllm) -> dict[str, Any]:
     """Everything bundle.json records except its file list (bundle.manifest.write_manifest adds that)."""
     return {
         "format": FORMAT,
@@ -84,7 +85,7 @@ def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: Ch
         "recipe": recipe_section(policy, chosen),
         "canary": canary_section(cfg, chosen),
         "calibration": calibration,
-        "artifacts": artifacts_section(cfg, chosen.recipe),
+        "artifacts": artifacts_section(cfg, chosen.recipe, int8_vllm),
         "fidelity": fidelity,
         "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, data.is_task_policy(cfg),
                                    cfg.canary.gate, chosen.recipe.rows_independent),

@@ -27,6 +27,7 @@ from policy_bundle.build.calibrated import CalibratedModels
 from policy_bundle.build.canary import add_artifact_comparison
 from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.errors import BundleExistsError
+from policy_bundle.build.int8_vllm import INT8_VLLM, Int8Vllm, check_int8_vllm, export_int8_vllm, planned
 from policy_bundle.build.manifest_body import INT8_TS, calibration_section, manifest_body
 from policy_bundle.build.progress import Stages, Throttled, bar, log
 from policy_bundle.build.recipe_choice import ChosenRecipe, choose_recipe
@@ -66,12 +67,13 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False) -> BuildResult:
     if out.exists() and not force:
         raise BundleExistsError(f"output directory {out} already exists (use --force to replace it)")
     torch.manual_seed(cfg.seed)
+    int8_vllm = planned(cfg)  # export.int8_vllm: true without vLLM fails here, before any work
     active_fault()  # announced (and recorded in the manifest) when a test fault is set
     stages = Stages(9)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        result = _build_into(cfg, tmp, out, stages)
+        result = _build_into(cfg, tmp, out, stages, int8_vllm)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -95,7 +97,7 @@ def optional_mesh(cfg: BuildConfig, policy_dir: Path) -> Iterator[Any]:
         yield mesh
 
 
-def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages) -> BuildResult:
+def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_vllm: Int8Vllm) -> BuildResult:
     loaded = load_stage(cfg, stages)
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
         rollouts = rollouts_stage(cfg, stages, mesh, loaded)
@@ -104,10 +106,10 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages) -> Bui
         prepare_stage(cfg, stages, calibrated, candidates)
         calibrate_stage(cfg, stages, calibrated, candidates, rollouts)
         chosen = quantize_and_gate_stage(cfg, stages, loaded, calibrated, candidates, rollouts.golden, tmp, final)
-        export_stage(cfg, stages, loaded, chosen, rollouts.batches, tmp)
-        fidelity = fidelity_stage(cfg, stages, loaded, rollouts.golden, tmp)
+        export_stage(cfg, stages, loaded, chosen, calibrated, rollouts.batches, tmp, int8_vllm)
+        fidelity = fidelity_stage(cfg, stages, loaded, rollouts.golden, tmp, int8_vllm)
         calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches, calibrated.summary(chosen.recipe))
-        body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity)
+        body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm)
         sha = manifest_stage(stages, body, tmp)
         int8_tag, fp16_tag = register_stage(cfg, stages, tmp, sha)
     return BuildResult(final, sha, int8_tag, fp16_tag, fidelity)
@@ -213,23 +215,30 @@ def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, ca
     return chosen
 
 
-def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: ChosenRecipe, batches: List[Tensor],
-                 tmp: Path) -> None:
+def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: ChosenRecipe, calibrated: CalibratedModels,
+                 batches: List[Tensor], tmp: Path, int8_vllm: Int8Vllm) -> None:
     policy, policy_dir, recipe = loaded.policy, loaded.policy_dir, chosen.recipe
-    with stages.run("export INT8 (TorchScript, ONNX) + FP16 HF") as s:
+    with stages.run("export INT8 (TorchScript, ONNX, W8A8 for vLLM) + FP16 HF") as s:
         export_torchscript(chosen.outcome.int8, tmp / INT8_TS)
         shutil.copy(policy_dir / "config.json", tmp / "int8" / "config.json")
         copy_tokenizer_files(policy_dir, tmp / "int8")
         if cfg.export.onnx:
             export_onnx_int8(policy, tmp / "int8", batches, keep_float=list(recipe.skip + recipe.fp32_layers))
         export_fp16_hf(policy, load_hf_config(policy_dir), policy_dir, tmp / "fp16")
+        if not int8_vllm.skipped:
+            int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated.scales, tmp / INT8_VLLM)
         s.detail = ", ".join(f"{p.relative_to(tmp)} {p.stat().st_size / 1e6:.1f} MB"
                              for p in sorted(tmp.glob("*/*")) if p.suffix in (".ts", ".onnx", ".safetensors"))
 
 
-def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: List[GoldenItem], tmp: Path) -> dict:
+def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: List[GoldenItem], tmp: Path,
+                   int8_vllm: Int8Vllm) -> dict:
     with stages.run("fidelity of the exported artifacts") as s:
         fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp)
+        if not int8_vllm.skipped:
+            check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm)
+        if int8_vllm.fidelity:
+            fidelity["int8_vllm"] = int8_vllm.fidelity
         data.write_golden_jsonl(golden, tmp / "golden.jsonl")
         add_artifact_comparison(tmp, fidelity)
         ts, f16 = fidelity["int8_torchscript"], fidelity["fp16_hf"]
@@ -237,7 +246,9 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
                     f"top-1 {f16['top1_agreement']:.3f}, KL mean {f16['kl_mean']:.2g}") + (
             f", reward {ts['reward_reference']:.3f} -> {ts['reward_candidate']:.3f}"
             if ts.get("reward_candidate") is not None else ""
-        )
+        ) + (f"; {INT8_VLLM}: skipped ({int8_vllm.skipped})" if int8_vllm.skipped else
+             f"; {INT8_VLLM} in vLLM: greedy {int8_vllm.fidelity['greedy_agreement']:.3f}, "
+             f"KL mean {int8_vllm.fidelity['kl_mean']:.4f}")
     return fidelity
 
 

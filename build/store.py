@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Dict
 
 from policy_bundle.bundle.manifest import read_manifest
-from policy_bundle.bundle.store import FP16_MODEL, INT8_MODEL, SHARED_FILES
+from policy_bundle.bundle.store import ENTRY_DIRS, FP16_MODEL, INT8_MODEL, SHARED_FILES
 
 
 @dataclass(frozen=True)
@@ -24,21 +24,27 @@ def _labels(manifest: dict, manifest_sha: str) -> Dict[str, str]:
         if fid.get(key) is not None:
             labels[key] = f"{fid[key]:.4f}"
     labels["canary"] = str(manifest.get("canary", {}).get("verdict", "not-run"))
+    vllm = manifest.get("fidelity", {}).get("int8_vllm") or {}
+    if manifest.get("artifacts", {}).get("int8_vllm") and vllm.get("greedy_agreement") is not None:
+        labels["int8_vllm_greedy_agreement"] = f"{vllm['greedy_agreement']:.4f}"
     return labels
 
 
 def register_bundle(bundle: Path, version: str, manifest_sha: str) -> Registered:
-    """Copy ``int8/`` and ``fp16/`` (each with the manifest) into the store under one version tag."""
+    """Copy ``int8/`` (with ``int8-vllm/`` when built) and ``fp16/``, each entry with the manifest, into the
+    store under one version tag."""
     import bentoml
 
     manifest = read_manifest(bundle)
     labels = _labels(manifest, manifest_sha)
     tags = []
     try:
-        for name, sub in ((INT8_MODEL, "int8"), (FP16_MODEL, "fp16")):
+        for name in (INT8_MODEL, FP16_MODEL):
+            subs = [d for d in ENTRY_DIRS[name] if (bundle / d).is_dir()]
             with bentoml.models.create(f"{name}:{version}", labels=labels,
-                                       metadata={"manifest_sha256": manifest_sha, "artifact": sub}) as model:
-                shutil.copytree(bundle / sub, Path(model.path) / sub)
+                                       metadata={"manifest_sha256": manifest_sha, "artifact": subs[0]}) as model:
+                for sub in subs:
+                    shutil.copytree(bundle / sub, Path(model.path) / sub)
                 for f in SHARED_FILES:
                     if (bundle / f).is_file():
                         shutil.copy(bundle / f, Path(model.path) / f)

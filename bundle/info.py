@@ -50,7 +50,7 @@ class BundleInfo:
         known = {f.name for f in fields(GateThresholds)}
         thresholds = GateThresholds(**{k: v for k, v in (serving.get("thresholds") or {}).items() if k in known})
         ctx = int(serving["max_seq_len"])
-        for sub in ("int8", "fp16"):
+        for sub in ("int8", "int8-vllm", "fp16"):
             conf = root / sub / "config.json"
             if conf.is_file():
                 ctx = min(ctx, int(json.loads(conf.read_text()).get("max_position_embeddings", ctx)))

@@ -1,8 +1,9 @@
 """The model-store entry layout: names, what each entry holds, and verified reads of an entry.
 
-An entry (``policy-int8:<version>`` or ``policy-fp16:<version>``) holds its artifact directory plus the
-bundle's manifest and golden set. Registration (build/) records the manifest's sha256 in the entry's
-metadata; a read re-hashes the manifest against that record first, then every file it serves against
+An entry (``policy-int8:<version>`` or ``policy-fp16:<version>``) holds its artifact directories plus the
+bundle's manifest and golden set: ``policy-int8`` holds ``int8/`` (TorchScript) and, when the build wrote
+it, ``int8-vllm/`` (the W8A8 checkpoint vLLM serves); ``policy-fp16`` holds ``fp16/``. Registration
+(build/) records the manifest's sha256 in the entry's metadata; a read re-hashes the manifest against that record first, then every file it serves against
 the manifest, and refuses files the manifest does not list.
 """
 
@@ -15,10 +16,17 @@ from policy_bundle.bundle.manifest import MANIFEST, BundleVerificationError, rea
 INT8_MODEL, FP16_MODEL = "policy-int8", "policy-fp16"
 GOLDEN = "golden.jsonl"
 SHARED_FILES = (MANIFEST, GOLDEN)  # copied at each entry's root beside its artifact directory
+INT8_VLLM_DIR = "int8-vllm"
+ENTRY_DIRS = {INT8_MODEL: ("int8", INT8_VLLM_DIR), FP16_MODEL: ("fp16",)}
+
+
+def entry_dirs(sub: str) -> tuple:
+    """The artifact directories an entry holding ``sub`` may hold (each verified when present)."""
+    return next((dirs for dirs in ENTRY_DIRS.values() if sub in dirs), (sub,))
 
 
 def verify_entry(root: Path, sub: str, recorded_sha: str | None) -> Path:
-    """Verify a store entry's directory; returns ``root / sub``.
+    """Verify a store entry's ``sub`` directory and its sibling artifact directories; returns ``root / sub``.
 
     ``recorded_sha`` is the manifest sha256 the registration wrote into the entry's metadata: a
     manifest rewritten to match tampered files fails here."""
@@ -34,8 +42,13 @@ def verify_entry(root: Path, sub: str, recorded_sha: str | None) -> Path:
                                       "(manifest was modified)")
     manifest = read_manifest(root)
     also = [f for f in SHARED_FILES if f != MANIFEST and f in manifest.get("files", {})]
-    verify_files(root, manifest, subdir=sub, also=also)
-    unexpected = sorted(p.name for p in root.iterdir() if p.name not in (sub, *SHARED_FILES)
+    if not (root / sub).is_dir():
+        raise BundleVerificationError(f"{sub}/: not in the store entry")
+    dirs = entry_dirs(sub)
+    for d in dirs:
+        if (root / d).is_dir():
+            verify_files(root, manifest, subdir=d, also=also)
+    unexpected = sorted(p.name for p in root.iterdir() if p.name not in (*dirs, *SHARED_FILES)
                         and not p.name.startswith("."))
     unexpected = [n for n in unexpected if n not in ("model.yaml", "README.md")]  # BentoML's own entry files
     if unexpected:

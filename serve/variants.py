@@ -1,4 +1,5 @@
-"""The two variant services: INT8 TorchScript and FP16 (vLLM, or our policy module as fallback).
+"""The two variant services: INT8 (TorchScript, or vLLM on the W8A8 dir: ``int8_engine``) and FP16 (vLLM,
+or our policy module as fallback).
 
 Each loads its artifact from the BentoML model store only after re-hashing it against the bundle
 manifest; a mismatch stops the service from starting with one clear log line.
@@ -13,12 +14,12 @@ from pathlib import Path
 from typing import AsyncGenerator, List, Optional
 
 import bentoml
-from bentoml.exceptions import InvalidArgument
+from bentoml.exceptions import InvalidArgument, NotFound
 
 from policy_bundle.bundle.faults import active_fault, fault_spec
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.manifest import BundleVerificationError
-from policy_bundle.bundle.store import verified_store_path
+from policy_bundle.bundle.store import INT8_VLLM_DIR, verified_store_path
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine, vllm_available
 from policy_bundle.serve.http import patch_bentoml_timeout
@@ -28,16 +29,36 @@ log = logging.getLogger("policy_bundle.serve")
 VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
 
 
-def _require_vllm_importable() -> None:
-    """``require_vllm`` with vLLM switched off or missing: stop ``bentoml serve`` itself (this runs where the
-    service graph is imported), one line, before any worker starts."""
-    if settings_or_exit().require_vllm and not vllm_available():
-        why = "switched off (POLICY_BUNDLE_DISABLE_VLLM)" if vllm_available(importable_only=True) else "not importable"
-        log.error("refusing to start: require_vllm is set and vLLM is %s", why)
-        raise SystemExit(f"policy-bundle: require_vllm: vLLM is {why}")
+def refuse(message: str) -> None:
+    log.error("refusing to start: %s", message)
+    raise SystemExit(f"policy-bundle: {message}")
 
 
-_require_vllm_importable()
+def _vllm_missing() -> str:
+    return "switched off (POLICY_BUNDLE_DISABLE_VLLM)" if vllm_available(importable_only=True) else "not importable"
+
+
+def _require_what_the_settings_need() -> None:
+    """``require_vllm`` or ``int8_engine: vllm`` that cannot be met (vLLM switched off or missing, no int8-vllm/
+    in the store entry): stop ``bentoml serve`` itself (this runs where the service graph is imported), one
+    line, before any worker starts."""
+    settings = settings_or_exit()
+    if settings.require_vllm and not vllm_available():
+        refuse(f"require_vllm: vLLM is {_vllm_missing()}")
+    if settings.int8_engine != "vllm":
+        return
+    try:
+        entry = bentoml.models.get(f"policy-int8:{VERSION}")
+    except NotFound:
+        return  # the service's own model reference reports it
+    if not (Path(entry.path) / INT8_VLLM_DIR).is_dir():
+        refuse(f"int8_engine: vllm, but {entry.tag} has no {INT8_VLLM_DIR}/ (build the bundle with "
+               "export.int8_vllm: true, or serve with int8_engine: torchscript)")
+    if not vllm_available():
+        refuse(f"int8_engine: vllm, but vLLM is {_vllm_missing()}")
+
+
+_require_what_the_settings_need()
 patch_bentoml_timeout()  # every service here (the router imports this module too)
 
 
@@ -48,6 +69,19 @@ def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
     except BundleVerificationError as exc:
         log.error("refusing to start: %s does not match its manifest: %s", model.tag, exc)
         raise SystemExit(f"policy-bundle: {model.tag} failed verification: {exc}") from None
+
+
+def int8_vllm_engine(path: Path, max_seq_len: int) -> VllmEngine:
+    """vLLM on the entry's int8-vllm/ (verified with int8/, its sibling in the entry; its presence and vLLM
+    were checked at import: ``_require_what_the_settings_need``)."""
+    dtype = json.loads((path / "config.json").read_text()).get("torch_dtype", "float16")
+    return VllmEngine(path, max_seq_len, dtype=dtype, name="vllm-w8a8")
+
+
+async def warm_up_engine(svc) -> None:
+    """A real generation before the variant calls itself ready."""
+    [s async for s in svc.engine.generate([1, 2, 3], SamplingParams(max_tokens=1))]
+    svc.ready = True
 
 
 def context_len(artifact: Path) -> int:
@@ -150,6 +184,10 @@ class Int8Policy:
 
         path = verified_artifact(self.model, "int8")
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
+        if settings_or_exit().int8_engine == "vllm":
+            self.engine, self.ready = int8_vllm_engine(path.parent / INT8_VLLM_DIR, self.max_seq_len), False
+            log.info("INT8 W8A8 loaded in vLLM from %s (verified)", path.parent / INT8_VLLM_DIR)
+            return
         batching = batching_settings()
         if not BundleInfo.read(path.parent).batch_rows:  # per-tensor dynamic activations: rows see each other
             log.info("INT8 recipe quantizes activations per tensor at run time: one request per decode step")
@@ -159,6 +197,11 @@ class Int8Policy:
         self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
         self.ready = True
         log.info("INT8 TorchScript loaded from %s (verified)", path)
+
+    @bentoml.on_startup
+    async def warm_up(self) -> None:
+        if not self.ready:
+            await warm_up_engine(self)
 
     generate, stream = generation_apis()
 
@@ -170,6 +213,8 @@ class Int8Policy:
 
         Internal (only the router is public). BentoML's batcher fails a batch as a unit, so a call
         with an out-of-vocabulary id gets its 400 and so do the calls batched with it."""
+        if not hasattr(self.engine, "score"):
+            raise InvalidArgument(f"score: not served by the {self.engine.name} engine (int8_engine: torchscript has it)")
         for seq in sequences:
             check_input(self, seq)
         out: List[Optional[List[float]]] = [None] * len(sequences)
@@ -222,8 +267,7 @@ class Fp16Policy:
 
     @bentoml.on_startup
     async def warm_up(self) -> None:
-        [s async for s in self.engine.generate([1, 2, 3], SamplingParams(max_tokens=1))]  # a real forward
-        self.ready = True
+        await warm_up_engine(self)
 
     generate, stream = generation_apis()
 

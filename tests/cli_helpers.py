@@ -9,7 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "policy_bundle.build.cli"]
-SMALL = ("--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64")
+SMALL = ("--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64",
+         "--set", "export.int8_vllm=false")  # int8-vllm/ (a vLLM load) only where a test asks for it
+WITH_INT8_VLLM = ("--set", "export.int8_vllm=auto")
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -1,4 +1,5 @@
-"""Shared fixtures: the cached reference policy, an isolated BentoML store, one small real bundle."""
+"""Shared fixtures: the cached reference policy, an isolated BentoML store, one small real bundle (with
+int8-vllm/ where vLLM is installed)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import SMALL, run_cli
+from cli_helpers import SMALL, WITH_INT8_VLLM, run_cli
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +28,6 @@ def reference_dir() -> Path:
 @pytest.fixture(scope="session")
 def small_bundle(tmp_path_factory, bentoml_home, reference_dir) -> Path:
     out = tmp_path_factory.mktemp("bundles") / "reference"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL)
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL, *WITH_INT8_VLLM)
     assert res.returncode == 0, res.stderr[-3000:]
     return out

@@ -26,6 +26,7 @@ def test_reference_config_loads_with_mesh_by_default():
         ("canary.bogus=1", r"canary.bogus: unknown field \(known: enabled, max_fp_layers, max_kl_mean"),
         ("canary.max_kl_p99=-1", r"canary.max_kl_p99: -1.0 is out of range \[0.0, 100.0\]"),
         ("export.onnx=3", r"export.onnx: expected bool"),
+        ("export.int8_vllm=maybe", r"export.int8_vllm: 'maybe' is not one of \['auto', 'true', 'false'\]"),
         ("calibration.batch_size=999", r"calibration.batch_size: 999 exceeds calibration.samples"),
         ("recipe.skip=lm_head", r"recipe.skip: expected a list of strings"),
     ],
@@ -61,3 +62,8 @@ def test_resolved_config_round_trips_through_its_manifest_shape():
 def test_a_combination_the_recipe_refuses_is_a_config_error():
     with pytest.raises(ConfigError, match="recipe.overrides: mode 'w8a8' needs scheme"):
         load_config("build/configs/reference.yaml", ("recipe.overrides={down_proj: w8a8}",))
+
+
+@pytest.mark.parametrize("value, stored", [("true", "true"), ("false", "false"), ("auto", "auto")])
+def test_int8_vllm_takes_auto_or_a_yaml_bool(value, stored):
+    assert load_config("build/configs/reference.yaml", (f"export.int8_vllm={value}",)).export.int8_vllm == stored

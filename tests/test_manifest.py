@@ -40,20 +40,22 @@ def test_missing_and_added_files_are_named(bundle):
 # ---- store entries: verified against the manifest hash recorded at registration -------------
 
 
-def store_entry(tmp_path):
-    """A bundle and its INT8 store entry (artifact dir + manifest + golden set), with the recorded hash."""
+def store_entry(tmp_path, dirs=("int8",)):
+    """A bundle and its INT8 store entry (artifact dirs + manifest + golden set), with the recorded hash."""
     import shutil
 
     from policy_bundle.bundle.manifest import manifest_hash
 
     bundle = tmp_path / "bundle"
     for rel, text in (("int8/policy.ts", "weights"), ("int8/config.json", "{}"), ("fp16/model.safetensors", "w"),
+                      ("int8-vllm/model.safetensors", "int8 weights"),
                       ("golden.jsonl", '{"prompt": "1+1=", "prompt_ids": [1], "completion_ids": [2]}\n')):
         (bundle / rel).parent.mkdir(parents=True, exist_ok=True)
         (bundle / rel).write_text(text)
     write_manifest(bundle, {"format": "policy-bundle/1"})
     entry = tmp_path / "entry"
-    shutil.copytree(bundle / "int8", entry / "int8")
+    for d in dirs:
+        shutil.copytree(bundle / d, entry / d)
     for f in ("bundle.json", "golden.jsonl"):
         shutil.copy(bundle / f, entry / f)
     (entry / "model.yaml").write_text("name: policy-int8\n")  # BentoML's own file
@@ -92,6 +94,18 @@ def test_store_entry_refuses_added_changed_and_missing_files(tmp_path, tamper, m
     tamper(entry)
     with pytest.raises(BundleVerificationError, match=message):
         verify_entry(entry, "int8", sha)
+
+
+def test_int8_entry_verifies_its_int8_vllm_dir_whichever_it_serves(tmp_path):
+    from policy_bundle.bundle.store import verify_entry
+
+    entry, sha = store_entry(tmp_path, dirs=("int8", "int8-vllm"))
+    assert verify_entry(entry, "int8-vllm", sha) == entry / "int8-vllm"
+    (entry / "int8-vllm" / "model.safetensors").write_text("evil weights")
+    with pytest.raises(BundleVerificationError, match="int8-vllm/model.safetensors: sha256 differs"):
+        verify_entry(entry, "int8", sha)
+    with pytest.raises(BundleVerificationError, match="fp16/: not in the store entry"):
+        verify_entry(entry, "fp16", sha)
 
 
 @pytest.mark.parametrize("path", ["../outside", "/etc/passwd", "int8/../../x", "int8//x", "int8\\\\x"])

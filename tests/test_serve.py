@@ -408,6 +408,21 @@ def test_fp16_fallback_is_reported_without_vllm(locked):
                      re.M)
 
 
+def test_int8_served_by_vllm_on_the_w8a8_dir_reports_its_engine(small_bundle, state):
+    pytest.importorskip("vllm")
+    server = Server(env_for(state, "int8vllm", bundle_version(small_bundle), int8_engine="vllm"),
+                    state / "int8vllm.log").wait_ready(600)
+    try:
+        status = httpx.get(f"{server.url}/status", timeout=30).json()
+        assert status["variants"]["int8"]["engine"] == "vllm-w8a8" and status["variants"]["fp16"]["engine"] == "vllm"
+        r = complete(server, headers=FORCE_INT8, max_tokens=6)
+        assert r.status_code == 200 and r.json()["policy_variant"] == "int8" and r.json()["choices"][0]["text"] == "998"
+        assert re.search(r'^policy_variant_engine\{(?=[^}]*engine="vllm-w8a8")(?=[^}]*variant="int8")[^}]*\} 1\.0',
+                         httpx.get(f"{server.url}/metrics", timeout=30).text, re.M)
+    finally:
+        server.stop()
+
+
 def test_concurrency_cap_answers_429_with_retry_after(locked):
     body = {"model": "policy", "prompt": "358+64=", "temperature": 0, "max_tokens": 6}
     responses = asyncio.run(_burst(locked.url, [body] * 12, {"Authorization": "Bearer key-one"}, concurrency=12))

