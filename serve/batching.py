@@ -174,8 +174,10 @@ class BatchedEngine:
         self.peak_batch = max(self.peak_batch, n)
         tokens = torch.tensor([[r.last] for r in rows])
         pos = torch.tensor([r.pos for r in rows], dtype=torch.long)
-        s = int(pos.max()) + 1
-        logits = self.module.decode_batch(tokens, pos, self._k[:, :n, :, :s], self._v[:, :n, :, :s])
+        s = max(r.pos for r in rows) + 1
+        k, v = self._k[:, :n, :, :s], self._v[:, :n, :, :s]
+        # one row: the single-sequence decode (the same arithmetic, minus decode_batch's gathers)
+        logits = self.module.decode(tokens, rows[0].pos, k, v) if n == 1 else self.module.decode_batch(tokens, pos, k, v)
         self.steps += 1
         self._sleep_for_fault()
         for i, r in enumerate(rows):

@@ -1,0 +1,103 @@
+"""The INT8 engine alone, no HTTP: one-sequence-at-a-time (token-interleaved) vs continuous batching
+on the same TorchScript artifact, side by side in one run (each engine in its own process: two
+engine threads in one process slow each other's decode ~5x through torch's intra-op thread pools).
+
+Per concurrency level (closed-loop callers, greedy, ``--new-tokens`` each): generated tokens/s,
+requests/s and the inter-token latency p50 / p99 a caller sees. Printed, never asserted.
+Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_batching --artifact bundles/reference/int8/policy.ts``
+(or ``--bundle DIR``; a real LM: ``--bundle bundles/smollm2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import torch
+
+from policy_bundle.loadtest.stats import pct
+from policy_bundle.serve.batching import BatchedEngine
+from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
+
+
+async def level(engine, prompts: List[List[int]], clients: int, seconds: float, new_tokens: int) -> dict:
+    itl: List[float] = []
+    tokens = requests = 0
+    deadline = time.monotonic() + seconds
+
+    async def user(i: int) -> None:
+        nonlocal tokens, requests
+        n = i
+        while time.monotonic() < deadline:
+            last = time.perf_counter()
+            params = SamplingParams(max_tokens=new_tokens)  # no stop token: every request makes new_tokens
+            async for _ in engine.generate(prompts[n % len(prompts)], params):
+                now = time.perf_counter()
+                itl.append(now - last)
+                last = now
+                tokens += 1
+            requests += 1
+            n += clients
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[user(i) for i in range(clients)])
+    wall = time.perf_counter() - t0
+    return {"clients": clients, "tok_s": tokens / wall, "req_s": requests / wall,
+            "itl_p50_ms": 1000 * statistics.median(itl), "itl_p99_ms": 1000 * pct(itl, 0.99)}
+
+
+def measure(args) -> List[dict]:
+    """One engine's levels, in this process."""
+    artifact = args.artifact or args.bundle / "int8" / "policy.ts"
+    cfg = json.loads((artifact.parent / "config.json").read_text())
+    ctx = args.prompt_len + args.new_tokens
+    module = torch.jit.load(str(artifact))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(64)]
+    engine = BatchedEngine(module, ctx, "batched") if args.engine == "batched" else \
+        CachedPolicyEngine(module, ctx, "sequential")
+    asyncio.run(level(engine, prompts, 2, 1.0, args.new_tokens))  # warm-up (TorchScript profiling runs)
+    return [asyncio.run(level(engine, prompts, int(c), args.seconds, args.new_tokens)) for c in args.levels.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path)
+    ap.add_argument("--artifact", type=Path)
+    ap.add_argument("--levels", default="1,4,16,32")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--engine", choices=("sequential", "batched"), help=argparse.SUPPRESS)  # the child's part
+    args = ap.parse_args()
+    if args.engine:
+        print(json.dumps(measure(args)))
+        return
+    results = {}
+    for name in ("sequential", "batched"):
+        out = subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.bench_batching", *sys.argv[1:],
+                              "--engine", name], capture_output=True, text=True, check=True).stdout
+        results[name] = json.loads(out.strip().splitlines()[-1])
+    artifact = args.artifact or args.bundle / "int8" / "policy.ts"
+    print(f"{artifact}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.seconds:.0f} s per level")
+    print(f"\n{'clients':>8s} | {'sequential tok/s':>16s} {'ITL p50/p99 ms':>15s} | {'batched tok/s':>13s} "
+          f"{'ITL p50/p99 ms':>15s} | {'batched/seq':>11s}")
+    for s, b in zip(results["sequential"], results["batched"]):
+        print(f"{s['clients']:8d} | {s['tok_s']:16.1f} {s['itl_p50_ms']:7.1f}/{s['itl_p99_ms']:<7.1f} | "
+              f"{b['tok_s']:13.1f} {b['itl_p50_ms']:7.1f}/{b['itl_p99_ms']:<7.1f} | {b['tok_s'] / s['tok_s']:11.2f}")
+    b = results["batched"]
+    print(f"batched: {b[-1]['clients']} clients / 1 client = {b[-1]['tok_s'] / b[0]['tok_s']:.2f}x tokens/s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
