@@ -169,9 +169,9 @@ def convert_checkpoint(step_dir: Path, src: TorchtitanSection, out: Path) -> dic
     from policy_bundle.bundle.info import load_tokenizer
 
     spec = model_spec(src.model, src.flavor)
+    state = read_model_state(step_dir, spec)  # the checkpoint's own faults first, then what we cannot run
     write_tokenizer(src.tokenizer, out)
     cfg = policy_config(spec, load_tokenizer(out))
-    state = read_model_state(step_dir, spec)
     adapter = spec.state_dict_adapter(spec.model, None)
     hf = {k: v.contiguous() for k, v in adapter.to_hf(state).items()}
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
