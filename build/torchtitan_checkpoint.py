@@ -81,16 +81,22 @@ def policy_config(spec, tok) -> PolicyConfig:
     attn, ffn = block.attention, getattr(block, "feed_forward", None)
     if ffn is None or getattr(block, "moe", None) is not None:
         raise UnsupportedPolicyError(f"policy.torchtitan: {name} is a mixture-of-experts flavor (dense only)")
-    if attn.rope.scaling != "none":
-        raise UnsupportedPolicyError(f"policy.torchtitan: {name} uses {attn.rope.scaling!r} RoPE scaling; "
-                                     "policy-bundle's model implements unscaled RoPE only")
+    rope = attn.rope
+    if rope.scaling not in ("none", "llama"):
+        raise UnsupportedPolicyError(f"policy.torchtitan: {name} uses {rope.scaling!r} RoPE scaling; "
+                                     "policy-bundle's model implements unscaled and Llama-3 RoPE only")
+    llama3 = None
+    if rope.scaling == "llama":
+        llama3 = (float(rope.scaling_factor), float(rope.low_freq_factor), float(rope.high_freq_factor),
+                  float(rope.original_max_position_embeddings))
     n_heads = attn.n_heads
     return PolicyConfig(
         family=FAMILIES[spec.name], vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=len(cfg.layers),
         n_heads=n_heads, n_kv_heads=attn.n_kv_heads or n_heads, head_dim=attn.head_dim or cfg.dim // n_heads,
-        intermediate_size=ffn.w1.out_features, max_seq_len=attn.rope.max_seq_len, rope_theta=float(attn.rope.theta),
+        intermediate_size=ffn.w1.out_features, max_seq_len=rope.max_seq_len, rope_theta=float(rope.theta),
         norm_eps=float(block.attention_norm.eps or 1e-6), qk_norm=attn.qk_norm is not None,
         tie_embeddings=bool(cfg.enable_weight_tying),
+        rope_llama3=llama3,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
 

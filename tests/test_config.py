@@ -28,6 +28,8 @@ def test_reference_config_loads_with_mesh_by_default():
         ("export.onnx=3", r"export.onnx: expected bool"),
         ("calibration.batch_size=999", r"calibration.batch_size: 999 exceeds calibration.samples"),
         ("recipe.skip=lm_head", r"recipe.skip: expected a list of strings"),
+        ("policy.torchtitan.model=gpt2", r"policy.torchtitan.model: 'gpt2' is not one of \['llama3', 'qwen3'\]"),
+        ("policy.torchtitan.bogus=1", r"policy.torchtitan.bogus: unknown field \(known: flavor, model, tokenizer\)"),
     ],
 )
 def test_bad_field_is_named(override, message):
@@ -61,3 +63,10 @@ def test_resolved_config_round_trips_through_its_manifest_shape():
 def test_a_combination_the_recipe_refuses_is_a_config_error():
     with pytest.raises(ConfigError, match="recipe.overrides: mode 'w8a8' needs scheme"):
         load_config("build/configs/reference.yaml", ("recipe.overrides={down_proj: w8a8}",))
+
+
+def test_torchtitan_config_round_trips_through_its_manifest_shape():
+    cfg = load_config("build/configs/torchtitan.yaml", ("policy.source=/ckpt/step-60",))
+    assert (cfg.policy.torchtitan.model, cfg.policy.torchtitan.tokenizer) == ("llama3", "reference")
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert load_config("build/configs/reference.yaml").policy.torchtitan is None

@@ -12,8 +12,6 @@ import torch
 
 from cli_helpers import run_cli
 
-pytest.importorskip("torchtitan")
-
 STEPS = 60
 TITAN = ("--config", "build/configs/torchtitan.yaml")
 FAST = ("--set", "register.bentoml=false", "--set", "export.onnx=false")
@@ -80,6 +78,36 @@ def test_trainer_checkpoint_builds_a_bundle_that_passes_its_gate(trained, tmp_pa
     assert manifest["canary"]["verdict"] == "pass" and not manifest["canary"]["failures"]
     assert run_cli("verify", str(tmp_path / "out")).returncode == 0
     assert run_cli("canary", "--bundle", str(tmp_path / "out")).returncode == 0
+
+
+@pytest.mark.parametrize("model", ["llama3", "qwen3"])
+def test_stock_debugmodel_checkpoints_convert_to_torchtitans_logits(model, tmp_path):
+    """torchtitan's own debugmodel flavors: llama3 (fused qkv, Llama-3 RoPE scaling), qwen3 (q/k norm, tied)."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    from policy_bundle.build.config import TorchtitanSection
+    from policy_bundle.build.torchtitan_checkpoint import model_spec, resolve_torchtitan_source
+    from policy_bundle.quantize import task
+    from policy_bundle.quantize.model import full_logits, load_policy
+
+    spec = model_spec(model, "debugmodel")
+    for layer in spec.model.layers:  # the stock FlexAttention forward compiles on CPU; same weights, causal SDPA
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        titan = spec.model.build()
+    titan.to_empty(device="cpu")
+    titan.init_states(buffer_device=torch.device("cpu"))
+    dcp.save(titan.state_dict(), checkpoint_id=str(tmp_path / "step-2"), no_dist=True)
+    task.save_tokenizer(tmp_path / "tok")
+    src = TorchtitanSection(model=model, flavor="debugmodel", tokenizer=str(tmp_path / "tok"))
+    policy_dir = resolve_torchtitan_source(tmp_path / "step-2", src, tmp_path / "cache", log=lambda m: None)
+    policy = load_policy(policy_dir, max_seq_len=64)
+    tokens = torch.randint(0, spec.model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs, ours = titan(tokens), full_logits(policy, tokens)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
 
 
 def one_line_error(res, message: str) -> None:
