@@ -17,9 +17,19 @@ from policy_bundle.quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, 
 
 
 @dataclass(frozen=True)
+class TorchtitanSection:
+    """``policy.torchtitan``: ``policy.source`` is a torchtitan DCP step directory written by this model/flavor."""
+
+    model: str = "llama3"  # llama3 | qwen3
+    flavor: str = "debugmodel"  # a key of torchtitan.models.<model>.<model>_configs, or policy-bundle-reference
+    tokenizer: Optional[str] = None  # "reference" (the task's tokenizer) or a directory with tokenizer files
+
+
+@dataclass(frozen=True)
 class PolicySection:
-    source: str = "reference"  # "reference" (the embedded policy) or a path to an HF directory
+    source: str = "reference"  # "reference", a path to an HF directory, or a torchtitan step-N directory
     max_seq_len: int = 256
+    torchtitan: Optional[TorchtitanSection] = None  # set when source is a torchtitan DCP checkpoint
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,7 @@ RANGES = {
 }
 CHOICES = {
     "rollouts.engine": ("local", "vllm"),
+    "policy.torchtitan.model": ("llama3", "qwen3"),
     "recipe.scheme": SCHEMES + ("auto",),
     "recipe.backend": BACKENDS,
     "recipe.rounding": ROUNDINGS,

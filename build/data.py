@@ -23,7 +23,14 @@ GENERAL_PROMPTS = Path(__file__).parent / "prompts" / "general.txt"
 
 
 def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> Path:
-    """The HF directory of the FP32 policy: the embedded reference policy or a user path."""
+    """The HF directory of the FP32 policy: the embedded reference policy, a user path, or the HF directory
+    converted (once, into the cache) from a torchtitan checkpoint."""
+    if cfg.policy.torchtitan is not None:
+        from policy_bundle.build.torchtitan_checkpoint import resolve_torchtitan_source
+        from policy_bundle.quantize.reference import default_cache_dir
+
+        return resolve_torchtitan_source(Path(cfg.policy.source).expanduser(), cfg.policy.torchtitan,
+                                         default_cache_dir(), log=log)
     if cfg.policy.source == "reference":
         from policy_bundle.quantize.reference import ensure_reference_policy
 
@@ -43,10 +50,12 @@ def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> 
 
 
 def is_task_policy(cfg: BuildConfig) -> bool:
-    """The reference policy, or a directory derived from it (marked by its reference.json), scored
-    on the task unless the config names its own prompts."""
+    """The reference policy, a directory derived from it (marked by its reference.json), or a torchtitan
+    checkpoint with the task's tokenizer, scored on the task unless the config names its own prompts."""
     if cfg.prompts.file is not None:
         return False
+    if cfg.policy.torchtitan is not None:
+        return cfg.policy.torchtitan.tokenizer == "reference"
     return cfg.policy.source == "reference" or (Path(cfg.policy.source) / "reference.json").is_file()
 
 

@@ -21,6 +21,10 @@ class UnsupportedPolicyError(BuildError, ValueError):
     """``policy.source`` is not a model the build supports (quantize's UnsupportedModelError, named)."""
 
 
+class CheckpointError(BuildError, ValueError):
+    """A torchtitan checkpoint cannot become a policy: no model weights, a missing shard, a tensor of the wrong shape."""
+
+
 class BundleExistsError(BuildError, FileExistsError):
     """The output directory exists and --force was not given."""
 

@@ -18,6 +18,7 @@ import torch
 
 from policy_bundle.build import data
 from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.torchtitan_checkpoint import provenance
 from policy_bundle.build.w8a8 import onnx_recipe_note, w8a8_summary
 from policy_bundle.bundle.faults import fault_spec
 from policy_bundle.bundle.info import serving_section
@@ -73,13 +74,22 @@ def artifacts_section(cfg: BuildConfig, recipe: recipes.RecipeConfig, int8_vllm:
             **int8_vllm.artifacts_section(), "fp16_hf": "fp16", "golden": "golden.jsonl"}
 
 
+def policy_section(policy_dir: Path) -> dict:
+    """The FP32 source and its config; for a torchtitan checkpoint also its path, step and the adapter used."""
+    section = {"source": str(policy_dir), "config": json.loads((policy_dir / "config.json").read_text())}
+    titan = provenance(policy_dir)
+    if titan is not None:
+        section["torchtitan"] = titan
+    return section
+
+
 def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: ChosenRecipe, calibration: dict,
                   fidelity: dict, int8_vllm: Int8Vllm) -> dict[str, Any]:
     """Everything bundle.json records except its file list (bundle.manifest.write_manifest adds that)."""
     return {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "policy": {"source": str(policy_dir), "config": json.loads((policy_dir / "config.json").read_text())},
+        "policy": policy_section(policy_dir),
         "versions": versions(),
         "config": cfg.to_dict(),
         "recipe": recipe_section(policy, chosen),

@@ -10,6 +10,7 @@ a scripted module can serve many independent sequences.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Tuple
@@ -50,6 +51,8 @@ class PolicyConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
+    # Llama-3 RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_llama3: Optional[Tuple[float, float, float, float]] = None
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "PolicyConfig":
@@ -62,8 +65,12 @@ class PolicyConfig:
         family = SUPPORTED_ARCHITECTURES[arch]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        if rope_type not in ("default", "llama3", None):
+            raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+        llama3 = None
+        if rope_type == "llama3":
+            llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                      float(rope["original_max_position_embeddings"]))
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         n_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
@@ -87,6 +94,7 @@ class PolicyConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),
+            rope_llama3=llama3,
         )
 
     def to_hf_dict(self) -> dict:
@@ -103,7 +111,7 @@ class PolicyConfig:
             "intermediate_size": self.intermediate_size,
             "max_position_embeddings": self.max_seq_len,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": self.rope_parameters(),
             "rms_norm_eps": self.norm_eps,
             "hidden_act": "silu",
             "tie_word_embeddings": self.tie_embeddings,
@@ -118,11 +126,33 @@ class PolicyConfig:
             hf["attention_bias"] = False
         return hf
 
+    def rope_parameters(self) -> dict:
+        if self.rope_llama3 is None:
+            return {"rope_type": "default", "rope_theta": self.rope_theta}
+        factor, low, high, original = self.rope_llama3
+        return {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": factor, "low_freq_factor": low,
+                "high_freq_factor": high, "original_max_position_embeddings": int(original)}
+
     def num_params(self) -> int:
         d, f, v = self.dim, self.intermediate_size, self.vocab_size
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
         return self.n_layers * per_layer + v * d * (1 if self.tie_embeddings else 2) + d
+
+
+def rope_inv_freq(cfg: PolicyConfig) -> Tensor:
+    """RoPE inverse frequencies; with Llama-3 scaling, long wavelengths are slowed by ``factor`` and the
+    band between the two wavelength limits is interpolated (as transformers' and torchtitan's llama3 RoPE)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    if cfg.rope_llama3 is None:
+        return inv_freq
+    factor, low, high, original = cfg.rope_llama3
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RMSNorm(nn.Module):
@@ -243,7 +273,7 @@ class Policy(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        inv_freq = rope_inv_freq(cfg)
         freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)

@@ -29,6 +29,8 @@ def test_reference_config_loads_with_mesh_by_default():
         ("export.int8_vllm=maybe", r"export.int8_vllm: 'maybe' is not one of \['auto', 'true', 'false'\]"),
         ("calibration.batch_size=999", r"calibration.batch_size: 999 exceeds calibration.samples"),
         ("recipe.skip=lm_head", r"recipe.skip: expected a list of strings"),
+        ("policy.torchtitan.model=gpt2", r"policy.torchtitan.model: 'gpt2' is not one of \['llama3', 'qwen3'\]"),
+        ("policy.torchtitan.bogus=1", r"policy.torchtitan.bogus: unknown field \(known: flavor, model, tokenizer\)"),
     ],
 )
 def test_bad_field_is_named(override, message):
@@ -67,3 +69,10 @@ def test_a_combination_the_recipe_refuses_is_a_config_error():
 @pytest.mark.parametrize("value, stored", [("true", "true"), ("false", "false"), ("auto", "auto")])
 def test_int8_vllm_takes_auto_or_a_yaml_bool(value, stored):
     assert load_config("build/configs/reference.yaml", (f"export.int8_vllm={value}",)).export.int8_vllm == stored
+
+
+def test_torchtitan_config_round_trips_through_its_manifest_shape():
+    cfg = load_config("build/configs/torchtitan.yaml", ("policy.source=/ckpt/step-60",))
+    assert (cfg.policy.torchtitan.model, cfg.policy.torchtitan.tokenizer) == ("llama3", "reference")
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert load_config("build/configs/reference.yaml").policy.torchtitan is None

@@ -10,6 +10,9 @@ from policy_bundle.quantize.model import UnsupportedModelError, full_logits, gre
 FAMILIES = {
     "llama-gqa": (LlamaConfig, {}),
     "llama-tied": (LlamaConfig, {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "llama3-rope": (LlamaConfig, {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 32}}),
     "qwen2-bias": (Qwen2Config, {}),
     "qwen3-qknorm": (Qwen3Config, {"head_dim": 24}),
 }
