@@ -1,10 +1,12 @@
-"""The INT8 engine alone, no HTTP: one-sequence-at-a-time (token-interleaved) vs continuous batching
-on the same TorchScript artifact, side by side in one run (each engine in its own process: two
+"""The INT8 engine alone: one sequence at a time (token-interleaved) vs continuous batching.
+
+Both on the same TorchScript artifact, side by side in one run, each engine in its own process (two
 engine threads in one process slow each other's decode ~5x through torch's intra-op thread pools).
+No HTTP, so it lives beside the engine in serve/ (loadtest/ only talks to the service over HTTP).
 
 Per concurrency level (closed-loop callers, greedy, ``--new-tokens`` each): generated tokens/s,
 requests/s and the inter-token latency p50 / p99 a caller sees. Printed, never asserted.
-Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_batching --artifact bundles/reference/int8/policy.ts``
+Run: ``.venv/bin/python -m policy_bundle.serve.bench_batching --artifact bundles/reference/int8/policy.ts``
 (or ``--bundle DIR``; a real LM: ``--bundle bundles/smollm2``).
 """
 
@@ -22,9 +24,13 @@ from typing import List
 
 import torch
 
-from policy_bundle.loadtest.stats import pct
 from policy_bundle.serve.batching import BatchedEngine
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
+
+
+def p99(values: List[float]) -> float:
+    s = sorted(values)
+    return float(s[min(len(s) - 1, int(0.99 * len(s)))]) if s else float("nan")
 
 
 async def level(engine, prompts: List[List[int]], clients: int, seconds: float, new_tokens: int) -> dict:
@@ -50,7 +56,7 @@ async def level(engine, prompts: List[List[int]], clients: int, seconds: float, 
     await asyncio.gather(*[user(i) for i in range(clients)])
     wall = time.perf_counter() - t0
     return {"clients": clients, "tok_s": tokens / wall, "req_s": requests / wall,
-            "itl_p50_ms": 1000 * statistics.median(itl), "itl_p99_ms": 1000 * pct(itl, 0.99)}
+            "itl_p50_ms": 1000 * statistics.median(itl), "itl_p99_ms": 1000 * p99(itl)}
 
 
 def measure(args) -> List[dict]:
@@ -83,7 +89,7 @@ def main() -> None:
         return
     results = {}
     for name in ("sequential", "batched"):
-        out = subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.bench_batching", *sys.argv[1:],
+        out = subprocess.run([sys.executable, "-m", "policy_bundle.serve.bench_batching", *sys.argv[1:],
                               "--engine", name], capture_output=True, text=True, check=True).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
     artifact = args.artifact or args.bundle / "int8" / "policy.ts"
