@@ -23,7 +23,7 @@ from typing import AsyncIterator, Deque, List, Optional
 
 import torch
 
-from policy_bundle.serve.engines import SamplingParams, Step, pick_token
+from policy_bundle.serve.engines import SamplingParams, Step, last_position_logits, pick_token
 
 log = logging.getLogger("policy_bundle.serve")
 
@@ -99,11 +99,7 @@ class BatchedEngine:
                 "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps}
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:
-        """Teacher-forced last-position logits for equal-length sequences (the batchable forward)."""
-        with torch.inference_mode():
-            x = torch.tensor(batch)
-            k, v = self.module.new_cache(x.shape[0], x.shape[1])
-            return self.module(x, 0, k, v)[:, -1].float().tolist()
+        return last_position_logits(self.module, batch)
 
     # ---- the decode thread ----
 

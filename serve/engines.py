@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from policy_bundle.quantize.decode import decode_steps
+from policy_bundle.quantize.model import full_logits
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ def pick_token(logits: Tensor, params: SamplingParams, gen: Optional[torch.Gener
         probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
     tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
     return Step(tok, float(logprobs[tok]))
+
+
+def last_position_logits(module, batch: List[List[int]]) -> List[List[float]]:
+    """Teacher-forced last-position logits for equal-length sequences (the batchable forward)."""
+    with torch.inference_mode():
+        return full_logits(module, torch.tensor(batch))[:, -1].float().tolist()
 
 
 class CachedPolicyEngine:
@@ -89,11 +96,7 @@ class CachedPolicyEngine:
             yield step
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:
-        """Teacher-forced last-position logits for equal-length sequences (the batchable forward)."""
-        with torch.inference_mode():
-            x = torch.tensor(batch)
-            k, v = self.module.new_cache(x.shape[0], x.shape[1])
-            return self.module(x, 0, k, v)[:, -1].float().tolist()
+        return last_position_logits(self.module, batch)
 
 
 class VllmEngine:
