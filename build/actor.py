@@ -7,7 +7,7 @@ imports Monarch.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from monarch.actor import Actor, current_rank, endpoint
@@ -23,6 +23,7 @@ class CalibrationActor(Actor):
         self.policy = self.prepared = self.tok = None
         self.fault: Optional[Fault] = None
         self.generation = 0
+        self.probe_scorer: Optional[Tuple[str, Any]] = None  # (ranking token, ProbeSensitivity)
 
     @endpoint
     def setup(self, rank: int, policy_dir: str, max_seq_len: int, recipe: Dict[str, Any], threads: int,
@@ -106,3 +107,17 @@ class CalibrationActor(Actor):
 
         self._maybe_fail(shard, 0)
         return collect_group_stats(self.policy, batches, thresholds, hessians=hessians, seed=shard)
+
+    @endpoint
+    def sensitivity(self, shard: int, token: str, plan, names: List[str], probe: Tensor) -> List[Tuple[str, float]]:
+        """w8a8 fallback ranking for the named linears: probe KL with each one alone in int8. ``plan``
+        holds only their int8 weights; the smoothed float model and its probe logits are kept per ``token``
+        (one per ranking), so later shards of the same ranking skip them."""
+        from policy_bundle.quantize.w8a8_plan import ProbeSensitivity
+
+        self._maybe_fail(shard, 0)
+        if self.probe_scorer is None or self.probe_scorer[0] != token:
+            self.probe_scorer = None  # free the previous ranking's model first
+            self.probe_scorer = (token, ProbeSensitivity(self.policy, plan, probe))
+        scorer = self.probe_scorer[1]
+        return [(name, scorer.score(plan, name)) for name in names]

@@ -34,13 +34,15 @@ class CalibratedModels:
         self.cfg, self.mesh, self.policy, self.batches = cfg, mesh, policy, batches
         self.scales = None
         self.cache: dict = {}
-        self.stats: dict = {}  # w8a8: linear statistics per rounding (Hessians only for gptq)
+        self.stats: dict = {}  # w8a8: linear statistics per (Hessians?, outlier_ratio)
         self.plans: dict = {}  # w8a8: plan per (smooth, rounding, ...)
 
     def linear_stats(self, recipe: recipes.RecipeConfig):
         from policy_bundle.build.w8a8 import collect_stats
 
         key = (recipe.rounding == "gptq", recipe.outlier_ratio)
+        if (True, recipe.outlier_ratio) in self.stats:  # statistics with Hessians serve nearest rounding too
+            key = (True, recipe.outlier_ratio)
         if key not in self.stats:
             self.stats[key] = collect_stats(self.mesh, self.policy, self.batches, recipe)
         return self.stats[key]

@@ -1,9 +1,9 @@
-"""The accuracy canary at build time: gate the INT8 candidate, fall back sensitive layers, report.
+"""The accuracy canary at build time: what a gate attempt is, the torch.ao layer sensitivity, the report.
 
 As Intel Neural Compressor does: when the candidate misses a threshold, rank the quantized layers
-by sensitivity (KL(FP32 || model with only that layer quantized) on the golden set), keep the most
-sensitive in floating point one at a time, and re-check until the gate passes or
-``canary.max_fp_layers`` is reached.
+by sensitivity (KL(FP32 || model with only that layer quantized)) and keep the most sensitive in
+floating point until the gate passes or ``canary.max_fp_layers`` is reached (the search itself:
+``build/fallback.py``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from policy_bundle.build.progress import log
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits, evaluate_gate,
-                               policy_logits_fn, teacher_forced_logits)
+from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits, policy_logits_fn, teacher_forced_logits)
 
 
 @dataclass
@@ -38,6 +36,7 @@ class CanaryOutcome:
     attempts: List[Attempt] = field(default_factory=list)
     sensitivity: List[Tuple[str, float]] = field(default_factory=list)
     reasons: dict = field(default_factory=dict)  # layer kept in float -> why
+    rejected: str = ""  # why the fallback search gave up early (fails even with its whole budget in float)
 
 
 def layer_sensitivity(policy: nn.Module, prepared: nn.Module, recipe: recipes.RecipeConfig,
@@ -66,42 +65,6 @@ def layer_sensitivity(policy: nn.Module, prepared: nn.Module, recipe: recipes.Re
         scores.append((name, float(kl.mean())))
         tick(i + 1, len(layers), f"[canary] sensitivity: {name} KL {scores[-1][1]:.3g}")
     return sorted(scores, key=lambda s: -s[1])
-
-
-def gate_with_fallback(
-    policy: nn.Module,
-    prepared: nn.Module,
-    recipe: recipes.RecipeConfig,
-    golden: Sequence[GoldenItem],
-    thresholds: GateThresholds,
-    max_fp_layers: int,
-    measure: Callable[[nn.Module], FidelityReport],
-) -> CanaryOutcome:
-    int8 = recipes.convert(prepared, recipe)
-    report = measure(int8)
-    verdict = evaluate_gate(report, thresholds)
-    outcome = CanaryOutcome(verdict, report, [], int8)
-    outcome.attempts.append(Attempt([], report.summary(), verdict.label, verdict.failures))
-    log(f"[canary] INT8 candidate: {verdict.label}" + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
-    if verdict.passed:
-        return outcome
-    outcome.sensitivity = layer_sensitivity(policy, prepared, recipe, golden)
-    top = ", ".join(f"{n} {kl:.4g}" for n, kl in outcome.sensitivity[:3])
-    log(f"[canary] sensitivity (KL mean with only that layer quantized): {top}")
-    kept: List[str] = []
-    for name, kl in outcome.sensitivity[:max_fp_layers]:
-        kept.append(name)
-        outcome.reasons[name] = f"sensitivity rank {len(kept)}: KL mean {kl:.4g} when quantized alone"
-        trial = replace(recipe, fp32_layers=recipe.fp32_layers + tuple(kept))
-        int8 = recipes.convert(prepared, trial)
-        report = measure(int8)
-        verdict = evaluate_gate(report, thresholds)
-        outcome.attempts.append(Attempt(list(kept), report.summary(), verdict.label, verdict.failures))
-        log(f"[canary] fallback {len(kept)} layer(s) to float ({name}): {verdict.label}")
-        outcome.verdict, outcome.report, outcome.fp32_layers, outcome.int8 = verdict, report, list(kept), int8
-        if verdict.passed:
-            break
-    return outcome
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -162,15 +125,16 @@ def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThreshol
         md.append("")
     cands = (extra or {}).get("candidates") or []
     if len(cands) > 1:
-        md += ["## Recipe candidates (auto)", "", f"Winner: **{extra.get('winner')}**: {extra.get('why')}.", "",
+        md += ["## Recipe candidates (auto)", "", f"Winner: **{extra.get('winner_candidate', extra.get('winner'))}**: {extra.get('why')}.", "",
                "| recipe | verdict | float layers | top-1 | KL mean | KL p99 | reward | decode tok/s |",
                "|---|---|---|---|---|---|---|---|"]
         for cand in cands:
             m = cand["metrics"]
-            md.append(f"| {cand['scheme']} | {cand['verdict']} | {len(cand['fp32_layers'])} | "
+            md.append(f"| {cand.get('candidate', cand['scheme'])} | {cand['verdict']} | {len(cand['fp32_layers'])} | "
                       f"{_fmt(m['top1_agreement'])} | {_fmt(m['kl_mean'])} | {_fmt(m['kl_p99'])} | "
                       f"{_fmt(m.get('reward_candidate'))} | {_fmt(cand['decode_tok_s'])} |")
         md.append("")
+        md += [f"- `{c['candidate']}`: {c['rejected']}" for c in cands if c.get("rejected")] + [""]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
     (out_dir / "canary_report.md").write_text("\n".join(md) + "\n")
     return out_dir / "canary_report.md"
@@ -210,61 +174,6 @@ def _plots(out_dir: Path, outcome: CanaryOutcome) -> List[Path]:
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
     return paths
-
-
-def fallback_schedule(max_fp_layers: int) -> List[int]:
-    """How many of the most sensitive layers to keep in float, attempt by attempt: 1, 2, 4, ... (a
-    pretrained LM needs tens of float linears, one full gate per layer would take an hour)."""
-    out, k = [], 1
-    while k < max_fp_layers:
-        out.append(k)
-        k *= 2
-    return out + ([max_fp_layers] if max_fp_layers else [])
-
-
-def _measure_cheap_first(model: nn.Module, thresholds: GateThresholds, measure, measure_logits):
-    """Teacher-forced metrics first; greedy generation (the slow part) only when they pass."""
-    if measure_logits is not None:
-        report = measure_logits(model)
-        verdict = evaluate_gate(report, thresholds)
-        if not verdict.passed:
-            report.notes.append("greedy generation skipped: the teacher-forced metrics already fail")
-            return report, verdict
-    report = measure(model)
-    return report, evaluate_gate(report, thresholds)
-
-
-def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], probe, thresholds: GateThresholds, max_fp_layers: int,
-              measure: Callable[[nn.Module], FidelityReport],
-              measure_logits: Optional[Callable[[nn.Module], FidelityReport]] = None) -> CanaryOutcome:
-    """The w8a8 gate: convert, measure; on failure rank the linears by end-to-end sensitivity on a
-    probe (one forward each) and keep the top 1, 2, 4, ... in float until the gate passes."""
-    from policy_bundle.build.progress import Throttled
-    from policy_bundle.quantize.w8a8_plan import layer_sensitivity
-
-    int8 = plan.convert(policy, names)
-    report, verdict = _measure_cheap_first(int8, thresholds, measure, measure_logits)
-    outcome = CanaryOutcome(verdict, report, [], int8)
-    outcome.attempts.append(Attempt([], report.summary(), verdict.label, verdict.failures))
-    log(f"[canary] w8a8 candidate: {verdict.label}" + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
-    if verdict.passed or max_fp_layers == 0:
-        return outcome
-    tick = Throttled()
-    outcome.sensitivity = layer_sensitivity(policy, plan, names, probe, progress=lambda d, t, n, kl: tick(
-        d, t, f"[canary] sensitivity: layers done, most sensitive so far {n} (KL {kl:.3g})"))
-    for k in fallback_schedule(min(max_fp_layers, len(names))):
-        kept = [n for n, _ in outcome.sensitivity[:k]]
-        int8 = plan.convert(policy, [n for n in names if n not in kept])
-        report, verdict = _measure_cheap_first(int8, thresholds, measure, measure_logits)
-        outcome.attempts.append(Attempt(list(kept), report.summary(), verdict.label, verdict.failures))
-        log(f"[canary] fallback {k} layer(s) to float: {verdict.label}, top-1 {report.top1_agreement:.4f}, "
-            f"KL mean {report.kl_mean:.4g}, greedy {report.greedy_agreement}")
-        outcome.verdict, outcome.report, outcome.fp32_layers, outcome.int8 = verdict, report, kept, int8
-        outcome.reasons = {n: f"sensitivity rank {i + 1}: KL {kl:.4g} with only this linear in int8"
-                           for i, (n, kl) in enumerate(outcome.sensitivity[:k])}
-        if verdict.passed:
-            break
-    return outcome
 
 
 def add_artifact_comparison(out_dir: Path, fidelity: dict) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from policy_bundle.build.candidates import parse_candidate
 from policy_bundle.build.errors import ConfigError
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig, RecipeError
@@ -69,20 +70,30 @@ class RecipeSection:
     """``recipe:``: the quantize library's ``RecipeConfig`` (its fields are this section's keys) and ``auto``.
 
     Two keys are written differently from the library and are this section's own: ``scheme`` may also
-    be ``auto`` (gate every ``auto_candidates`` scheme, ship the fastest that passes), and
-    ``overrides`` is a mapping (layer pattern -> mode) rather than pairs.
+    be ``auto`` (gate every ``auto_candidates`` entry, ship the fastest that passes; an entry is a
+    scheme, optionally with recipe fields of its own: ``build/candidates.py``), and ``overrides`` is a
+    mapping (layer pattern -> mode) rather than pairs.
     """
 
     scheme: str = "static"
     auto_candidates: Tuple[str, ...] = ("static", "smooth-static", "dynamic", "smooth-dynamic", "weight-only")
     overrides: Dict[str, str] = field(default_factory=dict)  # layer pattern -> static|dynamic|weight-only|fp32
-    base: RecipeConfig = inline(RecipeConfig)  # scheme: the first candidate; overrides: as above
+    base: RecipeConfig = inline(RecipeConfig)  # scheme: the first candidate's; overrides: as above
 
     @classmethod
     def from_keys(cls, own: dict, inlined: Dict[str, dict]) -> "RecipeSection":
         section = cls(**own)
-        base = RecipeConfig(**inlined["base"], scheme=section.candidates()[0], overrides=tuple(section.overrides.items()))
-        return replace(section, base=base)
+        first = parse_candidate(section.candidates()[0], _candidate_field).scheme
+        base = RecipeConfig(**inlined["base"], scheme=first, overrides=tuple(section.overrides.items()))
+        section = replace(section, base=base)
+        for entry in section.candidates():  # a combination the library refuses fails at load time
+            section.candidate_config(entry)
+        return section
+
+    def candidate_config(self, entry: str) -> RecipeConfig:
+        """The library recipe of one candidate entry (``scheme`` or ``scheme key=value ...``)."""
+        c = parse_candidate(entry, _candidate_field)
+        return replace(self.base, scheme=c.scheme, **dict(c.fields))
 
     def candidates(self) -> List[str]:
         """The schemes the build gates: the configured one, or every auto candidate."""
@@ -126,9 +137,9 @@ class BuildConfig:
         """The YAML shape (library dataclasses flattened into their sections), as the manifest stores it."""
         return _as_mapping(self)
 
-    def recipe_config(self, scheme: Optional[str] = None) -> RecipeConfig:
-        """The quantize-library recipe (``scheme`` replaces the configured one, e.g. per auto candidate)."""
-        return replace(self.recipe.base, scheme=scheme) if scheme else self.recipe.base
+    def recipe_config(self, candidate: Optional[str] = None) -> RecipeConfig:
+        """The quantize-library recipe (``candidate``, a scheme or an auto entry, replaces the configured one)."""
+        return self.recipe.candidate_config(candidate) if candidate else self.recipe.base
 
 
 # (field path) -> (minimum, maximum) for numbers; (field path) -> allowed values for strings.
@@ -195,9 +206,11 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if origin in (tuple, Tuple):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{path}: expected a list of strings, got {value!r}")
-        if path == "recipe.auto_candidates" and any(v not in SCHEMES for v in value):
-            bad = next(v for v in value if v not in SCHEMES)
-            raise ConfigError(f"{path}: {bad!r} is not one of {list(SCHEMES)}")
+        if path == "recipe.auto_candidates":
+            if not value:
+                raise ConfigError(f"{path}: expected at least one candidate")
+            for entry in value:
+                parse_candidate(entry, _candidate_field)
         return tuple(value)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
@@ -210,6 +223,13 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     if not isinstance(value, tp):
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _candidate_field(key: str, value: Any) -> Any:
+    """One recipe field of an auto candidate, checked like the ``recipe`` section's own key."""
+    value = _coerce(f"recipe.{key}", value, typing.get_type_hints(RecipeConfig)[key])
+    _check_limits(f"recipe.{key}", value)
     return value
 
 

@@ -29,7 +29,7 @@ from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.errors import BundleExistsError
 from policy_bundle.build.int8_vllm import INT8_VLLM, Int8Vllm, check_int8_vllm, export_int8_vllm, planned
 from policy_bundle.build.manifest_body import INT8_TS, calibration_section, manifest_body
-from policy_bundle.build.progress import Stages, Throttled, bar, log
+from policy_bundle.build.progress import Stages, Throttled, bar, heartbeat, log
 from policy_bundle.build.recipe_choice import ChosenRecipe, choose_recipe
 from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.manifest import manifest_hash, write_manifest
@@ -73,7 +73,8 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False) -> BuildResult:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        result = _build_into(cfg, tmp, out, stages, int8_vllm)
+        with heartbeat():
+            result = _build_into(cfg, tmp, out, stages, int8_vllm)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -102,9 +103,9 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
         rollouts = rollouts_stage(cfg, stages, mesh, loaded)
         calibrated = CalibratedModels(cfg, mesh, loaded.policy, rollouts.batches)
-        candidates = [cfg.recipe_config(scheme) for scheme in cfg.recipe.candidates()]
-        prepare_stage(cfg, stages, calibrated, candidates)
-        calibrate_stage(cfg, stages, calibrated, candidates, rollouts)
+        candidates = [(name, cfg.recipe_config(name)) for name in cfg.recipe.candidates()]
+        prepare_stage(cfg, stages, calibrated, [r for _, r in candidates])
+        calibrate_stage(cfg, stages, calibrated, [r for _, r in candidates], rollouts)
         chosen = quantize_and_gate_stage(cfg, stages, loaded, calibrated, candidates, rollouts.golden, tmp, final)
         export_stage(cfg, stages, loaded, chosen, calibrated, rollouts.batches, tmp, int8_vllm)
         fidelity = fidelity_stage(cfg, stages, loaded, rollouts.golden, tmp, int8_vllm)
@@ -197,16 +198,16 @@ def calibrate_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedMode
         t0 = time.monotonic()
         for smooth in sorted({c.smooth for c in ao_candidates(candidates)}):  # plain first: the actors start plain
             calibrated.get(smooth)
-        for c in candidates:
-            if c.base_mode == "w8a8":
-                calibrated.linear_stats(c)
+        # GPTQ candidates first: their statistics (with Hessians) serve nearest-rounding candidates too
+        for c in sorted((c for c in candidates if c.base_mode == "w8a8"), key=lambda c: c.rounding != "gptq"):
+            calibrated.linear_stats(c)
         tokens = sum(b.numel() for b in batches)
         s.detail = (f"{len(rollouts.seqs)} samples, {len(batches)} batches, {tokens} tokens, "
                     f"procs={cfg.calibration.procs}, {tokens / max(1e-9, time.monotonic() - t0):.0f} tok/s")
 
 
 def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, calibrated: CalibratedModels,
-                            candidates: List[recipes.RecipeConfig], golden: List[GoldenItem], tmp: Path,
+                            candidates: List[Tuple[str, recipes.RecipeConfig]], golden: List[GoldenItem], tmp: Path,
                             final: Path) -> ChosenRecipe:
     with stages.run("convert + accuracy canary") as s:
         chosen = choose_recipe(cfg, loaded.policy, calibrated, candidates, loaded.tok, golden, tmp, final)

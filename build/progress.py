@@ -3,13 +3,54 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
+HEARTBEAT_S = 25.0  # a line at least this often, whatever the build is busy with
+
+
+class _Now:
+    """What the build is doing (stage, status) and when it last printed, for the heartbeat."""
+
+    stage = ""
+    status = ""
+    stage_t0 = last_line = time.monotonic()
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+    _Now.last_line = time.monotonic()
+
+
+def set_status(text: str) -> None:
+    """The current step inside a stage (candidate, layers done / total, best so far), for the heartbeat."""
+    _Now.status = text
+
+
+def heartbeat_line() -> str:
+    return f"{_Now.stage} ({time.monotonic() - _Now.stage_t0:.0f}s in)" + (f": {_Now.status}" if _Now.status else "")
+
+
+@contextmanager
+def heartbeat(every: float = HEARTBEAT_S) -> Iterator[None]:
+    """Prints ``heartbeat_line()`` whenever nothing was printed for ``every`` seconds (a long matmul,
+    a mesh call, a TorchScript export), so a build never goes quiet."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(min(every, max(0.05, every - (time.monotonic() - _Now.last_line)))):
+            if time.monotonic() - _Now.last_line >= every:
+                log(f"[progress] {heartbeat_line()}")
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
 
 
 class Stages:
@@ -24,6 +65,7 @@ class Stages:
         line = StageLine()
         log(f"[{self.index}/{self.total}] {name} ...")
         t = time.monotonic()
+        _Now.stage, _Now.status, _Now.stage_t0 = f"[{self.index}/{self.total}] {name}", "", t
         yield line
         extra = f" ({line.detail})" if line.detail else ""
         log(f"[{self.index}/{self.total}] {name} done in {time.monotonic() - t:.1f}s{extra}")

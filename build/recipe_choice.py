@@ -1,37 +1,48 @@
-"""Quantize + gate: every recipe candidate is converted and gated (with layer fallback); the fastest
-one that passes ships. A rejected build raises with its report written next to the output directory."""
+"""Quantize + gate: every recipe candidate is converted and gated in order (with the layer-fallback
+search of build/fallback.py, which rejects a candidate early when its fallback budget cannot make it
+pass); the fastest one that passes ships. Progress: a status line (candidate, step, layers done /
+total, best so far) for the build's heartbeat, and one line per candidate. A rejected build raises with its report written next to the output directory."""
 
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from policy_bundle.build.artifact_fidelity import fidelity_kwargs
 from policy_bundle.build.calibrated import CalibratedModels, plan_key
-from policy_bundle.build.canary import CanaryOutcome, gate_with_fallback, write_report
+from policy_bundle.build.canary import CanaryOutcome, write_report
 from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.errors import CanaryGateError
-from policy_bundle.build.progress import log
+from policy_bundle.build.fallback import gate_torch_ao, gate_w8a8
+from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
-from policy_bundle.quantize.fidelity import GateVerdict, GoldenItem, measure_fidelity
+from policy_bundle.quantize.fidelity import GateVerdict, GoldenItem, measure_fidelity, policy_logits_fn, teacher_forced_logits
 from policy_bundle.quantize.model import Policy
 
 
 @dataclass
 class Trial:
+    name: str  # the auto_candidates entry (or the configured scheme)
     recipe: recipes.RecipeConfig
     outcome: CanaryOutcome
     decode_tok_s: Optional[float]
 
     def summary(self) -> dict:
         o = self.outcome
-        return {"scheme": self.recipe.scheme, "verdict": o.verdict.label, "failures": o.verdict.failures,
-                "fp32_layers": o.fp32_layers, "decode_tok_s": self.decode_tok_s, "metrics": o.report.summary()}
+        return {"candidate": self.name, "scheme": self.recipe.scheme, "verdict": o.verdict.label,
+                "failures": o.verdict.failures, "rejected": o.rejected, "fp32_layers": o.fp32_layers,
+                "decode_tok_s": self.decode_tok_s, "metrics": o.report.summary()}
+
+    def line(self) -> str:
+        o = self.outcome
+        return (f"{self.name} ({o.verdict.label}, {len(o.fp32_layers)} float layers, top-1 "
+                f"{o.report.top1_agreement:.4f}, KL {o.report.kl_mean:.4g}"
+                + (f", {self.decode_tok_s:.1f} tok/s)" if self.decode_tok_s else ")"))
 
 
 @dataclass
@@ -49,60 +60,83 @@ def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int =
     return decode_tokens_per_s(torch.jit.script(int8), [1] * prompt_len, new_tokens, repeats, warmup)
 
 
+def best_so_far(trials: Sequence[Trial]) -> str:
+    passing = [t for t in trials if t.outcome.verdict.passed]
+    if passing:
+        return max(passing, key=lambda t: t.decode_tok_s or 0.0).line()
+    return "none passed yet" + (f" (closest: {max(trials, key=lambda t: t.outcome.report.top1_agreement).line()})"
+                                if trials else "")
+
+
 def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels,
-                  candidates: Sequence[recipes.RecipeConfig], tok, golden: List[GoldenItem], tmp: Path,
+                  candidates: Sequence[Tuple[str, recipes.RecipeConfig]], tok, golden: List[GoldenItem], tmp: Path,
                   final: Path) -> ChosenRecipe:
-    """Gate every candidate; a single candidate (no ``auto``) skips the speed measurement."""
+    """Gate every candidate in order; a single candidate (no ``auto``) skips the speed measurement.
+    Only passing candidates are timed (the winner is the fastest of them)."""
     kw = fidelity_kwargs(cfg, tok)
     ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
-    measure = lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs, **kw)  # noqa: E731
-    logits_only = lambda m: measure_fidelity(policy, m, golden, generate=False, **kw)  # noqa: E731
-    trials = []
-    for recipe in candidates:
-        outcome = gate_candidate(cfg, policy, calibrated, recipe, golden, measure, logits_only)
-        speed = decode_speed(outcome.int8) if len(candidates) > 1 else None
-        trials.append(Trial(recipe, outcome, speed))
-        log(f"[auto] {recipe.scheme}: {outcome.verdict.label}, {len(outcome.fp32_layers)} float layers"
-            + (f", decode {speed:.1f} tok/s" if speed else ""))
+    ref_logits = teacher_forced_logits(policy_logits_fn(policy), golden)  # once for every gate attempt
+    measure = lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs,  # noqa: E731
+                                         reference_logits=ref_logits, **kw)
+    logits_only = lambda m: measure_fidelity(policy, m, golden, generate=False,  # noqa: E731
+                                             reference_logits=ref_logits, **kw)
+    trials: List[Trial] = []
+    auto = len(candidates) > 1
+    for i, (name, recipe) in enumerate(candidates):
+        def status(step: str, i=i, name=name) -> str:
+            return f"candidate {i + 1}/{len(candidates)} {name}: {step}; best so far: {best_so_far(trials)}"
+
+        set_status(status("preparing"))
+        outcome = gate_candidate(cfg, policy, calibrated, recipe, golden, measure, logits_only, name, status)
+        speed = None
+        if auto and outcome.verdict.passed:
+            set_status(status("decode speed of the passing candidate (TorchScript)"))
+            speed = decode_speed(outcome.int8)
+        trials.append(Trial(name, recipe, outcome, speed))
+        log(f"[auto] candidate {i + 1}/{len(candidates)}: {trials[-1].line()}; best so far: {best_so_far(trials)}")
     summary = [t.summary() for t in trials]
     passing = [t for t in trials if t.outcome.verdict.passed]
     if not passing:
         raise_rejected(cfg, trials[0].outcome, summary, final)
     winner = max(passing, key=lambda t: t.decode_tok_s or 0.0)
-    why = (f"{winner.recipe.scheme} is the fastest of {len(passing)} passing candidate(s)"
-           if len(candidates) > 1 else "the configured recipe")
+    why = (f"{winner.name} is the fastest of {len(passing)} passing candidate(s)"
+           if auto else "the configured recipe")
     if cfg.canary.enabled:
         write_report(tmp, winner.outcome, cfg.canary.gate, {"candidates": summary, "winner": winner.recipe.scheme,
-                                                           "why": why})
+                                                           "winner_candidate": winner.name, "why": why})
     recipe = replace(winner.recipe, fp32_layers=winner.recipe.fp32_layers + tuple(winner.outcome.fp32_layers))
     return ChosenRecipe(recipe, winner.outcome, summary, calibrated.plans.get(plan_key(recipe)))
 
 
 def gate_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
-                   golden: List[GoldenItem], measure, measure_logits) -> CanaryOutcome:
+                   golden: List[GoldenItem], measure, measure_logits, name: str,
+                   status: Callable[[str], str]) -> CanaryOutcome:
     """Convert one candidate and gate it (with layer fallback); with the canary off, only measure it."""
     c = cfg.canary
     if recipe.base_mode == "w8a8":
-        return gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure, measure_logits)
+        return gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure, measure_logits, name, status)
     prepared, _ = calibrated.get(recipe.smooth)
     if not c.enabled:
         int8 = recipes.convert(prepared, recipe)
         return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
-    return gate_with_fallback(policy, prepared, recipe, golden, c.gate, c.max_fp_layers, measure)
+    return gate_torch_ao(policy, prepared, recipe, golden, c.gate, c.max_fp_layers, measure, measure_logits, name,
+                         status)
 
 
 def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure,
-                        measure_logits) -> CanaryOutcome:
-    from policy_bundle.build.canary import gate_w8a8
-    from policy_bundle.build.w8a8 import sensitivity_probe
+                        measure_logits, name: str, status: Callable[[str], str]) -> CanaryOutcome:
+    from policy_bundle.build.w8a8 import rank_sensitivity, sensitivity_probe
 
+    set_status(status("quantization plan (smoothing search, weight rounding)"))
     plan = calibrated.plan(recipe)
     names = recipes.selected_linears(policy, recipe)
     if not cfg.canary.enabled:
         int8 = plan.convert(policy, names)
         return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
-    return gate_w8a8(policy, plan, names, sensitivity_probe(calibrated.batches), cfg.canary.gate,
-                     cfg.canary.max_fp_layers, measure, measure_logits)
+    rank = lambda: rank_sensitivity(calibrated.mesh, policy, plan, names,  # noqa: E731
+                                    sensitivity_probe(calibrated.batches), status)
+    return gate_w8a8(policy, plan, names, rank, cfg.canary.gate, cfg.canary.max_fp_layers, measure, measure_logits,
+                     name, status)
 
 
 def raise_rejected(cfg: BuildConfig, best: CanaryOutcome, summary: List[dict], final: Path) -> None:

@@ -130,6 +130,7 @@ def measure_fidelity(
     candidate_logits: Optional[LogitsFn] = None,
     generate: bool = True,
     reference_outputs: Optional[List[List[int]]] = None,
+    reference_logits: Optional[List[Tensor]] = None,
 ) -> FidelityReport:
     """Compare ``candidate`` to ``reference`` on the golden ``items``.
 
@@ -137,9 +138,10 @@ def measure_fidelity(
     the candidate's teacher-forced logits are computed (e.g. onnxruntime); with ``generate=False``
     only the logit metrics are computed (for variants without a KV-cache decode).
     ``reference_outputs`` are the reference's greedy completions when the caller already has them
-    (the golden set's completions are exactly that), so repeated gates do not regenerate them.
+    (the golden set's completions are exactly that), so repeated gates do not regenerate them;
+    ``reference_logits`` likewise (``teacher_forced_logits`` of the reference on ``items``).
     """
-    ref_l = teacher_forced_logits(policy_logits_fn(reference), items)
+    ref_l = reference_logits if reference_logits is not None else teacher_forced_logits(policy_logits_fn(reference), items)
     cand_l = teacher_forced_logits(candidate_logits or policy_logits_fn(candidate), items)
     agree, kl = compare_logits(ref_l, cand_l)
     report = FidelityReport(

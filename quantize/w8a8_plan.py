@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from policy_bundle.quantize.gptq import gptq_quantize
 from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
+from policy_bundle.quantize.model import full_logits
 from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
 from policy_bundle.quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight
 
@@ -63,6 +65,11 @@ class W8A8Plan:
         if name == "lm_head" and self.head_topk > 0:
             return Int8RescoredHead(int8, float_linear.weight.detach(), self.head_topk)
         return int8
+
+    def subset(self, names: Sequence[str]) -> "W8A8Plan":
+        """The same plan holding only the named linears' int8 weights (what a mesh actor needs to score them)."""
+        return W8A8Plan(self.scales, self.alphas, {n: self.weights[n] for n in names},
+                        {n: self.thresholds[n] for n in names}, rounding=self.rounding, head_topk=self.head_topk)
 
     def convert(self, policy: nn.Module, quantized: Sequence[str]) -> nn.Module:
         """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float)."""
@@ -164,30 +171,46 @@ def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max:
     return best[1], best[2]
 
 
-@torch.no_grad()
-def layer_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
-                      progress: Callable[[int, int, str, float], None] = lambda *_: None) -> List[Tuple[str, float]]:
-    """KL(float || only this linear in int8) of the final logits on ``probe`` tokens, most sensitive first.
+class ProbeSensitivity:
+    """KL(float || only one linear in int8) of the final logits on ``probe`` tokens, one linear at a time.
 
-    One forward per linear on a small probe, with the smoothed float model as the reference: the
-    local output error misses how an error grows through the layers above (on SmolLM2-135M it
-    ranked the one linear that mattered most 17th).
+    The reference is the smoothed float model (the plan's scales, no linear in int8); one forward per
+    linear on a small probe: the local output error misses how an error grows through the layers
+    above (on SmolLM2-135M it ranked the one linear that mattered most 17th). ``score`` takes any plan
+    with the same scales (e.g. ``plan.subset(names)``, what a mesh actor receives).
     """
-    import torch.nn.functional as F
 
-    from policy_bundle.quantize.model import full_logits
+    @torch.no_grad()
+    def __init__(self, policy: nn.Module, plan: W8A8Plan, probe: Tensor):
+        self.probe = probe
+        self.model = plan.convert(policy, [])
+        self.ref = F.log_softmax(full_logits(self.model, probe).double(), dim=-1)
 
-    model = plan.convert(policy, [])
-    ref = F.log_softmax(full_logits(model, probe).double(), dim=-1)
-    scores: List[Tuple[str, float]] = []
-    for i, name in enumerate(names):
+    @torch.no_grad()
+    def score(self, plan: W8A8Plan, name: str) -> float:
         parent, _, child = name.rpartition(".")
-        holder = model.get_submodule(parent) if parent else model
+        holder = self.model.get_submodule(parent) if parent else self.model
         float_linear = getattr(holder, child)
         setattr(holder, child, plan.quantized_module(name, float_linear))
-        lp = F.log_softmax(full_logits(model, probe).double(), dim=-1)
-        setattr(holder, child, float_linear)
-        scores.append((name, float((ref.exp() * (ref - lp)).sum(-1).mean())))
+        try:
+            lp = F.log_softmax(full_logits(self.model, self.probe).double(), dim=-1)
+        finally:
+            setattr(holder, child, float_linear)
+        return float((self.ref.exp() * (self.ref - lp)).sum(-1).mean())
+
+
+def rank_by_sensitivity(scores: Sequence[Tuple[str, float]]) -> List[Tuple[str, float]]:
+    """Most sensitive first; ties keep model order (the same ranking however the scores were sharded)."""
+    return sorted(scores, key=lambda t: -t[1])
+
+
+def layer_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
+                      progress: Callable[[int, int, str, float], None] = lambda *_: None) -> List[Tuple[str, float]]:
+    """Every named linear's ``ProbeSensitivity`` score in this process, most sensitive first."""
+    probe_model = ProbeSensitivity(policy, plan, probe)
+    scores: List[Tuple[str, float]] = []
+    for i, name in enumerate(names):
+        scores.append((name, probe_model.score(plan, name)))
         worst = max(scores, key=lambda t: t[1])
         progress(i + 1, len(names), worst[0], worst[1])
-    return sorted(scores, key=lambda t: -t[1])
+    return rank_by_sensitivity(scores)

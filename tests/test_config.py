@@ -76,3 +76,25 @@ def test_torchtitan_config_round_trips_through_its_manifest_shape():
     assert (cfg.policy.torchtitan.model, cfg.policy.torchtitan.tokenizer) == ("llama3", "reference")
     assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert load_config("build/configs/reference.yaml").policy.torchtitan is None
+
+
+def test_an_auto_candidate_can_set_its_own_w8a8_fields():
+    cfg = load_config("build/configs/smollm2.yaml", ("recipe.scheme=auto",
+                      'recipe.auto_candidates=[smooth-w8a8, "w8a8 rounding=nearest skip=[embed_tokens]"]'))
+    first, second = (cfg.recipe_config(c) for c in cfg.recipe.candidates())
+    assert (first.scheme, first.rounding, first.skip) == ("smooth-w8a8", "gptq", ("embed_tokens", "lm_head"))
+    assert (second.scheme, second.rounding, second.skip) == ("w8a8", "nearest", ("embed_tokens",))
+
+
+@pytest.mark.parametrize("entry, message", [
+    ('"w8a8 rounding=stochastic"', r"recipe.auto_candidates: 'w8a8 rounding=stochastic': recipe.rounding: "
+                                   r"'stochastic' is not one of \['nearest', 'gptq'\]"),
+    ('"w8a8 lm_head_topk=-1"', r"recipe.lm_head_topk: -1 is out of range \[0, 4096\]"),
+    ('"w8a8 backend=x86"', r"'backend' cannot be set per candidate"),
+    ('"static rounding=nearest"', r"fields per candidate apply to the w8a8 recipes only"),
+    ('"w8a8 rounding"', r"expected 'scheme key=value ...'"),
+    ("int4", r"recipe.auto_candidates: 'int4' is not one of \['static'"),
+])
+def test_a_bad_auto_candidate_is_named(entry, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("build/configs/reference.yaml", (f"recipe.auto_candidates=[{entry}]",))

@@ -135,3 +135,21 @@ def test_w8a8_statistics_on_the_mesh_equal_one_process(setup, reference_dir):
         assert (s.threshold, s.rows) == (m.threshold, m.rows)
         assert torch.equal(s.channel_absmax, m.channel_absmax)
         assert torch.allclose(s.hessian, m.hessian, rtol=1e-9)
+
+
+def test_w8a8_sensitivity_spread_over_the_mesh_equals_the_in_process_ranking(setup, reference_dir):
+    """Each actor scores its shard of linears (the plan travels with only their int8 weights); the
+    merged ranking is the one this process computes: same order, same KL values."""
+    from policy_bundle.build.w8a8 import collect_stats, make_plan, rank_sensitivity, sensitivity_probe
+
+    policy, _, _, batches = setup
+    recipe = config(0).recipe_config("smooth-w8a8")
+    plan = make_plan(policy, collect_stats(None, policy, batches, recipe), recipe)
+    names = recipes.selected_linears(policy, recipe)
+    probe = sensitivity_probe(batches)
+    local = rank_sensitivity(None, policy, plan, names, probe)
+    with calibration_mesh(config(2), reference_dir) as mesh:
+        sharded = rank_sensitivity(mesh, policy, plan, names, probe)
+    assert len(local) == len(names) > 15  # more than one shard per actor
+    assert [n for n, _ in sharded] == [n for n, _ in local]
+    assert all(abs(a - b) <= 1e-6 * max(abs(a), 1e-12) for (_, a), (_, b) in zip(local, sharded))

@@ -23,3 +23,20 @@ def test_smooth_w8a8_build_over_the_mesh_ships_per_token_int8_and_says_what_onnx
     ts = torch.jit.load(str(out / "int8" / "policy.ts"))
     int8 = [m for m in ts.modules() if m.original_name == "Int8TokenLinear"]
     assert int8 and all("_int_mm" in m.code for m in int8)
+
+
+def test_auto_rejects_candidates_that_cannot_pass_within_the_fallback_budget(tmp_path, bentoml_home):
+    """KL 0 needs every linear in float; with one fewer allowed, each candidate is measured with nothing
+    and with its whole budget in float, then rejected by name (the w8a8 ranking spread over the mesh)."""
+    out = tmp_path / "auto"
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+                  "--set", "recipe.scheme=auto", "--set", 'recipe.auto_candidates=["w8a8 rounding=nearest", static]',
+                  "--set", "canary.max_kl_mean=0", "--set", "canary.max_fp_layers=27", "--set", "calibration.procs=2")
+    assert res.returncode == 2 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
+    assert "[mesh] sensitivity: shards 2/2 done, 28 linears" in res.stderr
+    report = json.loads((tmp_path / "auto.canary-rejected" / "canary_report.json").read_text())
+    cands = {c["candidate"]: c for c in report["candidates"]}
+    assert set(cands) == {"w8a8 rounding=nearest", "static"}
+    assert all("even with its 27 most sensitive layers in float" in c["rejected"] for c in cands.values())
+    assert [len(a["fp32_layers"]) for a in report["attempts"]] == [0, 27]  # the first candidate's measurements
+    assert "[auto] candidate 2/2: static (fail, 27 float layers" in res.stderr

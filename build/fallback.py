@@ -1,0 +1,148 @@
+"""The layer-fallback search: the fewest of a candidate's most sensitive layers to keep in float so
+that it passes the gate, or an early answer that no prefix within ``canary.max_fp_layers`` can.
+
+The fallback only ever keeps a prefix of the sensitivity ranking, so the best a candidate can reach
+within the budget is with all ``max_fp_layers`` of them in float. That is measured first (teacher-forced
+metrics only, the cheap part of the gate): when it fails, the candidate is rejected after one
+measurement instead of a walk through every smaller prefix. Otherwise the smallest passing prefix is
+found by bisection on the teacher-forced metrics (keeping more layers in float is assumed not to make
+them worse), then confirmed with the whole gate (greedy generation, task reward); if greedy misses
+there, the bisection goes on with the whole gate between that prefix and the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from policy_bundle.build.canary import Attempt, CanaryOutcome, layer_sensitivity
+from policy_bundle.build.progress import log, set_status
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, GoldenItem, evaluate_gate
+
+Measure = Callable[[nn.Module], FidelityReport]
+
+
+def smallest_passing(lo: int, hi: int, passes: Callable[[int], bool]) -> int:
+    """The smallest k in (lo, hi] with ``passes(k)``, given ``passes(hi)`` and not ``passes(lo)`` (monotone)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+class FallbackSearch:
+    """Measurements of one candidate with its top-k ranked layers in float, each k measured at most once."""
+
+    def __init__(self, label: str, convert: Callable[[List[str]], nn.Module], thresholds: GateThresholds,
+                 measure: Measure, measure_logits: Optional[Measure], status: Callable[[str], str] = lambda s: s):
+        self.label, self.convert, self.thresholds = label, convert, thresholds
+        self.measure, self.measure_logits, self.status = measure, measure_logits, status
+        self.ranking: List[Tuple[str, float]] = []
+        self.attempts: List[Attempt] = []
+        self.logits_pass: Dict[int, bool] = {}
+        self.gate_pass: Dict[int, bool] = {}
+        self.measured: Dict[int, Tuple[FidelityReport, GateVerdict]] = {}  # k -> its latest measurement
+
+    def kept(self, k: int) -> List[str]:
+        return [n for n, _ in self.ranking[:k]]
+
+    def _record(self, k: int, report: FidelityReport, what: str) -> bool:
+        verdict = evaluate_gate(report, self.thresholds)
+        self.attempts.append(Attempt(self.kept(k), report.summary(), verdict.label, verdict.failures))
+        self.measured[k] = (report, verdict)
+        log(f"[canary] {self.label}, {k} layer(s) in float, {what}: {verdict.label}, top-1 {report.top1_agreement:.4f}, "
+            f"KL mean {report.kl_mean:.4g}" + (f", greedy {report.greedy_agreement:.2f}" if report.greedy_agreement
+                                              is not None else "")
+            + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
+        return verdict.passed
+
+    def logits_ok(self, k: int) -> bool:
+        """Teacher-forced metrics with the top-k layers in float pass the gate's thresholds."""
+        if self.measure_logits is None:
+            return self.gate_ok(k)
+        if k not in self.logits_pass:
+            set_status(self.status(f"teacher-forced metrics with {k} layer(s) in float"))
+            report = self.measure_logits(self.convert(self.kept(k)))
+            report.notes.append("greedy generation not run: teacher-forced metrics only")
+            self.logits_pass[k] = self._record(k, report, "teacher-forced")
+            if not self.logits_pass[k]:
+                self.gate_pass[k] = False
+        return self.logits_pass[k]
+
+    def gate_ok(self, k: int) -> bool:
+        """The whole gate (teacher-forced first; greedy generation and reward only when those pass)."""
+        if k not in self.gate_pass:
+            if self.measure_logits is not None and not self.logits_ok(k):
+                return False
+            set_status(self.status(f"whole gate (greedy generation) with {k} layer(s) in float"))
+            self.gate_pass[k] = self._record(k, self.measure(self.convert(self.kept(k))), "whole gate")
+        return self.gate_pass[k]
+
+    def outcome(self, k: int, rejected: str = "") -> CanaryOutcome:
+        """The candidate with its top-k layers in float (converted again: cheaper than keeping every model)."""
+        report, verdict = self.measured[k]
+        out = CanaryOutcome(verdict, report, self.kept(k), self.convert(self.kept(k)), self.attempts, self.ranking)
+        out.reasons = {n: f"sensitivity rank {i + 1}: KL {kl:.4g} with only this layer quantized"
+                       for i, (n, kl) in enumerate(self.ranking[:k])}
+        out.rejected = rejected
+        return out
+
+
+def search_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str, float]]],
+                    max_fp_layers: int) -> CanaryOutcome:
+    """Gate with nothing in float; on failure rank the layers and search the smallest passing prefix."""
+    if search.gate_ok(0) or max_fp_layers == 0:
+        return search.outcome(0)
+    search.ranking = list(rank())
+    top = ", ".join(f"{n} {kl:.3g}" for n, kl in search.ranking[:3])
+    log(f"[canary] {search.label}: most sensitive (KL with only that layer quantized): {top}")
+    hi = min(max_fp_layers, len(search.ranking))
+    if not search.logits_ok(hi):
+        return _rejected(search, hi)
+    k = 0 if search.logits_ok(0) else smallest_passing(0, hi, search.logits_ok)
+    if search.gate_ok(k):
+        return search.outcome(k)
+    if not search.gate_ok(hi):
+        return _rejected(search, hi)
+    return search.outcome(smallest_passing(k, hi, search.gate_ok))
+
+
+def _rejected(search: FallbackSearch, hi: int) -> CanaryOutcome:
+    _, verdict = search.measured[hi]
+    why = (f"rejected: it fails the gate even with its {hi} most sensitive layers in float "
+           f"(canary.max_fp_layers): {'; '.join(verdict.failures)}")
+    log(f"[canary] {search.label}: {why}")
+    return search.outcome(hi, why)
+
+
+def gate_torch_ao(policy: nn.Module, prepared: nn.Module, recipe: recipes.RecipeConfig, golden: Sequence[GoldenItem],
+                  thresholds: GateThresholds, max_fp_layers: int, measure: Measure, measure_logits: Optional[Measure],
+                  label: str, status: Callable[[str], str] = lambda s: s) -> CanaryOutcome:
+    """A torch.ao recipe: layers ranked by golden-set KL with only that layer quantized."""
+    def convert(kept: List[str]) -> nn.Module:
+        return recipes.convert(prepared, replace(recipe, fp32_layers=recipe.fp32_layers + tuple(kept)))
+
+    def rank() -> List[Tuple[str, float]]:
+        set_status(status("sensitivity: one golden-set pass per layer"))
+        return layer_sensitivity(policy, prepared, recipe, golden)
+
+    search = FallbackSearch(f"INT8 candidate {label}", convert, thresholds, measure, measure_logits, status)
+    return search_fallback(search, rank, max_fp_layers)
+
+
+def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], rank: Callable[[], Sequence[Tuple[str, float]]],
+              thresholds: GateThresholds, max_fp_layers: int, measure: Measure, measure_logits: Optional[Measure],
+              label: str, status: Callable[[str], str] = lambda s: s) -> CanaryOutcome:
+    """A w8a8 recipe: the plan converts cheaply for any set of linears kept in float; ``rank`` is the
+    probe sensitivity (in this process or on the mesh)."""
+    def convert(kept: List[str]) -> nn.Module:
+        return plan.convert(policy, [n for n in names if n not in set(kept)])
+
+    search = FallbackSearch(f"w8a8 candidate {label}", convert, thresholds, measure, measure_logits, status)
+    return search_fallback(search, rank, max_fp_layers)
