@@ -13,6 +13,7 @@ from torch import Tensor
 
 from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.errors import ConfigError, UnsupportedPolicyError
+from policy_bundle.build.progress import Throttled
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer, read_golden_jsonl, write_golden_jsonl  # noqa: F401
 from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import GoldenItem
@@ -163,9 +164,10 @@ def screen_odd_samples(cfg: BuildConfig, policy, seqs: List[List[int]], tok,
               "(leave-one-out)", "dropped": False, "samples": []}
     if c.outlier_sigma <= 0:
         return seqs, record
-    layers = selected_linears(policy, cfg.recipe_config())
-    odd = odd_samples(sample_absmax(policy, [s[: cfg.policy.max_seq_len] for s in seqs], layers), layers,
-                      c.outlier_sigma)
+    layers, every = selected_linears(policy, cfg.recipe_config()), Throttled()
+    ranges = sample_absmax(policy, [s[: cfg.policy.max_seq_len] for s in seqs], layers,
+                           done=lambda n: every(n, len(seqs), "[calibration] odd-sample screen: samples done"))
+    odd = odd_samples(ranges, layers, c.outlier_sigma)
     for o in odd[:10]:
         text = tok.decode(seqs[o.index][:24]).replace("\n", " ")
         log(f"[calibration] odd sample {o.index}: max |x| {o.absmax:.3g} at {o.layer}, {o.sigmas:.1f} std above "

@@ -12,7 +12,7 @@ any layer's range exceeds the others' mean by more than ``sigma`` times their st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -36,9 +36,10 @@ class OddSample:
 
 
 @torch.no_grad()
-def sample_absmax(policy: nn.Module, sequences: Sequence[Sequence[int]], layers: Sequence[str]) -> Tensor:
+def sample_absmax(policy: nn.Module, sequences: Sequence[Sequence[int]], layers: Sequence[str],
+                  done: Callable[[int], None] = lambda n: None) -> Tensor:
     """``[n_samples, n_layers]``: each sequence's max |x| at the input of each named linear, one
-    teacher-forced forward per sequence (no padding reaches the statistics)."""
+    teacher-forced forward per sequence (no padding reaches the statistics); ``done(i)`` after each."""
     out = torch.zeros(len(sequences), len(layers))
     row = [0]
     hooks = []
@@ -51,10 +52,13 @@ def sample_absmax(policy: nn.Module, sequences: Sequence[Sequence[int]], layers:
 
     def batches():
         for i, seq in enumerate(sequences):
+            if i:
+                done(i)
             row[0] = i
             yield torch.tensor([list(seq)], dtype=torch.long)
 
     run_with_hooks(policy, batches(), hooks)
+    done(len(sequences))
     return out
 
 

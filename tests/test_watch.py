@@ -145,3 +145,39 @@ def test_odd_samples_are_found_against_the_others_and_dropped_on_request(referen
     worst = odd["samples"][0]
     lo, hi = cal["activation_ranges"][worst["layer"]]
     assert max(abs(lo), abs(hi)) < worst["absmax"]
+
+
+def test_drift_is_the_scale_change_or_zero_point_shift_of_the_shipped_observer():
+    from torch.ao.quantization.observer import MinMaxObserver
+
+    from policy_bundle.build.drift import activation_qparams, calibration_drift
+
+    obs = MinMaxObserver(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=True)
+    obs(torch.tensor([-1.5, 4.0]))
+    scale, zp = obs.calculate_qparams()
+    assert activation_qparams(-1.5, 4.0, True) == (float(scale), int(zp))
+
+    old = {"activation_ranges": {"a": [-1.0, 1.0], "b": [0.0, 2.0], "c": [-2.0, 2.0], "gone": [0.0, 1.0]}}
+    new = {"activation_ranges": {"a": [-1.0, 1.0], "b": [0.0, 2.2], "c": [-1.0, 3.0], "added": [0.0, 1.0]}}
+    what, drifts = calibration_drift(old, new, reduce_range=False)
+    by = {d.layer: d for d in drifts}
+    assert set(by) == {"a", "b", "c"} and "zero point" in what
+    assert by["a"].drift == 0.0
+    assert by["b"].drift == pytest.approx(0.1, rel=1e-4)  # same zero point (0), scale 10 % larger
+    s0, z0 = activation_qparams(-2.0, 2.0, False)
+    s1, z1 = activation_qparams(-1.0, 3.0, False)
+    assert s0 == pytest.approx(s1) and by["c"].drift == pytest.approx(abs(z1 - z0) / 255)  # a pure shift
+    assert [d.layer for d in drifts] == ["c", "b", "a"]  # largest first
+
+
+def test_w8a8_drift_compares_outlier_thresholds_and_channel_maxima():
+    from policy_bundle.build.drift import calibration_drift
+
+    old = {"groups": {"layers.0.attn_in": {"outlier_threshold": 10.0, "channel_absmax_max": 4.0},
+                      "layers.0.down_in": {"outlier_threshold": 100.0, "channel_absmax_max": None}}}
+    new = {"groups": {"layers.0.attn_in": {"outlier_threshold": 10.5, "channel_absmax_max": 3.0},
+                      "layers.0.down_in": {"outlier_threshold": 100.0, "channel_absmax_max": None}}}
+    _, drifts = calibration_drift(old, new, reduce_range=False)
+    assert [(d.layer, round(d.drift, 4)) for d in drifts] == [("layers.0.attn_in", 0.25), ("layers.0.down_in", 0.0)]
+    with pytest.raises(ValueError, match="different statistics"):
+        calibration_drift(old, {"activation_ranges": {}}, reduce_range=False)
