@@ -128,10 +128,15 @@ def checkpoint_config(manifest: dict, checkpoint: Path, sets: Tuple[str, ...]) -
     return config_from_dict(manifest["config"], (f"policy.source={checkpoint}",) + tuple(sets))
 
 
+SHIPPED_FIELDS = ("backend", "reduce_range", "smooth_alpha", "outlier_ratio", "rounding", "gptq_damp", "lm_head_topk")
+
+
 def shipped_recipe(cfg: BuildConfig, manifest: dict):
-    """The recipe the deployed bundle shipped (auto's winner, its fallback layers included)."""
+    """The recipe the deployed bundle shipped, as its manifest records it (auto's winner with the fields
+    its candidate entry set, and its fallback layers)."""
     rec = manifest["recipe"]
-    return replace(cfg.recipe_config(rec["scheme"]), fp32_layers=tuple(rec.get("fp32_layers", ())))
+    fields = {k: rec[k] for k in SHIPPED_FIELDS if rec.get(k) is not None}
+    return replace(cfg.recipe_config(rec["scheme"]), fp32_layers=tuple(rec.get("fp32_layers", ())), **fields)
 
 
 def fresh_statistics(cfg: BuildConfig, manifest: dict) -> dict:
