@@ -1,4 +1,4 @@
-"""The ``policy-bundle`` command: build, verify, canary. Errors become one line and a non-zero exit."""
+"""The ``policy-bundle`` command: build, verify, canary, check-fp16, watch. Errors become one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -90,6 +90,16 @@ def cmd_canary(args: argparse.Namespace) -> int:
     return 0 if verdict.passed else 1
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    from policy_bundle.build.watch import WatchOptions, watch
+
+    bundle = Path(args.bundle)
+    return watch(WatchOptions(bundle=bundle, checkpoints=Path(args.checkpoints),
+                              out_root=Path(args.out_root) if args.out_root else bundle.resolve().parent,
+                              every_steps=args.every_steps, threshold=args.threshold, poll_s=args.poll_s,
+                              once=args.once, sets=tuple(args.set or ())))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="policy-bundle", description="Turn a trained policy into a verified INT8 + FP16 bundle.")
     common = argparse.ArgumentParser(add_help=False)
@@ -112,6 +122,18 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--bundle", required=True)
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a threshold, e.g. canary.max_kl_mean=0.01")
     c.set_defaults(func=cmd_canary)
+
+    w = sub.add_parser("watch", parents=[common],
+                       help="rebuild the bundle when a newer training checkpoint's calibration drifts")
+    w.add_argument("--bundle", required=True, help="the deployed bundle directory")
+    w.add_argument("--checkpoints", required=True, help="directory the trainer writes step-N checkpoints into")
+    w.add_argument("--out-root", help="where new bundles and watch-state.json go (default: beside --bundle)")
+    w.add_argument("--every-steps", type=int, default=1000, help="check a checkpoint this many steps after the last")
+    w.add_argument("--threshold", type=float, default=0.05, help="rebuild when a layer drifts by more than this")
+    w.add_argument("--poll-s", type=float, default=30.0, help="seconds between looks at --checkpoints")
+    w.add_argument("--once", action="store_true", help="one pass, then exit")
+    w.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a build field for checks and rebuilds")
+    w.set_defaults(func=cmd_watch)
 
     f = sub.add_parser("check-fp16", parents=[common], help="greedy FP16 (transformers or vLLM) vs FP32 on the golden set")
     f.add_argument("bundle")

@@ -55,6 +55,8 @@ class CalibrationSection:
     hosts: int = 0  # >0: a host mesh of this many hosts from ``launcher`` (see README)
     launcher: str = "process"  # "process" (local ProcessJob) or the path of a saved Monarch job
     timeout_s: float = 600.0
+    outlier_sigma: float = 10.0  # report samples whose activation range is this many std above the rest; 0 = off
+    drop_outliers: bool = False  # ... and leave them out of calibration
 
 
 INLINE = "inline"
@@ -154,6 +156,7 @@ RANGES = {
     "calibration.procs": (0, 256),
     "calibration.hosts": (0, 4096),
     "calibration.timeout_s": (1.0, 86_400.0),
+    "calibration.outlier_sigma": (0.0, 1_000_000.0),
     "recipe.smooth_alpha": (0.0, 1.0),
     "recipe.outlier_ratio": (0.0, 10_000.0),
     "recipe.gptq_damp": (1e-6, 1.0),

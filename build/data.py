@@ -13,6 +13,7 @@ from torch import Tensor
 
 from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.errors import ConfigError, UnsupportedPolicyError
+from policy_bundle.build.progress import Throttled
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer, read_golden_jsonl, write_golden_jsonl  # noqa: F401
 from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import GoldenItem
@@ -148,6 +149,39 @@ def read_rollouts_jsonl(path: Path, tok) -> List[List[int]]:
     if not seqs:
         raise ConfigError(f"rollouts.jsonl: {path} holds no records")
     return seqs
+
+
+def screen_odd_samples(cfg: BuildConfig, policy, seqs: List[List[int]], tok,
+                       log: Callable[[str], None] = print) -> tuple[List[List[int]], dict]:
+    """Calibration sequences whose activation range stands out (``calibration.outlier_sigma``), reported
+    and, with ``calibration.drop_outliers``, left out. Returns the sequences to calibrate on and the
+    manifest's record of what was found."""
+    from policy_bundle.quantize.odd_samples import odd_samples, sample_absmax
+    from policy_bundle.quantize.recipes import selected_linears
+
+    c = cfg.calibration
+    record = {"sigma": c.outlier_sigma, "rule": "max |x| at a linear input > others' mean + sigma x others' std "
+              "(leave-one-out)", "dropped": False, "samples": []}
+    if c.outlier_sigma <= 0:
+        return seqs, record
+    layers, every = selected_linears(policy, cfg.recipe_config()), Throttled()
+    ranges = sample_absmax(policy, [s[: cfg.policy.max_seq_len] for s in seqs], layers,
+                           done=lambda n: every(n, len(seqs), "[calibration] odd-sample screen: samples done"))
+    odd = odd_samples(ranges, layers, c.outlier_sigma)
+    for o in odd[:10]:
+        text = tok.decode(seqs[o.index][:24]).replace("\n", " ")
+        log(f"[calibration] odd sample {o.index}: max |x| {o.absmax:.3g} at {o.layer}, {o.sigmas:.1f} std above "
+            f"the other samples' mean {o.others_mean:.3g}: {text!r}" + (" (dropped)" if c.drop_outliers else ""))
+    if len(odd) > 10:
+        log(f"[calibration] ... {len(odd) - 10} more odd samples (see the manifest's calibration.odd_samples)")
+    record["samples"] = [o.as_dict() for o in odd]
+    if odd and c.drop_outliers:
+        if len(odd) == len(seqs):
+            raise ConfigError("calibration.drop_outliers: every calibration sample is odd; nothing would be left")
+        bad = {o.index for o in odd}
+        record["dropped"] = True
+        seqs = [s for i, s in enumerate(seqs) if i not in bad]
+    return seqs, record
 
 
 def calibration_batches(seqs: Sequence[List[int]], batch_size: int, max_len: int) -> List[Tensor]:

@@ -39,6 +39,11 @@ from policy_bundle.quantize.fidelity import GoldenItem
 from policy_bundle.quantize.model import Policy, load_hf_config, load_policy
 
 
+DRIFT_REPORT = "drift_report.json"
+DRIFT_SUMMARY = ("step", "checkpoint", "previous_bundle", "previous_manifest_sha256", "previous_step", "threshold", "max_drift",
+                 "drifted_layers")
+
+
 @dataclass
 class BuildResult:
     bundle: Path
@@ -60,9 +65,12 @@ class Rollouts:
     seqs: List[List[int]]  # calibration sequences (prompt + completion ids)
     golden: List[GoldenItem]
     batches: List[Tensor]  # the calibration batches cut from ``seqs``
+    odd: dict  # odd samples found (and maybe dropped) before calibration
 
 
-def run_build(cfg: BuildConfig, out: Path, force: bool = False) -> BuildResult:
+def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[dict] = None) -> BuildResult:
+    """Build the bundle at ``out``. ``drift``: the drift monitor's report that triggered this build, kept in
+    the bundle (``drift_report.json``) and summarised in the manifest."""
     out = Path(out)
     if out.exists() and not force:
         raise BundleExistsError(f"output directory {out} already exists (use --force to replace it)")
@@ -74,7 +82,7 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False) -> BuildResult:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         with heartbeat():
-            result = _build_into(cfg, tmp, out, stages, int8_vllm)
+            result = _build_into(cfg, tmp, out, stages, int8_vllm, drift)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -98,7 +106,8 @@ def optional_mesh(cfg: BuildConfig, policy_dir: Path) -> Iterator[Any]:
         yield mesh
 
 
-def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_vllm: Int8Vllm) -> BuildResult:
+def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_vllm: Int8Vllm,
+                drift: Optional[dict]) -> BuildResult:
     loaded = load_stage(cfg, stages)
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
         rollouts = rollouts_stage(cfg, stages, mesh, loaded)
@@ -109,8 +118,12 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
         chosen = quantize_and_gate_stage(cfg, stages, loaded, calibrated, candidates, rollouts.golden, tmp, final)
         export_stage(cfg, stages, loaded, chosen, calibrated, rollouts.batches, tmp, int8_vllm)
         fidelity = fidelity_stage(cfg, stages, loaded, rollouts.golden, tmp, int8_vllm)
-        calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches, calibrated.summary(chosen.recipe))
+        calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches,
+                                          {**calibrated.summary(chosen.recipe), "odd_samples": rollouts.odd})
         body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm)
+        if drift is not None:
+            (tmp / DRIFT_REPORT).write_text(json.dumps(drift, indent=2) + "\n")
+            body["drift"] = {"report": DRIFT_REPORT, **{k: drift[k] for k in DRIFT_SUMMARY if k in drift}}
         sha = manifest_stage(stages, body, tmp)
         int8_tag, fp16_tag = register_stage(cfg, stages, tmp, sha)
     return BuildResult(final, sha, int8_tag, fp16_tag, fidelity)
@@ -125,8 +138,9 @@ def load_stage(cfg: BuildConfig, stages: Stages) -> Loaded:
     return Loaded(policy_dir, policy, tok)
 
 
-def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded) -> Rollouts:
-    """Calibration sequences (generated, or read from a rollout dump) and the golden set's FP32 completions."""
+def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golden_set: bool = True) -> Rollouts:
+    """Calibration sequences (generated, or read from a rollout dump) and the golden set's FP32 completions
+    (``golden_set=False``: calibration only, as the drift monitor needs)."""
     tok = loaded.tok
     with stages.run("rollouts") as s:
         prompts = data.split_prompts(cfg)
@@ -140,13 +154,15 @@ def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded) -> Ro
             completions = make_rollouts(cfg, mesh, loaded.policy_dir, loaded.policy, tok, cal_ids)
             seqs = [p + c for p, c in zip(cal_ids, completions)]
             source = f"{cfg.rollouts.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
-        gold_completions = logged_local_rollouts(loaded.policy, gold_ids, cfg.prompts.max_new_tokens,
-                                                 tok.eos_token_id, "golden rollouts")
-        golden = data.golden_items(prompts, gold_ids, gold_completions)
+        golden = data.golden_items(prompts, gold_ids, logged_local_rollouts(
+            loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id, "golden rollouts")) if golden_set else []
+        rate = len(seqs) / max(1e-9, time.monotonic() - t0)
+        seqs, odd = data.screen_odd_samples(cfg, loaded.policy, seqs, tok, log=log)
         batches = data.calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)
-        s.detail = (f"{len(seqs)} calibration sequences from {source}, {len(golden)} golden items, "
-                    f"{len(seqs) / max(1e-9, time.monotonic() - t0):.1f} seq/s")
-    return Rollouts(seqs, golden, batches)
+        s.detail = (f"{len(seqs)} calibration sequences from {source}, {len(golden)} golden items, {rate:.1f} seq/s"
+                    + (f", {len(odd['samples'])} odd sample(s)" + (" dropped" if odd["dropped"] else " kept")
+                       if odd["samples"] else ""))
+    return Rollouts(seqs, golden, batches, odd)
 
 
 def make_rollouts(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok, prompt_ids: List[List[int]]) -> List[List[int]]:

@@ -38,8 +38,9 @@ class TorchtitanTrainerActor(Actor):
 
     @endpoint
     def train(self, out_dir: str, steps: int, seed: int = 0, batch_size: int = 32, lr: float = 3e-3,
-              threads: int = 1) -> Dict[str, Any]:
-        """Train ``steps`` steps and save ``out_dir/checkpoint/step-<steps>``; returns its path and the losses."""
+              threads: int = 1, save_every: int = 0) -> Dict[str, Any]:
+        """Train ``steps`` steps and save ``out_dir/checkpoint/step-<steps>`` (and every ``save_every`` steps
+        before it, as a trainer the drift monitor watches does); returns the last one's path and the losses."""
         import torch.distributed as dist
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
@@ -61,7 +62,7 @@ class TorchtitanTrainerActor(Actor):
             optimizers=optimizers, training_steps=steps)
         loss_fn = CrossEntropyLoss.Config().build()
         folder = str(Path(out_dir) / "checkpoint")
-        checkpointer = CheckpointManager.Config(enable=True, folder=folder, interval=steps,
+        checkpointer = CheckpointManager.Config(enable=True, folder=folder, interval=save_every or steps,
                                                 last_save_model_only=False).build(
             dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={},
             sd_adapter=None)
@@ -103,13 +104,13 @@ def task_batch(rng: random.Random, batch_size: int) -> tuple[torch.Tensor, torch
     return ids[:, :-1], labels
 
 
-def train_on_mesh(out: Path, steps: int) -> tuple[Dict[str, Any], Any, Any]:
+def train_on_mesh(out: Path, steps: int, save_every: int = 0) -> tuple[Dict[str, Any], Any, Any]:
     """Spawn one trainer process, train; returns (the train result, the actor, the proc mesh to stop)."""
     from policy_bundle.build.mesh import _import_monarch
 
     procs = _import_monarch().this_host().spawn_procs(per_host={"procs": 1})
     trainer = procs.spawn("torchtitan_trainer", TorchtitanTrainerActor)
-    result = trainer.train.call_one(str(out), steps).get(timeout=300)
+    result = trainer.train.call_one(str(out), steps, save_every=save_every).get(timeout=300)
     return result, trainer, procs
 
 
@@ -117,9 +118,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only the last)")
     args = ap.parse_args()
+    if args.steps < 1 or args.save_every < 0:
+        ap.error(f"--steps must be >= 1 and --save-every >= 0 (got {args.steps}, {args.save_every})")
     args.out.mkdir(parents=True, exist_ok=True)
-    result, _, procs = train_on_mesh(args.out.resolve(), args.steps)
+    result, _, procs = train_on_mesh(args.out.resolve(), args.steps, args.save_every)
     procs.stop().get(timeout=30)
     print(f"trained {args.steps} steps (loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}); "
           f"checkpoint {result['checkpoint']}")

@@ -13,6 +13,7 @@ import torch
 from cli_helpers import run_cli
 
 STEPS = 60
+SAVE_EVERY = 20  # the trainer also leaves step-20 and step-40 behind, for the drift monitor
 TITAN = ("--config", "build/configs/torchtitan.yaml")
 FAST = ("--set", "register.bentoml=false", "--set", "export.onnx=false")
 
@@ -22,7 +23,7 @@ def trained(tmp_path_factory):
     """(step directory, trainer actor): torchtitan training in a real Monarch process, still alive."""
     from policy_bundle.build.torchtitan_example import train_on_mesh
 
-    result, trainer, procs = train_on_mesh(tmp_path_factory.mktemp("titan"), STEPS)
+    result, trainer, procs = train_on_mesh(tmp_path_factory.mktemp("titan"), STEPS, save_every=SAVE_EVERY)
     yield Path(result["checkpoint"]), trainer
     procs.stop().get(timeout=30)
 
@@ -78,6 +79,29 @@ def test_trainer_checkpoint_builds_a_bundle_that_passes_its_gate(trained, tmp_pa
     assert manifest["canary"]["verdict"] == "pass" and not manifest["canary"]["failures"]
     assert run_cli("verify", str(tmp_path / "out")).returncode == 0
     assert run_cli("canary", "--bundle", str(tmp_path / "out")).returncode == 0
+
+
+@pytest.mark.slow
+def test_watch_rebuilds_from_a_later_trainer_checkpoint_whose_calibration_moved(trained, tmp_path):
+    """train -> checkpoint -> build -> watch: the bundle of step 20 is deployed; the monitor, checking every
+    20 steps, takes the newest due checkpoint (step 60), finds its activation scales moved and rebuilds."""
+    step, _ = trained
+    folder = step.parent
+    assert sorted(p.name for p in folder.iterdir()) == ["step-20", "step-40", "step-60"]
+    first = tmp_path / "out"
+    res = build_titan(folder / "step-20", tmp_path, "--set", "calibration.procs=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_cli("watch", "--bundle", str(first), "--checkpoints", str(folder), "--out-root", str(tmp_path / "w"),
+                  "--every-steps", str(SAVE_EVERY), "--once", env={"POLICY_BUNDLE_CACHE": str(tmp_path / "cache")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "(step 20)" in res.stderr and "step 60: fresh calibration statistics" in res.stderr
+    new = tmp_path / "w" / "torchtitan-step-60"
+    report = json.loads((new / "drift_report.json").read_text())
+    assert report["step"] == 60 and report["drifted_layers"] and report["max_drift"] > 0.05
+    manifest = json.loads((new / "bundle.json").read_text())
+    assert manifest["policy"]["torchtitan"]["step"] == 60 and manifest["drift"]["previous_step"] == 20
+    assert manifest["canary"]["verdict"] == "pass"
+    assert run_cli("verify", str(new)).returncode == 0
 
 
 @pytest.mark.parametrize("model", ["llama3", "qwen3"])

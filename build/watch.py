@@ -1,0 +1,228 @@
+"""``policy-bundle watch``: calibration that follows training.
+
+A trainer (TorchForge / torchtitan, or anything that saves ``step-N`` directories) keeps writing
+checkpoints; a deployed bundle was calibrated on an older policy. The monitor waits until a checkpoint
+``every_steps`` training steps past the last one it checked appears, generates fresh rollouts from it
+with the deployed bundle's own build config (same prompts, engine, mesh and recipe), computes the
+statistics the shipped recipe calibrates (``build/drift.py``), and compares them with the deployed
+bundle's manifest. When any layer drifts by more than ``threshold`` it builds a new bundle from that
+checkpoint (``<out_root>/<name>-step-N``), registers it in the BentoML model store as a new version,
+and keeps the drift report inside it (``drift_report.json``, summarised in its manifest); the new
+bundle becomes the one later checkpoints are compared with. Below the threshold nothing is built.
+
+Checkpoints are HF directories (``config.json`` + safetensors) or, when the deployed bundle was built
+from a torchtitan checkpoint (``policy.torchtitan`` in its config), torchtitan DCP step directories
+(complete once their ``.metadata`` exists). Every check is appended to ``<out_root>/watch-state.json``,
+so a restarted monitor continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from policy_bundle.build.config import BuildConfig, config_from_dict
+from policy_bundle.build.drift import calibration_drift
+from policy_bundle.build.errors import BuildError
+from policy_bundle.build.progress import Stages, log
+from policy_bundle.bundle.manifest import manifest_hash, read_manifest, verify_bundle
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE = "watch-state.json"
+LIMITS = {"every_steps": (1, 10**9), "threshold": (1e-6, 100.0), "poll_s": (1.0, 86_400.0)}
+
+
+class WatchError(BuildError):
+    """The monitor cannot run: a bad option, no bundle, no checkpoint directory."""
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    bundle: Path  # the deployed bundle the first checkpoint is compared with
+    checkpoints: Path  # the directory holding step-N checkpoints
+    out_root: Path  # where new bundles and watch-state.json go
+    every_steps: int = 1000
+    threshold: float = 0.05
+    poll_s: float = 30.0
+    once: bool = False  # one pass, then exit (cron, tests)
+    sets: Tuple[str, ...] = ()  # config overrides for checks and rebuilds, e.g. calibration.procs=0
+
+    def validate(self) -> None:
+        for name, (lo, hi) in LIMITS.items():
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                raise WatchError(f"--{name.replace('_', '-')}: {v:g} is out of range [{lo:g}, {hi:g}]")
+        if not self.checkpoints.is_dir():
+            raise WatchError(f"--checkpoints: {str(self.checkpoints)!r} is not a directory")
+
+
+def step_of(path: Path, manifest: Optional[dict] = None) -> Optional[int]:
+    """The training step a bundle's policy came from (torchtitan provenance or a ``step-N`` directory)."""
+    if manifest is not None:
+        titan = manifest.get("policy", {}).get("torchtitan")
+        if titan and titan.get("step") is not None:
+            return int(titan["step"])
+        path = Path(manifest.get("config", {}).get("policy", {}).get("source", ""))
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def complete_checkpoints(root: Path, torchtitan: bool) -> List[Tuple[int, Path]]:
+    """``(step, dir)`` of every complete checkpoint under ``root``, oldest first."""
+    found = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        done = (p / ".metadata").is_file() if torchtitan else \
+            (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+        if done:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+class WatchState:
+    """What the monitor has done so far, saved after every check."""
+
+    def __init__(self, opts: WatchOptions):
+        self.path = opts.out_root / STATE
+        origin = str(opts.bundle.resolve())
+        data = json.loads(self.path.read_text()) if self.path.is_file() else None
+        if data is not None and data.get("origin") != origin:
+            log(f"[watch] {self.path} was started from {data.get('origin')}; starting over from {origin}")
+            data = None
+        if data is None:
+            manifest = read_manifest(opts.bundle)
+            step = step_of(opts.bundle, manifest)
+            data = {"origin": origin, "deployed": origin, "deployed_step": step, "last_step": step, "checks": []}
+        self.data = data
+
+    @property
+    def deployed(self) -> Path:
+        return Path(self.data["deployed"])
+
+    def due(self, checkpoints: List[Tuple[int, Path]], every: int) -> Optional[Tuple[int, Path]]:
+        """The newest checkpoint at least ``every`` steps past the last one checked (older ones are
+        superseded by it), or None."""
+        last = self.data["last_step"]
+        ready = [c for c in checkpoints if last is None or c[0] >= last + every]
+        return ready[-1] if ready else None
+
+    def record(self, check: dict) -> None:
+        self.data["checks"].append(check)
+        self.data["last_step"] = check["step"]
+        if check.get("new_bundle"):
+            self.data["deployed"], self.data["deployed_step"] = check["new_bundle"], check["step"]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
+        tmp.replace(self.path)
+
+
+def checkpoint_config(manifest: dict, checkpoint: Path, sets: Tuple[str, ...]) -> BuildConfig:
+    """The deployed bundle's build config with ``policy.source`` moved to the checkpoint."""
+    return config_from_dict(manifest["config"], (f"policy.source={checkpoint}",) + tuple(sets))
+
+
+SHIPPED_FIELDS = ("backend", "reduce_range", "smooth_alpha", "outlier_ratio", "rounding", "gptq_damp", "lm_head_topk")
+
+
+def shipped_recipe(cfg: BuildConfig, manifest: dict):
+    """The recipe the deployed bundle shipped, as its manifest records it (auto's winner with the fields
+    its candidate entry set, and its fallback layers)."""
+    rec = manifest["recipe"]
+    fields = {k: rec[k] for k in SHIPPED_FIELDS if rec.get(k) is not None}
+    return replace(cfg.recipe_config(rec["scheme"]), fp32_layers=tuple(rec.get("fp32_layers", ())), **fields)
+
+
+def fresh_statistics(cfg: BuildConfig, manifest: dict) -> dict:
+    """The calibration section the shipped recipe would record for the checkpoint in ``cfg``."""
+    from policy_bundle.build.calibrated import CalibratedModels
+    from policy_bundle.build.pipeline import load_stage, optional_mesh, rollouts_stage
+
+    stages = Stages(3)
+    recipe = shipped_recipe(cfg, manifest)
+    loaded = load_stage(cfg, stages)
+    with optional_mesh(cfg, loaded.policy_dir) as mesh:
+        rollouts = rollouts_stage(cfg, stages, mesh, loaded, golden_set=False)
+        with stages.run("calibration statistics of the shipped recipe") as s:
+            calibrated = CalibratedModels(cfg, mesh, loaded.policy, rollouts.batches)
+            if recipe.smooth and recipe.base_mode != "w8a8":
+                calibrated.smoothing_scales(recipe.smooth_alpha)
+            summary = calibrated.summary(recipe)
+            s.detail = f"{recipe.scheme}, {len(rollouts.seqs)} samples"
+    return summary
+
+
+def check(opts: WatchOptions, state: WatchState, step: int, checkpoint: Path) -> dict:
+    """Compare one checkpoint with the deployed bundle; build and register a new bundle when it drifted."""
+    deployed = state.deployed
+    verify_bundle(deployed)  # what we compare with is what was shipped
+    manifest = read_manifest(deployed)
+    cfg = checkpoint_config(manifest, checkpoint, opts.sets)
+    log(f"[watch] step {step}: fresh calibration statistics from {checkpoint} (deployed: {deployed})")
+    fresh = fresh_statistics(cfg, manifest)
+    what, drifts = calibration_drift(manifest["calibration"], fresh, bool(manifest["recipe"].get("reduce_range")))
+    over = [d for d in drifts if d.drift > opts.threshold]
+    top = drifts[0] if drifts else None
+    report = {"step": step, "checkpoint": str(checkpoint), "previous_bundle": str(deployed),
+              "previous_manifest_sha256": manifest_hash(deployed), "previous_step": state.data["deployed_step"],
+              "threshold": opts.threshold, "statistic": what, "max_drift": top.drift if top else 0.0,
+              "layers_compared": len(drifts), "drifted_layers": [d.layer for d in over],
+              "layers": [d.as_dict() for d in drifts]}
+    for d in (over or drifts)[:10]:
+        log(f"[watch]   {d.layer}: drift {d.drift:.2%} " + ", ".join(
+            f"{k} {a:.4g} -> {b:.4g}" for k, (a, b) in d.quantities.items()))
+    result = {"step": step, "checkpoint": str(checkpoint), "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "max_drift": report["max_drift"], "max_drift_layer": top.layer if top else None,
+              "drifted_layers": report["drifted_layers"], "threshold": opts.threshold, "new_bundle": None}
+    if not over:
+        log(f"[watch] step {step}: no drift (max {report['max_drift']:.2%} at {result['max_drift_layer']}, "
+            f"threshold {opts.threshold:.0%} over {len(drifts)} layers): nothing built")
+        result["decision"] = "no drift"
+        return result
+    from policy_bundle.build.pipeline import run_build
+
+    out = opts.out_root / f"{cfg.name}-step-{step}"
+    log(f"[watch] step {step}: {len(over)} of {len(drifts)} layers drifted more than {opts.threshold:.0%} "
+        f"(max {top.drift:.2%} at {top.layer}): building {out}")
+    try:
+        built = run_build(cfg, out, force=True, drift=report)
+    except BuildError as exc:
+        log(f"[watch] step {step}: the new bundle failed to build: {exc}")
+        result.update(decision="drift, build failed", error=str(exc))
+        return result
+    result.update(decision="drift, rebuilt", new_bundle=str(built.bundle.resolve()), int8_tag=built.int8_tag,
+                  fp16_tag=built.fp16_tag)
+    log(f"[watch] step {step}: new bundle {built.bundle}" + (f", registered {built.int8_tag} and {built.fp16_tag}"
+                                                             if built.int8_tag else ""))
+    return result
+
+
+def watch(opts: WatchOptions) -> int:
+    """Run the monitor; with ``once``, one pass (exit 1 when a triggered build failed)."""
+    opts.validate()
+    verify_bundle(opts.bundle)
+    state = WatchState(opts)
+    torchtitan = read_manifest(state.deployed)["config"]["policy"].get("torchtitan") is not None
+    log(f"[watch] deployed {state.deployed} (step {state.data['deployed_step']}); checking {opts.checkpoints} "
+        f"every {opts.every_steps} steps, drift threshold {opts.threshold:.0%}")
+    while True:
+        found = complete_checkpoints(opts.checkpoints, torchtitan)
+        due = state.due(found, opts.every_steps)
+        if due is not None:
+            result = check(opts, state, *due)
+            state.record(result)
+            if opts.once:
+                return 1 if result["decision"] == "drift, build failed" else 0
+            continue
+        last = state.data["last_step"]
+        log(f"[watch] waiting for a checkpoint at step >= {0 if last is None else last + opts.every_steps} in "
+            f"{opts.checkpoints} (newest: {found[-1][1].name if found else 'none'})")
+        if opts.once:
+            return 0
+        time.sleep(opts.poll_s)
