@@ -50,7 +50,7 @@ def recipe_section(policy: Policy, chosen: ChosenRecipe) -> dict:
     return {"scheme": recipe.scheme, "backend": recipe.backend, "reduce_range": recipe.reduce_range,
             "smooth_alpha": recipe.smooth_alpha if recipe.smooth and not plan else None,
             **(w8a8_summary(recipe, plan) if plan else {}),
-            "overrides": dict(recipe.overrides), "candidates": chosen.trials,
+            "overrides": dict(recipe.overrides), "skip": list(recipe.skip), "candidates": chosen.trials,
             "quantized_linears": recipes.selected_linears(policy, recipe),
             "fp32_layers": list(recipe.fp32_layers)}
 

@@ -136,6 +136,8 @@ def shipped_recipe(cfg: BuildConfig, manifest: dict):
     its candidate entry set, and its fallback layers)."""
     rec = manifest["recipe"]
     fields = {k: rec[k] for k in SHIPPED_FIELDS if rec.get(k) is not None}
+    if rec.get("skip") is not None:
+        fields["skip"] = tuple(rec["skip"])
     return replace(cfg.recipe_config(rec["scheme"]), fp32_layers=tuple(rec.get("fp32_layers", ())), **fields)
 
 
