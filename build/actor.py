@@ -7,6 +7,7 @@ imports Monarch.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -44,8 +45,10 @@ class CalibrationActor(Actor):
         f = self.fault
         if f is None or self.generation > 0:
             return
-        if f.kind == "kill" and self.rank == f.rank and done >= f.after:
+        if f.kind == "kill" and f.rank in (-1, self.rank) and done >= f.after:
             os._exit(17)  # a hard crash: no cleanup, no reply
+        if f.kind == "hold" and self.rank == f.rank:
+            time.sleep(3600)  # until the test kills this process or its host
         if f.kind == "raise" and shard == f.shard:
             raise RuntimeError(f"injected fault in shard {shard}")
 
@@ -58,7 +61,7 @@ class CalibrationActor(Actor):
             from policy_bundle.build.data import vllm_rollouts
 
             self._maybe_fail(shard, 0)
-            return vllm_rollouts(self.policy_dir, prompt_ids, max_new_tokens)
+            return vllm_rollouts(self.policy_dir, prompt_ids, max_new_tokens, eos)
         out: List[List[int]] = []
         for start in range(0, len(prompt_ids), batch_size):  # the fault drills count finished prompts
             self._maybe_fail(shard, start)

