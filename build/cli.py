@@ -97,7 +97,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return watch(WatchOptions(bundle=bundle, checkpoints=Path(args.checkpoints),
                               out_root=Path(args.out_root) if args.out_root else bundle.resolve().parent,
                               every_steps=args.every_steps, threshold=args.threshold, poll_s=args.poll_s,
-                              once=args.once, sets=tuple(args.set or ())))
+                              once=args.once, sets=tuple(args.set or ()), reset=args.reset))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -132,6 +132,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--threshold", type=float, default=0.05, help="rebuild when a layer drifts by more than this")
     w.add_argument("--poll-s", type=float, default=30.0, help="seconds between looks at --checkpoints")
     w.add_argument("--once", action="store_true", help="one pass, then exit")
+    w.add_argument("--reset", action="store_true", help="forget --out-root's watch-state.json, start from --bundle")
     w.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a build field for checks and rebuilds")
     w.set_defaults(func=cmd_watch)
 

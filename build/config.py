@@ -107,7 +107,7 @@ class CanarySection:
     """``canary:``: the build's accuracy gate; its ``GateThresholds`` fields (the live canary's too) are keys here."""
 
     enabled: bool = True
-    max_fp_layers: int = 8  # layer fallback budget; 0 = no fallback, fail at once
+    max_fp_layers: int = 8  # layer fallback budget; 0 = no fallback (a failure still ranks layers for the report)
     gate: GateThresholds = inline(GateThresholds)
 
 

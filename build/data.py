@@ -179,8 +179,11 @@ def screen_odd_samples(cfg: BuildConfig, policy, seqs: List[List[int]], tok,
         log(f"[calibration] ... {len(odd) - 10} more odd samples (see the manifest's calibration.odd_samples)")
     record["samples"] = [o.as_dict() for o in odd]
     if odd and c.drop_outliers:
-        if len(odd) == len(seqs):
-            raise ConfigError("calibration.drop_outliers: every calibration sample is odd; nothing would be left")
+        left = len(seqs) - len(odd)
+        if left < min(c.batch_size, len(seqs)):
+            raise ConfigError(f"calibration.drop_outliers: dropping {len(odd)} odd samples would leave {left} of "
+                              f"{len(seqs)}, fewer than calibration.batch_size ({c.batch_size}); raise "
+                              f"calibration.outlier_sigma ({c.outlier_sigma:g})")
         bad = {o.index for o in odd}
         record["dropped"] = True
         seqs = [s for i, s in enumerate(seqs) if i not in bad]

@@ -43,10 +43,13 @@ def activation_qparams(lo: float, hi: float, reduce_range: bool) -> Tuple[float,
     return float(scale), int(zp)
 
 
+APPEARED = 1e6  # the drift of a statistic one side does not have (JSON has no infinity)
+
+
 def _rel(old: Optional[float], new: Optional[float]) -> float:
     if old is None or new is None:
-        return 0.0 if old == new else float("inf")
-    return abs(new - old) / max(abs(old), 1e-12)
+        return 0.0 if old == new else APPEARED
+    return min(APPEARED, abs(new - old) / max(abs(old), 1e-12))
 
 
 def observer_drift(old: Dict[str, List[float]], new: Dict[str, List[float]], reduce_range: bool) -> List[LayerDrift]:
@@ -70,12 +73,15 @@ def group_drift(old: Dict[str, dict], new: Dict[str, dict]) -> List[LayerDrift]:
     return out
 
 
-def calibration_drift(deployed: dict, fresh: dict, reduce_range: bool) -> Tuple[str, List[LayerDrift]]:
-    """(what was compared, per-layer drift, largest first) between two manifest calibration sections."""
+def calibration_drift(deployed: dict, fresh: dict, reduce_range: bool,
+                      layers: Optional[set] = None) -> Tuple[str, List[LayerDrift]]:
+    """(what was compared, per-layer drift, largest first) between two manifest calibration sections;
+    ``layers``: the linears the deployed bundle runs in int8 (others' ranges do not matter)."""
     if "activation_ranges" in deployed and "activation_ranges" in fresh:
         what = ("activation scale / zero point of each quantized linear's input (quint8 affine MinMax, "
                 f"reduce_range={reduce_range}); drift = max(|scale change| / scale, |zero-point shift| / range)")
-        drifts = observer_drift(deployed["activation_ranges"], fresh["activation_ranges"], reduce_range)
+        keep = (lambda d: {k: v for k, v in d.items() if k in layers}) if layers is not None else (lambda d: d)
+        drifts = observer_drift(keep(deployed["activation_ranges"]), keep(fresh["activation_ranges"]), reduce_range)
     elif "groups" in deployed and "groups" in fresh:
         what = ("w8a8 input groups: outlier threshold and largest channel max |x| (the smoothing statistics); "
                 "drift = the larger relative change")

@@ -59,6 +59,7 @@ class Worker:
     rank: int
     actor: Any  # a one-actor slice of the mesh
     spawn: int  # index into ``CalibrationMesh.spawns``: the proc mesh (and job) it runs on
+    host: int = 0  # which of the spawn's proc meshes (one per host of a job)
     alive: bool = True
 
 
@@ -108,9 +109,9 @@ class CalibrationMesh:
         from policy_bundle.build.actor import CalibrationActor
 
         meshes = [p.spawn(f"calibration{self.generation}", CalibrationActor).flatten("rank") for p in spawn.procs]
-        actors = [m.slice(rank=i) for m in meshes for i in range(m.size("rank"))]
-        index = self.spawns.index(spawn)
-        workers = [Worker(len(self.workers) + i, actor, index) for i, actor in enumerate(actors)]
+        actors = [(h, m.slice(rank=i)) for h, m in enumerate(meshes) for i in range(m.size("rank"))]
+        index = len(self.spawns) - 1
+        workers = [Worker(len(self.workers) + i, actor, index, h) for i, (h, actor) in enumerate(actors)]
         threads = max(1, (os.cpu_count() or 1) // max(1, self.cfg.calibration.procs))
         recipe = dataclasses.asdict(self.cfg.recipe_config())
         futures = [w.actor.setup.call_one(w.rank, self.policy_dir, self.cfg.policy.max_seq_len, recipe, threads,
@@ -148,6 +149,15 @@ class CalibrationMesh:
         except TimeoutError:
             raise MeshError(f"{what}: no answer within calibration.timeout_s={self.cfg.calibration.timeout_s}s") from None
 
+    def _lost(self, worker: Worker) -> None:
+        """A worker's process died. On a job's host, every worker of that host is taken as lost: a lost host
+        takes all its processes with it, and Monarch 0.7 reports only the first one a proc mesh loses."""
+        worker.alive = False
+        if self.spawns and self.spawns[worker.spawn].job is not None:
+            for w in self.workers:
+                if w.spawn == worker.spawn and w.host == worker.host:
+                    w.alive = False
+
     def run_shards(self, endpoint: str, shards: Sequence[tuple], sizes: Sequence[int], unit: str) -> List[Any]:
         """Run ``endpoint(shard_id, *args)`` for every shard, one per live worker at a time."""
         results: List[Any] = [None] * len(shards)
@@ -159,6 +169,10 @@ class CalibrationMesh:
             pending = pending[len(live):]
             calls = [(s, w, getattr(w.actor, endpoint).call_one(s, *shards[s])) for s, w in batch]
             for s, w, fut in calls:
+                if not w.alive:  # its host was lost while this call was in flight: do not wait for it
+                    log(f"[mesh] shard {s} re-run: rank {w.rank} was on a lost host")
+                    pending.append(s)
+                    continue
                 try:
                     results[s] = self._get(fut, f"shard {s} ({endpoint}) on rank {w.rank}")
                 except MeshError:
@@ -166,7 +180,7 @@ class CalibrationMesh:
                 except Exception as exc:  # noqa: BLE001 - sorted into crash vs endpoint error below
                     reason = str(exc).strip().splitlines()
                     if type(exc).__name__ == "SupervisionError":
-                        w.alive = False
+                        self._lost(w)
                         why = next((ln.strip() for ln in reason if "exited" in ln or "died" in ln), reason[-1] if reason else "")
                         log(f"[mesh] shard {s} re-run: its process (rank {w.rank}) died: {why}")
                         pending.append(s)

@@ -59,9 +59,12 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
         count[0] += 1
         tick(min(count[0], 2 * len(groups)), 2 * len(groups) if recipe.smooth else len(groups), f"[w8a8] {msg}")
 
-    return build_plan(policy, stats, groups, names, smooth=recipe.smooth, alphas=recipe.smooth_alphas,
+    plan = build_plan(policy, stats, groups, names, smooth=recipe.smooth, alphas=recipe.smooth_alphas,
                       rounding=recipe.rounding, gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
                       head_topk=recipe.lm_head_topk, progress=progress)
+    log(f"[w8a8] plan: {len(names)} linears in {len(groups)} input groups, {recipe.rounding} rounding"
+        + (", smoothing alpha searched per group" if recipe.smooth else ""))
+    return plan
 
 
 def rank_sensitivity(mesh, policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,

