@@ -38,6 +38,10 @@ BUILD_FAILED = "drift, build failed"
 LIMITS = {"every_steps": (1, 10**9), "threshold": (1e-6, 100.0), "poll_s": (1.0, 86_400.0)}
 
 
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 class WatchError(BuildError):
     """The monitor cannot run: a bad option, no bundle, no checkpoint directory."""
 
@@ -118,10 +122,8 @@ class WatchState:
                 raise WatchError(f"--bundle: {self.path} follows {data['origin']} (deployed now: {data['deployed']}); "
                                  "pass one of those, another --out-root, or --reset to start over from this bundle")
         if data is None:
-            origin = given
-            manifest = read_manifest(opts.bundle)
-            step = step_of(opts.bundle, manifest)
-            data = {"origin": origin, "deployed": origin, "deployed_step": step, "last_step": step, "checks": []}
+            step = step_of(opts.bundle, read_manifest(opts.bundle))
+            data = {"origin": given, "deployed": given, "deployed_step": step, "last_step": step, "checks": []}
         self.data = data
 
     @property
@@ -204,7 +206,7 @@ def check(opts: WatchOptions, state: WatchState, step: int, checkpoint: Path) ->
         why = f"{type(exc).__name__}: {exc}".splitlines()[0]
         log(f"[watch] step {step}: check failed ({why}); it is tried again at the next look")
         return {"step": step, "checkpoint": str(checkpoint), "decision": CHECK_FAILED, "error": why,
-                "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "new_bundle": None}
+                "checked_at": utc_now(), "new_bundle": None}
 
 
 def adopt_existing(out: Path, step: int) -> Optional[Path]:
@@ -231,17 +233,16 @@ def compare_and_rebuild(opts: WatchOptions, state: WatchState, step: int, checkp
         raise WatchError(f"step {step}: no calibrated layer of {deployed} is in the fresh statistics (a different "
                          "model or recipe?); nothing to compare")
     over = [d for d in drifts if d.drift > opts.threshold]
-    top = drifts[0] if drifts else None
+    top = drifts[0]
     report = {"step": step, "checkpoint": str(checkpoint), "previous_bundle": str(deployed),
               "previous_manifest_sha256": manifest_hash(deployed), "previous_step": state.data["deployed_step"],
-              "threshold": opts.threshold, "statistic": what, "max_drift": top.drift if top else 0.0,
+              "threshold": opts.threshold, "statistic": what, "max_drift": top.drift,
               "layers_compared": len(drifts), "drifted_layers": [d.layer for d in over],
               "layers": [d.as_dict() for d in drifts]}
     for d in (over or drifts)[:10]:
         log(f"[watch]   {d.layer}: drift {d.drift:.2%} " + ", ".join(
             f"{k} {a:.4g} -> {b:.4g}" for k, (a, b) in d.quantities.items()))
-    result = {"step": step, "checkpoint": str(checkpoint), "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "max_drift": report["max_drift"], "max_drift_layer": top.layer if top else None,
+    result = {"step": step, "checkpoint": str(checkpoint), "checked_at": utc_now(), "max_drift": report["max_drift"], "max_drift_layer": top.layer,
               "drifted_layers": report["drifted_layers"], "threshold": opts.threshold, "new_bundle": None}
     if not over:
         log(f"[watch] step {step}: no drift (max {report['max_drift']:.2%} at {result['max_drift_layer']}, "
