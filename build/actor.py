@@ -15,7 +15,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from torch import Tensor
 
 from policy_bundle.bundle.faults import Fault
-from policy_bundle.quantize import recipes
+from policy_bundle.quantize import observers, recipes
 
 class CalibrationActor(Actor):
     """Holds one prepared copy of the policy; all endpoints are sync (Monarch refuses mixed actors)."""
@@ -31,7 +31,7 @@ class CalibrationActor(Actor):
               fault: str, generation: int) -> Dict[str, int]:
         """Load the policy and prepare observers. ``rank`` is the controller's worker number (the
         Monarch rank of a one-actor slice is always 0)."""
-        from policy_bundle.quantize.model import load_policy
+        from policy_bundle.quantize.hf_weights import load_policy
 
         torch.set_num_threads(threads)
         self.policy_dir = policy_dir
@@ -70,14 +70,14 @@ class CalibrationActor(Actor):
         return out
 
     @endpoint
-    def calibrate(self, shard: int, batches: List[Tensor]) -> recipes.ObserverState:
+    def calibrate(self, shard: int, batches: List[Tensor]) -> observers.ObserverState:
         for mod in self.prepared.modules():  # each shard reports only its own data
             if isinstance(mod, torch.ao.quantization.MinMaxObserver):
                 mod.reset_min_max_vals()
         for i, batch in enumerate(batches):
             self._maybe_fail(shard, i)
             recipes.calibrate(self.prepared, [batch])
-        return recipes.observer_state(self.prepared)
+        return observers.observer_state(self.prepared)
 
     @endpoint
     def channel_stats(self, shard: int, batches: List[Tensor]) -> Dict[str, Tensor]:

@@ -1,18 +1,25 @@
 """Fidelity of what the build ships: the exported artifacts, loaded back the way their consumers load
-them, against the FP32 policy on the golden set (and the keyword arguments every fidelity run shares)."""
+them, against the FP32 policy on the golden set (and the keyword arguments every fidelity run shares),
+and the gate on each: an INT8 artifact that misses it is left out of the bundle with the reason in the
+manifest (ONNX here, ``int8-vllm/`` in int8_vllm.py), or fails the build when it is the one every
+consumer needs (the TorchScript)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from policy_bundle.build import data
 from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.manifest_body import INT8_ONNX, INT8_TS
 from policy_bundle.quantize import task
-from policy_bundle.quantize.fidelity import FidelityReport, measure_fidelity
-from policy_bundle.quantize.model import CastPolicy, Policy, load_policy
+from policy_bundle.build.progress import log
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, measure_fidelity
+from policy_bundle.quantize.model import CastPolicy, Policy
+from policy_bundle.quantize.hf_weights import load_policy
 
 
 def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
@@ -26,7 +33,8 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) 
     kw = fidelity_kwargs(cfg, tok)
     scripted = torch.jit.load(str(bundle / INT8_TS))
     ref_outputs = [g.completion_ids for g in golden]
-    out = {"int8_torchscript": measure_fidelity(policy, scripted, golden, reference_outputs=ref_outputs, **kw).summary()}
+    out = {"int8_torchscript": gated(measure_fidelity(policy, scripted, golden, reference_outputs=ref_outputs, **kw),
+                                     cfg.canary.gate)}
     # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
     # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU);
     # `policy-bundle check-fp16 --engine vllm` adds vLLM's own greedy agreement.
@@ -34,8 +42,33 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) 
     out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, reference_outputs=ref_outputs, **kw).summary(),
                       "computed_as": "float16 weights and compute (torch, CPU)"}
     if cfg.export.onnx:
-        out["int8_onnx"] = onnx_fidelity(policy, bundle / INT8_ONNX, golden, kw).summary()
+        out["int8_onnx"] = gated(onnx_fidelity(policy, bundle / INT8_ONNX, golden, kw), cfg.canary.gate)
     return out
+
+
+def gated(report: FidelityReport, thresholds: GateThresholds) -> dict:
+    verdict = evaluate_gate(report, thresholds)
+    return {**report.summary(), "gate": verdict.label, "failures": verdict.failures}
+
+
+def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[str]:
+    """With the canary on: the TorchScript as loaded back must pass the gate (else the build fails); an
+    ONNX model that misses it is removed from ``bundle``. Returns why ONNX is not shipped (None: it is)."""
+    if not cfg.export.onnx:
+        return "export.onnx: false"
+    if not cfg.canary.enabled:
+        return None
+    ts = fidelity["int8_torchscript"]
+    if ts["gate"] != "pass":
+        raise CanaryGateError(f"{INT8_TS} as loaded back fails the accuracy gate ({'; '.join(ts['failures'])})")
+    onnx = fidelity["int8_onnx"]
+    if onnx["gate"] == "pass":
+        return None
+    for p in (bundle / INT8_ONNX).parent.glob(Path(INT8_ONNX).name + "*"):  # the model and any external data
+        p.unlink()
+    why = f"failed the accuracy gate in onnxruntime ({'; '.join(onnx['failures'])})"
+    log(f"[fidelity] {INT8_ONNX} left out of the bundle: {why}")
+    return why
 
 
 def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict) -> FidelityReport:

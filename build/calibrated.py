@@ -9,11 +9,11 @@ from __future__ import annotations
 from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.progress import bar
 from policy_bundle.bundle.faults import apply_scale_fault
-from policy_bundle.quantize import recipes
+from policy_bundle.quantize import observers, recipes
 from policy_bundle.quantize.model import Policy
 
 
-def calibrate_observers(mesh, prepared, batches) -> recipes.ObserverState:
+def calibrate_observers(mesh, prepared, batches) -> observers.ObserverState:
     """Observer state over all calibration batches: sharded over the Monarch mesh or in-process."""
     if mesh is not None:
         from policy_bundle.build.mesh import mesh_calibrate
@@ -24,7 +24,7 @@ def calibrate_observers(mesh, prepared, batches) -> recipes.ObserverState:
         recipes.calibrate(prepared, [batch])
         b.update(1)
     b.close()
-    return recipes.observer_state(prepared)
+    return observers.observer_state(prepared)
 
 
 class CalibratedModels:
@@ -64,7 +64,7 @@ class CalibratedModels:
                     "groups": stats_summary(self.linear_stats(recipe))}
         return {"observer": "MinMaxObserver (per-tensor affine quint8)",
                 "weight_observer": "PerChannelMinMaxObserver (per-channel symmetric qint8)",
-                "activation_ranges": recipes.activation_ranges(self.get(recipe.smooth)[1])}
+                "activation_ranges": observers.activation_ranges(self.get(recipe.smooth)[1])}
 
     def smoothing_scales(self, alpha: float):
         from policy_bundle.quantize.smooth import collect_channel_absmax, smoothing_scales
@@ -90,7 +90,7 @@ class CalibratedModels:
 
                 mesh_apply_smoothing(self.mesh, self.scales)
             state = apply_scale_fault(calibrate_observers(self.mesh, prepared, self.batches))
-            recipes.load_observer_state(prepared, state)
+            observers.load_observer_state(prepared, state)
             self.cache[smooth] = (prepared, state)
         return self.cache[smooth]
 

@@ -36,7 +36,8 @@ class CanaryOutcome:
     attempts: List[Attempt] = field(default_factory=list)
     sensitivity: List[Tuple[str, float]] = field(default_factory=list)
     reasons: dict = field(default_factory=dict)  # layer kept in float -> why
-    rejected: str = ""  # why the fallback search gave up early (fails even with its whole budget in float)
+    rejected: str = ""  # why the fallback search gave up early, or why the held-out gate prompts failed it
+    search_metrics: Optional[dict] = None  # the final candidate on the search prompts (``report``: held out)
 
 
 def layer_sensitivity(policy: nn.Module, prepared: nn.Module, recipe: recipes.RecipeConfig,
@@ -85,6 +86,7 @@ def report_json(outcome: CanaryOutcome, thresholds: GateThresholds, extra: Optio
         "failures": outcome.verdict.failures,
         "thresholds": asdict(thresholds),
         "metrics": outcome.report.summary(),
+        "search_metrics": outcome.search_metrics,
         "fp32_layers": [{"layer": n, "reason": outcome.reasons.get(n, "")} for n in outcome.fp32_layers],
         "sensitivity": [{"layer": n, "kl_mean_alone": kl} for n, kl in outcome.sensitivity],
         "attempts": [asdict(a) for a in outcome.attempts],
@@ -110,7 +112,7 @@ def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThreshol
     md = [f"# Accuracy canary: **{body['verdict'].upper()}**", ""]
     if body["failures"]:
         md += ["Missed thresholds:", ""] + [f"- {f}" for f in body["failures"]] + [""]
-    md += ["## Final candidate vs FP32 (golden set)", "", metrics_table([("INT8", body["metrics"])]), ""]
+    md += ["## Final candidate vs FP32 (the held-out gate prompts)", "", metrics_table([("INT8", body["metrics"])]), ""]
     md += ["## Thresholds", "", "\n".join(f"- `canary.{k}`: {v}" for k, v in body["thresholds"].items()), ""]
     if outcome.fp32_layers:
         md += ["## Layers kept in floating point", ""] + [f"- `{r['layer']}`: {r['reason']}" for r in body["fp32_layers"]] + [""]

@@ -1,4 +1,4 @@
-"""The ``policy-bundle`` command: build, verify, canary, check-fp16, watch. Errors become one line and a non-zero exit."""
+"""The ``policy-bundle`` command: build, verify, canary, check-fp16, watch, containerize. Errors become one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -42,8 +42,13 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from policy_bundle.build.containerize.bento_models import is_bento, verify_bento_models
     from policy_bundle.bundle.manifest import verify_bundle
 
+    if is_bento(Path(args.bundle)):
+        for model in verify_bento_models(Path(args.bundle)):
+            print(f"ok: {model.tag} matches its manifest (sha256 {model.manifest_sha256})")
+        return 0
     n = verify_bundle(Path(args.bundle))
     print(f"ok: {n} files match {Path(args.bundle) / 'bundle.json'}")
     return 0
@@ -64,13 +69,14 @@ def cmd_canary(args: argparse.Namespace) -> int:
     from policy_bundle.build.canary import metrics_table
     from policy_bundle.build.config import config_from_dict
     from policy_bundle.build.data import load_tokenizer, read_golden_jsonl
-    from policy_bundle.bundle.manifest import read_manifest, verify_bundle
+    from policy_bundle.bundle.manifest import read_manifest, verified_artifact, verify_bundle
     from policy_bundle.quantize.fidelity import evaluate_gate, measure_fidelity
-    from policy_bundle.quantize.model import load_policy
+    from policy_bundle.quantize.hf_weights import load_policy
 
     bundle = Path(args.bundle)
     verify_bundle(bundle)
     manifest = read_manifest(bundle)
+    artifact = verified_artifact(bundle, manifest, "int8_torchscript")  # what serving checks, before any load
     cfg = config_from_dict(manifest["config"], tuple(args.set or ()))
     source = Path(manifest["policy"]["source"])
     if not (source / "config.json").is_file():
@@ -79,7 +85,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
     import torch
 
     reference = load_policy(source, max_seq_len=cfg.policy.max_seq_len)
-    candidate = torch.jit.load(str(bundle / manifest["artifacts"]["int8_torchscript"]))
+    candidate = torch.jit.load(str(artifact))
     golden = read_golden_jsonl(bundle / "golden.jsonl")
     report = measure_fidelity(reference, candidate, golden, **fidelity_kwargs(cfg, load_tokenizer(bundle / "int8")))
     verdict = evaluate_gate(report, cfg.canary.gate)
@@ -100,6 +106,19 @@ def cmd_watch(args: argparse.Namespace) -> int:
                               once=args.once, sets=tuple(args.set or ()), reset=args.reset))
 
 
+def cmd_containerize(args: argparse.Namespace) -> int:
+    from policy_bundle.build.containerize.bentofile import default_torch_wheel
+    from policy_bundle.build.containerize.image import ContainerizeOptions, containerize
+
+    wheel = Path(args.torch_wheel) if args.torch_wheel else default_torch_wheel()
+    built = containerize(ContainerizeOptions(context=Path(args.context).resolve(), bento=args.bento,
+                                             tags=tuple(args.tag or ()), rebuild_base=args.rebuild_base,
+                                             torch_wheel=wheel))
+    print(f"image: {built.image} ({built.size_bytes / 1e9:.2f} GB) from bento {built.bento}")
+    print(f"run: podman run --rm --network host --shm-size 1g {built.image} --port 3000")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="policy-bundle", description="Turn a trained policy into a verified INT8 + FP16 bundle.")
     common = argparse.ArgumentParser(add_help=False)
@@ -114,8 +133,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. calibration.procs=2")
     b.set_defaults(func=cmd_build)
 
-    v = sub.add_parser("verify", parents=[common], help="re-hash every bundle file against bundle.json")
-    v.add_argument("bundle")
+    v = sub.add_parser("verify", parents=[common],
+                       help="re-hash every bundle file against bundle.json (a bento: every model it carries)")
+    v.add_argument("bundle", help="a bundle directory, or a bento directory (/home/bentoml/bento in the image)")
     v.set_defaults(func=cmd_verify)
 
     c = sub.add_parser("canary", parents=[common], help="re-run the accuracy canary on a bundle (exit 0 pass, 1 fail)")
@@ -135,6 +155,15 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--reset", action="store_true", help="forget --out-root's watch-state.json, start from --bundle")
     w.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a build field for checks and rebuilds")
     w.set_defaults(func=cmd_watch)
+
+    k = sub.add_parser("containerize", parents=[common],
+                       help="`bentoml build` + `bentoml containerize --backend podman` on a local Debian base image")
+    k.add_argument("--bento", help="containerize this bento tag (default: `bentoml build` one from bentofile.yaml)")
+    k.add_argument("--tag", action="append", metavar="NAME:TAG", help="another tag for the image (repeatable)")
+    k.add_argument("--context", default=".", help="the checkout holding bentofile.yaml (default: .)")
+    k.add_argument("--torch-wheel", help="the torch 2.13.0+cpu wheel to ship in the bento (default: /opt/wheels/...)")
+    k.add_argument("--rebuild-base", action="store_true", help="rebuild the base image even if it exists")
+    k.set_defaults(func=cmd_containerize)
 
     f = sub.add_parser("check-fp16", parents=[common], help="greedy FP16 (transformers or vLLM) vs FP32 on the golden set")
     f.add_argument("bundle")

@@ -13,7 +13,7 @@ import yaml
 
 from policy_bundle.build.candidates import parse_candidate
 from policy_bundle.build.errors import ConfigError
-from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.fidelity import THRESHOLD_RANGES, GateThresholds
 from policy_bundle.quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig, RecipeError
 
 
@@ -50,7 +50,9 @@ class RolloutsSection:
 class CalibrationSection:
     samples: int = 256
     batch_size: int = 32
-    golden: int = 128
+    golden: Optional[int] = None  # a number: exactly that many golden items, or a one-line refusal; None: 128
+    # task prompts, a quarter of a prompts file. The task: N gate items + N for the float-layer search; a file:
+    # its N split in halves
     procs: int = 2  # calibration actors per host on the Monarch mesh; 0 = in this process, no mesh
     hosts: int = 0  # >0: a host mesh of this many hosts from ``launcher`` (see README)
     launcher: str = "process"  # "process" (local ProcessJob) or the path of a saved Monarch job
@@ -151,7 +153,7 @@ RANGES = {
     "prompts.max_new_tokens": (1, 4096),
     "calibration.samples": (1, 100_000),
     "calibration.batch_size": (1, 4096),
-    "calibration.golden": (1, 100_000),
+    "calibration.golden": (2, 100_000),  # half for the float-layer search, half held out for the gate
     "rollouts.batch_size": (1, 1024),
     "calibration.procs": (0, 256),
     "calibration.hosts": (0, 4096),
@@ -161,11 +163,7 @@ RANGES = {
     "recipe.outlier_ratio": (0.0, 10_000.0),
     "recipe.gptq_damp": (1e-6, 1.0),
     "recipe.lm_head_topk": (0, 4096),
-    "canary.max_reward_drop": (0.0, 1.0),
-    "canary.min_top1_agreement": (0.0, 1.0),
-    "canary.max_kl_mean": (0.0, 100.0),
-    "canary.max_kl_p99": (0.0, 100.0),
-    "canary.min_greedy_agreement": (0.0, 1.0),
+    **{f"canary.{name}": limits for name, limits in THRESHOLD_RANGES.items()},  # GateThresholds' own ranges
     "canary.max_fp_layers": (0, 10_000),
 }
 CHOICES = {

@@ -29,6 +29,14 @@ class BundleExistsError(BuildError, FileExistsError):
     """The output directory exists and --force was not given."""
 
 
+class OutputNotReplaceableError(BuildError, FileExistsError):
+    """``--out`` exists and is neither a bundle nor an empty directory: --force does not delete it."""
+
+
+class RegistrationError(BuildError, RuntimeError):
+    """The bundle is complete at --out, but registering it in the BentoML model store failed."""
+
+
 class MeshError(BuildError, RuntimeError):
     """A shard failed on the mesh (its endpoint raised, timed out, or every process died)."""
 

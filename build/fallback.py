@@ -14,6 +14,12 @@ smallest, and a prefix below the budget could pass where the budget's does not.
 
 The torch.ao recipes walk the ranking one layer at a time (``walk_fallback``): there, more layers in
 float can be worse, so neither shortcut holds.
+
+Both searches measure on the search prompts only. With ``confirm`` set (the build's held-out gate
+prompts), the prefix they find is judged there; when that fails, more of the ranking goes to float (the
+bisection doubles the prefix, the walk adds one layer) and each larger prefix that still passes the
+search prompts is judged again, up to the budget. The held-out prompts never pick the layers (the
+ranking and the search prompts do) and never lower the count: they only reject or ask for more.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from policy_bundle.quantize import recipes
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, GoldenItem, evaluate_gate
 
 Measure = Callable[[nn.Module], FidelityReport]
+Confirm = Callable[[CanaryOutcome], CanaryOutcome]
 
 
 def smallest_passing(lo: int, hi: int, passes: Callable[[int], bool]) -> int:
@@ -46,9 +53,11 @@ class FallbackSearch:
     """Measurements of one candidate with its top-k ranked layers in float, each k measured at most once."""
 
     def __init__(self, label: str, convert: Callable[[List[str]], nn.Module], thresholds: GateThresholds,
-                 measure: Measure, measure_logits: Optional[Measure], status: Callable[[str], str] = lambda s: s):
+                 measure: Measure, measure_logits: Optional[Measure], status: Callable[[str], str] = lambda s: s,
+                 confirm: Optional[Confirm] = None):
         self.label, self.convert, self.thresholds = label, convert, thresholds
         self.measure, self.measure_logits, self.status = measure, measure_logits, status
+        self.confirm = confirm  # the held-out judgement of an outcome the search passed (None: the search's counts)
         self.ranking: List[Tuple[str, float]] = []
         self.attempts: List[Attempt] = []
         self.logits_pass: Dict[int, bool] = {}
@@ -103,18 +112,19 @@ class FallbackSearch:
 def search_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str, float]]],
                     max_fp_layers: int) -> CanaryOutcome:
     """Gate with nothing in float; on failure rank the layers (the report names the most sensitive even
-    with no budget) and search the smallest passing prefix: reject at the budget, else bisect."""
+    with no budget) and search the smallest passing prefix: reject at the budget, else bisect; then the
+    held-out judgement, doubling the prefix while it fails."""
     if not _ranked_after_failure(search, rank) or max_fp_layers == 0:
-        return search.outcome(0)
+        return _confirmed(search, 0, rank, max_fp_layers, lambda k: max(1, 2 * k))
     hi = min(max_fp_layers, len(search.ranking))
     if not search.logits_ok(hi):
         return _rejected(search, hi)
     k = 0 if search.logits_ok(0) else smallest_passing(0, hi, search.logits_ok)
-    if search.gate_ok(k):
-        return search.outcome(k)
-    if not search.gate_ok(hi):
-        return _rejected(search, hi)
-    return search.outcome(smallest_passing(k, hi, search.gate_ok))
+    if not search.gate_ok(k):
+        if not search.gate_ok(hi):
+            return _rejected(search, hi)
+        k = smallest_passing(k, hi, search.gate_ok)
+    return _confirmed(search, k, rank, max_fp_layers, lambda k: max(1, 2 * k))
 
 
 def walk_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str, float]]],
@@ -123,11 +133,38 @@ def walk_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str,
     float can be worse (torch.ao static scales on the reference policy: KL 2.4e-5 with the top layer in
     float, 5e-5 with the top 4, 7e-5 with the top 8), so neither bisection nor a budget check holds."""
     if not _ranked_after_failure(search, rank):
-        return search.outcome(0)
+        return _confirmed(search, 0, rank, max_fp_layers, lambda k: k + 1)
     for k in range(1, min(max_fp_layers, len(search.ranking)) + 1):
         if search.gate_ok(k):
-            return search.outcome(k)
+            return _confirmed(search, k, rank, max_fp_layers, lambda k: k + 1)
     return search.outcome(max(search.measured))
+
+
+def _confirmed(search: FallbackSearch, k: int, rank: Callable[[], Sequence[Tuple[str, float]]], max_fp_layers: int,
+               larger: Callable[[int], int]) -> CanaryOutcome:
+    """The prefix ``k`` that passed the search prompts, judged by ``search.confirm`` (the held-out gate
+    prompts); while that fails and the budget allows, the next ``larger(k)`` prefix that passes the search
+    prompts is judged instead. The last judgement is returned (a failing one carries why)."""
+    judged = search.outcome(k)
+    if search.confirm is None or not judged.verdict.passed:
+        return judged
+    judged, first = search.confirm(judged), k
+    while not judged.verdict.passed:
+        if not search.ranking and max_fp_layers:
+            search.ranking = list(rank())  # passed the search prompts with nothing in float: not ranked yet
+        hi = min(max_fp_layers, len(search.ranking))
+        if k >= hi:
+            if k > first:
+                judged.rejected += (f" (held-out gate prompts still fail with {k} layer(s) in float, "
+                                    f"walked up from {first}; canary.max_fp_layers={max_fp_layers})")
+                log(f"[canary] {search.label}: {judged.rejected}")
+            return judged
+        failed, k = k, min(hi, larger(k))
+        if search.gate_ok(k):
+            log(f"[canary] {search.label}: the held-out gate prompts ask for more than {failed} layer(s) in float; "
+                f"trying {k}")
+            judged = search.confirm(search.outcome(k))
+    return judged
 
 
 def _ranked_after_failure(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str, float]]]) -> bool:
@@ -150,7 +187,8 @@ def _rejected(search: FallbackSearch, hi: int) -> CanaryOutcome:
 
 def gate_torch_ao(policy: nn.Module, prepared: nn.Module, recipe: recipes.RecipeConfig, golden: Sequence[GoldenItem],
                   thresholds: GateThresholds, max_fp_layers: int, measure: Measure, measure_logits: Optional[Measure],
-                  label: str, status: Callable[[str], str] = lambda s: s) -> CanaryOutcome:
+                  label: str, status: Callable[[str], str] = lambda s: s,
+                  confirm: Optional[Confirm] = None) -> CanaryOutcome:
     """A torch.ao recipe: layers ranked by golden-set KL with only that layer quantized, walked one by one."""
     def convert(kept: List[str]) -> nn.Module:
         return recipes.convert(prepared, replace(recipe, fp32_layers=recipe.fp32_layers + tuple(kept)))
@@ -159,18 +197,19 @@ def gate_torch_ao(policy: nn.Module, prepared: nn.Module, recipe: recipes.Recipe
         set_status(status("sensitivity: one golden-set pass per layer"))
         return layer_sensitivity(policy, prepared, recipe, golden)
 
-    search = FallbackSearch(f"INT8 candidate {label}", convert, thresholds, measure, measure_logits, status)
+    search = FallbackSearch(f"INT8 candidate {label}", convert, thresholds, measure, measure_logits, status, confirm)
     return walk_fallback(search, rank, max_fp_layers)
 
 
 def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], rank: Callable[[], Sequence[Tuple[str, float]]],
               thresholds: GateThresholds, max_fp_layers: int, measure: Measure, measure_logits: Optional[Measure],
-              label: str, status: Callable[[str], str] = lambda s: s) -> CanaryOutcome:
+              label: str, status: Callable[[str], str] = lambda s: s,
+              confirm: Optional[Confirm] = None) -> CanaryOutcome:
     """A w8a8 recipe: the plan converts cheaply for any set of linears kept in float; ``rank`` is the
     probe sensitivity (in this process or on the mesh)."""
     def convert(kept: List[str]) -> nn.Module:
         keep = set(kept)
         return plan.convert(policy, [n for n in names if n not in keep])
 
-    search = FallbackSearch(f"w8a8 candidate {label}", convert, thresholds, measure, measure_logits, status)
+    search = FallbackSearch(f"w8a8 candidate {label}", convert, thresholds, measure, measure_logits, status, confirm)
     return search_fallback(search, rank, max_fp_layers)

@@ -30,7 +30,8 @@ from policy_bundle.build.progress import log
 from policy_bundle.build.vllm_golden import VllmGoldenRequest, VllmGoldenResult, VllmRunError, run_vllm_golden
 from policy_bundle.bundle.store import INT8_VLLM_DIR as INT8_VLLM
 from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
-from policy_bundle.quantize.model import Policy, full_logits, load_hf_config
+from policy_bundle.quantize.model import Policy, full_logits
+from policy_bundle.quantize.hf_weights import load_hf_config
 from policy_bundle.quantize.recipes import selected_linears
 from policy_bundle.quantize.smooth import apply_smoothing
 from policy_bundle.quantize.w8a8 import quantize_weight

@@ -12,7 +12,7 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
@@ -59,7 +59,7 @@ def canary_section(cfg: BuildConfig, chosen: ChosenRecipe) -> dict:
     outcome = chosen.outcome
     return {"verdict": outcome.verdict.label if cfg.canary.enabled else "not-run",
             "failures": outcome.verdict.failures, "fallback_layers": outcome.fp32_layers,
-            "report": "canary_report.md" if cfg.canary.enabled else None}
+            "report": "canary_report.md" if cfg.canary.enabled else None, "golden_split": chosen.golden_split}
 
 
 def calibration_section(cfg: BuildConfig, seqs: List[List[int]], batches: list, summary: dict) -> dict:
@@ -68,9 +68,11 @@ def calibration_section(cfg: BuildConfig, seqs: List[List[int]], batches: list, 
             "procs": cfg.calibration.procs, **summary}
 
 
-def artifacts_section(cfg: BuildConfig, recipe: recipes.RecipeConfig, int8_vllm: Int8Vllm) -> dict:
-    return {"int8_torchscript": INT8_TS, "int8_onnx": INT8_ONNX if cfg.export.onnx else None,
-            "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.export.onnx else None,
+def artifacts_section(cfg: BuildConfig, recipe: recipes.RecipeConfig, int8_vllm: Int8Vllm,
+                      onnx_skipped: Optional[str]) -> dict:
+    """Where each artifact is; one that was not built or missed the gate is None, with ``*_skipped`` saying why."""
+    return {"int8_torchscript": INT8_TS, "int8_onnx": None if onnx_skipped else INT8_ONNX,
+            "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.export.onnx else None, "int8_onnx_skipped": onnx_skipped,
             **int8_vllm.artifacts_section(), "fp16_hf": "fp16", "golden": "golden.jsonl"}
 
 
@@ -84,7 +86,7 @@ def policy_section(policy_dir: Path) -> dict:
 
 
 def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: ChosenRecipe, calibration: dict,
-                  fidelity: dict, int8_vllm: Int8Vllm) -> dict[str, Any]:
+                  fidelity: dict, int8_vllm: Int8Vllm, onnx_skipped: Optional[str]) -> dict[str, Any]:
     """Everything bundle.json records except its file list (bundle.manifest.write_manifest adds that)."""
     return {
         "format": FORMAT,
@@ -95,7 +97,7 @@ def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: Ch
         "recipe": recipe_section(policy, chosen),
         "canary": canary_section(cfg, chosen),
         "calibration": calibration,
-        "artifacts": artifacts_section(cfg, chosen.recipe, int8_vllm),
+        "artifacts": artifacts_section(cfg, chosen.recipe, int8_vllm, onnx_skipped),
         "fidelity": fidelity,
         "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, data.is_task_policy(cfg),
                                    cfg.canary.gate, chosen.recipe.rows_independent),

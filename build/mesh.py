@@ -26,7 +26,7 @@ from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.errors import ConfigError, MeshError
 
 from policy_bundle.build.progress import log
-from policy_bundle.quantize import recipes
+from policy_bundle.quantize import observers
 
 
 
@@ -230,11 +230,11 @@ def mesh_rollouts(mesh: CalibrationMesh, prompt_ids: Sequence[List[int]], eos: O
     return [c for part in outs for c in part]
 
 
-def mesh_calibrate(mesh: CalibrationMesh, batches: Sequence[Tensor]) -> recipes.ObserverState:
+def mesh_calibrate(mesh: CalibrationMesh, batches: Sequence[Tensor]) -> observers.ObserverState:
     """Observer state of every batch, sharded over the actors and merged (exact for min/max)."""
     shards = shard(batches, len(mesh.workers))
     states = mesh.run_shards("calibrate", [(s,) for s in shards], [sum(len(b) for b in s) for s in shards], "samples")
-    return recipes.merge_observer_states(states)
+    return observers.merge_observer_states(states)
 
 
 def mesh_channel_stats(mesh: CalibrationMesh, batches: Sequence[Tensor]):

@@ -2,16 +2,16 @@
 
 Stages follow ../shared/DESIGN.md, one function each (load, rollouts, prepare, calibrate, quantize + gate,
 export, fidelity, manifest, register); the recipe choice lives in recipe_choice.py, the manifest's body
-in manifest_body.py. Everything is written into a temporary directory next to the
-output and renamed into place at the very end, so a failed or interrupted build leaves nothing where
-the next step would look.
+in manifest_body.py. Everything is written into a partial directory next to the
+output and renamed into place at the very end (build/output_dir.py), then registered in the model store,
+so a failed or interrupted build leaves nothing where the next step would look, and the next build to
+the same parent removes what a killed one left.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,21 +22,23 @@ import torch
 from torch import Tensor
 
 from policy_bundle.build import data
-from policy_bundle.build.artifact_fidelity import quick_fidelity
+from policy_bundle.build.artifact_fidelity import gate_artifacts, quick_fidelity
 from policy_bundle.build.calibrated import CalibratedModels
 from policy_bundle.build.canary import add_artifact_comparison
 from policy_bundle.build.config import BuildConfig
-from policy_bundle.build.errors import BundleExistsError
+from policy_bundle.build.errors import RegistrationError
 from policy_bundle.build.int8_vllm import INT8_VLLM, Int8Vllm, check_int8_vllm, export_int8_vllm, planned
 from policy_bundle.build.manifest_body import INT8_TS, calibration_section, manifest_body
+from policy_bundle.build.output_dir import check_output, move_into_place, new_partial_dir, remove_stale_work_dirs
 from policy_bundle.build.progress import Stages, Throttled, bar, heartbeat, log
 from policy_bundle.build.recipe_choice import ChosenRecipe, choose_recipe
-from policy_bundle.bundle.faults import active_fault
+from policy_bundle.bundle.faults import active_fault, apply_onnx_fault
 from policy_bundle.bundle.manifest import manifest_hash, write_manifest
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
 from policy_bundle.quantize.fidelity import GoldenItem
-from policy_bundle.quantize.model import Policy, load_hf_config, load_policy
+from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
 
 
 DRIFT_REPORT = "drift_report.json"
@@ -63,30 +65,30 @@ class Loaded:
 @dataclass
 class Rollouts:
     seqs: List[List[int]]  # calibration sequences (prompt + completion ids)
-    golden: List[GoldenItem]
+    golden: data.GoldenSplit  # search part and held-out gate part
     batches: List[Tensor]  # the calibration batches cut from ``seqs``
     odd: dict  # odd samples found (and maybe dropped) before calibration
 
 
 def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[dict] = None) -> BuildResult:
     """Build the bundle at ``out``. ``drift``: the drift monitor's report that triggered this build, kept in
-    the bundle (``drift_report.json``) and summarised in the manifest."""
+    the bundle (``drift_report.json``) and summarised in the manifest. The bundle is registered in the
+    model store only once it is in place at ``out``."""
     out = Path(out)
-    if out.exists() and not force:
-        raise BundleExistsError(f"output directory {out} already exists (use --force to replace it)")
+    check_output(out, force)
     torch.manual_seed(cfg.seed)
     int8_vllm = planned(cfg)  # export.int8_vllm: true without vLLM fails here, before any work
     active_fault()  # announced (and recorded in the manifest) when a test fault is set
     stages = Stages(9)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    remove_stale_work_dirs(out.parent, log=log)
+    tmp = new_partial_dir(out)
     try:
         with heartbeat():
             result = _build_into(cfg, tmp, out, stages, int8_vllm, drift)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        result.bundle = out
+            move_into_place(tmp, out, force)
+            result.bundle = out
+            result.int8_tag, result.fp16_tag = register_stage(cfg, stages, out, result.manifest_sha256)
         log(f"bundle ready at {out} in {stages.elapsed():.1f}s (manifest sha256 {result.manifest_sha256[:16]})")
         return result
     finally:
@@ -117,16 +119,16 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
         calibrate_stage(cfg, stages, calibrated, [r for _, r in candidates], rollouts)
         chosen = quantize_and_gate_stage(cfg, stages, loaded, calibrated, candidates, rollouts.golden, tmp, final)
         export_stage(cfg, stages, loaded, chosen, calibrated, rollouts.batches, tmp, int8_vllm)
-        fidelity = fidelity_stage(cfg, stages, loaded, rollouts.golden, tmp, int8_vllm)
+        fidelity, onnx_skipped = fidelity_stage(cfg, stages, loaded, rollouts.golden.gate, tmp, int8_vllm)
         calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches,
                                           {**calibrated.summary(chosen.recipe), "odd_samples": rollouts.odd})
-        body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm)
+        body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm,
+                             onnx_skipped)
         if drift is not None:
             (tmp / DRIFT_REPORT).write_text(json.dumps(drift, indent=2) + "\n")
             body["drift"] = {"report": DRIFT_REPORT, **{k: drift[k] for k in DRIFT_SUMMARY if k in drift}}
         sha = manifest_stage(stages, body, tmp)
-        int8_tag, fp16_tag = register_stage(cfg, stages, tmp, sha)
-    return BuildResult(final, sha, int8_tag, fp16_tag, fidelity)
+    return BuildResult(final, sha, None, None, fidelity)
 
 
 def load_stage(cfg: BuildConfig, stages: Stages) -> Loaded:
@@ -154,12 +156,13 @@ def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golde
             completions = make_rollouts(cfg, mesh, loaded.policy_dir, loaded.policy, tok, cal_ids)
             seqs = [p + c for p, c in zip(cal_ids, completions)]
             source = f"{cfg.rollouts.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
-        golden = data.golden_items(prompts, gold_ids, logged_local_rollouts(
-            loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id, "golden rollouts")) if golden_set else []
+        golden = data.split_golden(data.golden_items(prompts, gold_ids, logged_local_rollouts(
+            loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id, "golden rollouts")) if golden_set else [])
         rate = len(seqs) / max(1e-9, time.monotonic() - t0)
         seqs, odd = data.screen_odd_samples(cfg, loaded.policy, seqs, tok, log=log)
         batches = data.calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)
-        s.detail = (f"{len(seqs)} calibration sequences from {source}, {len(golden)} golden items, {rate:.1f} seq/s"
+        s.detail = (f"{len(seqs)} calibration sequences from {source}, golden items: {len(golden.search)} to search "
+                    f"float layers on, {len(golden.gate)} held out for the gate, {rate:.1f} seq/s"
                     + (f", {len(odd['samples'])} odd sample(s)" + (" dropped" if odd["dropped"] else " kept")
                        if odd["samples"] else ""))
     return Rollouts(seqs, golden, batches, odd)
@@ -223,7 +226,7 @@ def calibrate_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedMode
 
 
 def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, calibrated: CalibratedModels,
-                            candidates: List[Tuple[str, recipes.RecipeConfig]], golden: List[GoldenItem], tmp: Path,
+                            candidates: List[Tuple[str, recipes.RecipeConfig]], golden: data.GoldenSplit, tmp: Path,
                             final: Path) -> ChosenRecipe:
     with stages.run("convert + accuracy canary") as s:
         chosen = choose_recipe(cfg, loaded.policy, calibrated, candidates, loaded.tok, golden, tmp, final)
@@ -240,7 +243,8 @@ def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: Chose
         shutil.copy(policy_dir / "config.json", tmp / "int8" / "config.json")
         copy_tokenizer_files(policy_dir, tmp / "int8")
         if cfg.export.onnx:
-            export_onnx_int8(policy, tmp / "int8", batches, keep_float=list(recipe.skip + recipe.fp32_layers))
+            apply_onnx_fault(export_onnx_int8(policy, tmp / "int8", batches,
+                                              keep_float=list(recipe.skip + recipe.fp32_layers)))
         export_fp16_hf(policy, load_hf_config(policy_dir), policy_dir, tmp / "fp16")
         if not int8_vllm.skipped:
             int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated.scales, tmp / INT8_VLLM)
@@ -249,9 +253,11 @@ def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: Chose
 
 
 def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: List[GoldenItem], tmp: Path,
-                   int8_vllm: Int8Vllm) -> dict:
+                   int8_vllm: Int8Vllm) -> Tuple[dict, Optional[str]]:
+    """Every exported artifact measured and gated; returns the fidelity and why ONNX is left out (or None)."""
     with stages.run("fidelity of the exported artifacts") as s:
         fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp)
+        onnx_skipped = gate_artifacts(cfg, fidelity, tmp)
         if not int8_vllm.skipped:
             check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm)
         if int8_vllm.fidelity:
@@ -265,8 +271,9 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
             if ts.get("reward_candidate") is not None else ""
         ) + (f"; {INT8_VLLM}: skipped ({int8_vllm.skipped})" if int8_vllm.skipped else
              f"; {INT8_VLLM} in vLLM: greedy {int8_vllm.fidelity['greedy_agreement']:.3f}, "
-             f"KL mean {int8_vllm.fidelity['kl_mean']:.4f}")
-    return fidelity
+             f"KL mean {int8_vllm.fidelity['kl_mean']:.4f}") + (
+            f"; ONNX left out ({onnx_skipped})" if onnx_skipped and cfg.export.onnx else "")
+    return fidelity, onnx_skipped
 
 
 def manifest_stage(stages: Stages, body: dict, tmp: Path) -> str:
@@ -276,14 +283,19 @@ def manifest_stage(stages: Stages, body: dict, tmp: Path) -> str:
     return sha
 
 
-def register_stage(cfg: BuildConfig, stages: Stages, tmp: Path, sha: str) -> Tuple[Optional[str], Optional[str]]:
-    """Both artifacts in the BentoML model store under one version (the tags), unless register.bentoml is off."""
+def register_stage(cfg: BuildConfig, stages: Stages, bundle: Path, sha: str) -> Tuple[Optional[str], Optional[str]]:
+    """Both artifacts of the bundle in place at ``bundle`` in the BentoML model store under one version (the
+    tags), unless register.bentoml is off. A failure leaves the bundle whole and says so."""
     with stages.run("register in BentoML model store") as s:
         if not cfg.register.bentoml:
             s.detail = "skipped (register.bentoml: false)"
             return None, None
         from policy_bundle.build.store import register_bundle
 
-        reg = register_bundle(tmp, version=f"{cfg.name}-{sha[:12]}", manifest_sha=manifest_hash(tmp))
+        try:
+            reg = register_bundle(bundle, version=f"{cfg.name}-{sha[:12]}", manifest_sha=manifest_hash(bundle))
+        except Exception as exc:  # noqa: BLE001 - any store failure: the bundle itself is done
+            raise RegistrationError(f"register.bentoml: the bundle at {bundle} is complete, but registering it in "
+                                    f"the BentoML model store failed ({type(exc).__name__}: {exc})") from exc
         s.detail = f"{reg.int8_tag}, {reg.fp16_tag}"
     return reg.int8_tag, reg.fp16_tag

@@ -6,7 +6,7 @@ total, best so far) for the build's heartbeat, and one line per candidate. A rej
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -21,7 +21,9 @@ from policy_bundle.build.fallback import gate_torch_ao, gate_w8a8
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
-from policy_bundle.quantize.fidelity import GateVerdict, GoldenItem, measure_fidelity, policy_logits_fn, teacher_forced_logits
+from policy_bundle.build.data import GoldenSplit
+from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, evaluate_gate,
+                                             measure_fidelity, policy_logits_fn, teacher_forced_logits)
 from policy_bundle.quantize.model import Policy
 
 
@@ -53,6 +55,7 @@ class ChosenRecipe:
     outcome: CanaryOutcome
     trials: List[dict]
     plan: Any  # the w8a8 quantization plan, None for torch.ao recipes
+    golden_split: dict = field(default_factory=dict)  # sizes of the search and held-out gate parts
 
 
 def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int = 3, warmup: int = 3) -> float:
@@ -68,26 +71,53 @@ def best_so_far(trials: Sequence[Trial]) -> str:
                                 if trials else "")
 
 
-def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels,
-                  candidates: Sequence[Tuple[str, recipes.RecipeConfig]], tok, golden: List[GoldenItem], tmp: Path,
-                  final: Path) -> ChosenRecipe:
-    """Gate every candidate in order; a single candidate (no ``auto``) skips the speed measurement.
-    Only passing candidates are timed (the winner is the fastest of them)."""
-    kw = fidelity_kwargs(cfg, tok)
+def whole_gate(policy: Policy, golden: List[GoldenItem], kw: dict, generate: bool = True) -> Callable:
+    """The gate's measurement of a model on ``golden`` (FP32 outputs and logits computed once)."""
     ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
     ref_logits = teacher_forced_logits(policy_logits_fn(policy), golden)  # once for every gate attempt
-    measure = lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs,  # noqa: E731
-                                         reference_logits=ref_logits, **kw)
-    logits_only = lambda m: measure_fidelity(policy, m, golden, generate=False,  # noqa: E731
-                                             reference_logits=ref_logits, **kw)
+    if not generate:
+        return lambda m: measure_fidelity(policy, m, golden, generate=False, reference_logits=ref_logits, **kw)
+    return lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs, reference_logits=ref_logits,
+                                      **kw)
+
+
+def held_out_verdict(outcome: CanaryOutcome, report: FidelityReport, thresholds: GateThresholds) -> CanaryOutcome:
+    """A candidate the search passed, judged again on the held-out gate prompts: that verdict and those
+    metrics are the ones that count (the search's stay in ``search_metrics`` and the attempts)."""
+    verdict = evaluate_gate(report, thresholds)
+    judged = replace(outcome, verdict=verdict, report=report, search_metrics=outcome.report.summary())
+    if not verdict.passed:
+        judged.rejected = ("passes on the search prompts but fails on the held-out gate prompts: "
+                           + "; ".join(verdict.failures))
+        log(f"[canary] {judged.rejected} ({len(outcome.fp32_layers)} layer(s) in float)")
+    else:
+        log(f"[canary] held-out gate prompts, {len(outcome.fp32_layers)} layer(s) in float: pass, top-1 "
+            f"{report.top1_agreement:.4f}, KL mean {report.kl_mean:.4g}")
+    return judged
+
+
+def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels,
+                  candidates: Sequence[Tuple[str, recipes.RecipeConfig]], tok, golden: GoldenSplit, tmp: Path,
+                  final: Path) -> ChosenRecipe:
+    """Gate every candidate in order; a single candidate (no ``auto``) skips the speed measurement.
+    Only passing candidates are timed (the winner is the fastest of them). The float-layer search measures
+    on ``golden.search``; a candidate it passes is then judged on ``golden.gate`` alone."""
+    kw = fidelity_kwargs(cfg, tok)
+    measure, logits_only = whole_gate(policy, golden.search, kw), whole_gate(policy, golden.search, kw, False)
+    judge = whole_gate(policy, golden.gate, kw)
     trials: List[Trial] = []
     auto = len(candidates) > 1
     for i, (name, recipe) in enumerate(candidates):
         def status(step: str, i=i, name=name) -> str:
             return f"candidate {i + 1}/{len(candidates)} {name}: {step}; best so far: {best_so_far(trials)}"
 
+        def confirm(searched: CanaryOutcome, status=status) -> CanaryOutcome:
+            set_status(status(f"the whole gate on the held-out prompts ({len(searched.fp32_layers)} float layers)"))
+            return held_out_verdict(searched, judge(searched.int8), cfg.canary.gate)
+
         set_status(status("preparing"))
-        outcome = gate_candidate(cfg, policy, calibrated, recipe, golden, measure, logits_only, name, status)
+        outcome = gate_candidate(cfg, policy, calibrated, recipe, golden.search, measure, logits_only, name, status,
+                                 confirm)
         speed = None
         if auto and outcome.verdict.passed:
             set_status(status("decode speed of the passing candidate (TorchScript)"))
@@ -103,28 +133,30 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
            if auto else "the configured recipe")
     if cfg.canary.enabled:
         write_report(tmp, winner.outcome, cfg.canary.gate, {"candidates": summary, "winner": winner.recipe.scheme,
-                                                           "winner_candidate": winner.name, "why": why})
+                                                           "winner_candidate": winner.name, "why": why,
+                                                           "golden_split": golden.summary()})
     recipe = replace(winner.recipe, fp32_layers=winner.recipe.fp32_layers + tuple(winner.outcome.fp32_layers))
-    return ChosenRecipe(recipe, winner.outcome, summary, calibrated.plans.get(plan_key(recipe)))
+    return ChosenRecipe(recipe, winner.outcome, summary, calibrated.plans.get(plan_key(recipe)), golden.summary())
 
 
 def gate_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
                    golden: List[GoldenItem], measure, measure_logits, name: str,
-                   status: Callable[[str], str]) -> CanaryOutcome:
-    """Convert one candidate and gate it (with layer fallback); with the canary off, only measure it."""
+                   status: Callable[[str], str], confirm=None) -> CanaryOutcome:
+    """Convert one candidate and gate it (with layer fallback, each passing prefix judged by ``confirm``);
+    with the canary off, only measure it."""
     c = cfg.canary
     if recipe.base_mode == "w8a8":
-        return gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure, measure_logits, name, status)
+        return gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure, measure_logits, name, status, confirm)
     prepared, _ = calibrated.get(recipe.smooth)
     if not c.enabled:
         int8 = recipes.convert(prepared, recipe)
         return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
     return gate_torch_ao(policy, prepared, recipe, golden, c.gate, c.max_fp_layers, measure, measure_logits, name,
-                         status)
+                         status, confirm)
 
 
 def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure,
-                        measure_logits, name: str, status: Callable[[str], str]) -> CanaryOutcome:
+                        measure_logits, name: str, status: Callable[[str], str], confirm=None) -> CanaryOutcome:
     from policy_bundle.build.w8a8 import rank_sensitivity, sensitivity_probe
 
     set_status(status("quantization plan (smoothing search, weight rounding)"))
@@ -136,7 +168,7 @@ def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: Calibrated
     rank = lambda: rank_sensitivity(calibrated.mesh, policy, plan, names,  # noqa: E731
                                     sensitivity_probe(calibrated.batches), status)
     return gate_w8a8(policy, plan, names, rank, cfg.canary.gate, cfg.canary.max_fp_layers, measure, measure_logits,
-                     name, status)
+                     name, status, confirm)
 
 
 def raise_rejected(cfg: BuildConfig, best: CanaryOutcome, summary: List[dict], final: Path) -> None:

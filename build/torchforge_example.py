@@ -22,8 +22,8 @@ import torch
 from policy_bundle.build.actor import CalibrationActor
 from policy_bundle.build.data import calibration_batches, encode_prompt, load_tokenizer, local_rollouts
 from policy_bundle.build.mesh import _import_monarch, shard
-from policy_bundle.quantize import recipes, task
-from policy_bundle.quantize.model import load_policy
+from policy_bundle.quantize import observers, recipes, task
+from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.reference import ensure_reference_policy
 
 
@@ -61,13 +61,13 @@ def main() -> None:
         for r in range(args.procs):
             actors.slice(rank=r).setup.call_one(r, str(policy_dir), 32, recipe, 1, "", 0).get(timeout=120)
         futures = [actors.slice(rank=r).calibrate.call_one(r, parts[r]) for r in range(len(parts))]
-        state = recipes.merge_observer_states([f.get(timeout=300) for f in futures])
+        state = observers.merge_observer_states([f.get(timeout=300) for f in futures])
     finally:
         procs.stop().get(timeout=30)
 
     rc = recipes.RecipeConfig(**recipe)
     prepared = recipes.prepare(load_policy(policy_dir, max_seq_len=32), rc)
-    recipes.load_observer_state(prepared, state)
+    observers.load_observer_state(prepared, state)
     int8 = recipes.convert(prepared, rc)
     torch.jit.save(torch.jit.script(int8), str(args.out / "policy-int8.ts"))
     print(f"calibrated on {len(episodes)} episodes over {args.procs} actors -> {args.out / 'policy-int8.ts'}")

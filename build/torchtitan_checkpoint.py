@@ -3,7 +3,8 @@
 ``policy.source`` names a step directory (``.../checkpoint/step-N``) and ``policy.torchtitan`` the model
 (``llama3`` or ``qwen3``), its flavor and the tokenizer. The model is built on the meta device from
 torchtitan's flavor registry, so its state dict names the tensors to read and their shapes; the model
-tensors are read with ``torch.distributed.checkpoint`` (no process group), converted to HF names by the
+tensors are read with ``torch.distributed.checkpoint`` (no process group; its ``.metadata`` pickle with
+DCP's own classes only, build/dcp_metadata.py), converted to HF names by the
 model's ``StateDictAdapter.to_hf`` and written, with a config.json derived from the flavor, into the
 build cache. The rest of the build treats that directory like any HF policy.
 """
@@ -113,9 +114,11 @@ def read_model_state(step_dir: Path, spec) -> Dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from policy_bundle.build.dcp_metadata import VettedFileSystemReader
+
     if not (step_dir / ".metadata").is_file():
         raise CheckpointError(f"policy.source: {step_dir} is not a DCP checkpoint (no .metadata file)")
-    reader = dcp.FileSystemReader(str(step_dir))
+    reader = VettedFileSystemReader(str(step_dir))  # .metadata unpickled with DCP's classes only
     meta = reader.read_metadata()
     want = model_tensors(spec)
     stored = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}

@@ -116,5 +116,5 @@ def onnx_recipe_note(recipe: RecipeConfig) -> str:
     base = "onnxruntime static QDQ: per-tensor uint8 activations (MinMax), per-channel int8 weights"
     if recipe.base_mode == "w8a8":
         return (base + "; a weaker recipe than the shipped TorchScript's (no per-token scales, smoothing or "
-                "GPTQ rounding): judge it by fidelity.int8_onnx, not by the gate")
+                "GPTQ rounding), gated on its own: left out (artifacts.int8_onnx_skipped) when it misses the gate")
     return base + "; the same calibration set as the TorchScript artifact"

@@ -14,6 +14,13 @@
 - ``fail:after=2[:name=int8]``: the served variants (or the one named) fail every generation after its 2nd
   token (``after=0``: before the first);
 - ``novllm``: the FP16 variant's vLLM engine fails to load (as a broken install would);
+- ``artifact:name=onnx``: the build's exported ONNX model gets wrong weights (every weight matrix rolled by one
+  row) while it still loads and runs, a broken artifact the build must not ship;
+- ``stall:after=0:factor=5[:name=int8]``: the served variants (or the one named) wait that many seconds
+  before handing out token ``after`` (0: before the first), without blocking other requests; several
+  stalls of one variant all apply (e.g. a slow first token and a stall mid-stream);
+- ``template``: the router's chat template raises (``raise_exception``, as real templates do) on a
+  system message that is not the first message;
 several faults at once: separated by ``;``.
 """
 
@@ -23,10 +30,11 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional
 
 FAULT_ENV = "POLICY_BUNDLE_TEST_FAULT"
-KINDS = ("kill", "hold", "raise", "scale", "slow", "loop", "fail", "novllm")
+KINDS = ("kill", "hold", "raise", "scale", "slow", "loop", "fail", "novllm", "artifact", "stall", "template")
 _announced: set = set()
 
 
@@ -38,7 +46,8 @@ class Fault:
     after: int = 0
     layer: str = ""
     factor: float = 1.0
-    name: str = ""  # loop: the router's loops it hits (comma-separated); fail: the variant (int8/fp16), "" both
+    name: str = ""  # loop: the router's loops it hits (comma-separated); fail, stall: the variant (int8/fp16),
+    # "" both; artifact: the exported artifact it breaks (onnx)
     count: int = 0  # loop: how many of its ticks raise
 
     @classmethod
@@ -73,18 +82,23 @@ def fault_spec() -> Optional[str]:
     return os.environ.get(FAULT_ENV) or None
 
 
-def active_fault(kind: Optional[str] = None, name: Optional[str] = None) -> Optional[Fault]:
-    """The injected fault (the first of ``kind`` that hits ``name``, when given), announced once per process on
+def active_faults(kind: Optional[str] = None, name: Optional[str] = None) -> List[Fault]:
+    """Every injected fault of ``kind`` that hits ``name`` (when given), announced once per process on
     stderr and in the log: a production build or server that has one set says so loudly."""
     spec = fault_spec()
     faults = Fault.parse_all(spec or "")
-    fault = next((f for f in faults if (kind is None or f.kind == kind) and (name is None or f.hits(name))), None)
     if faults and spec not in _announced:
         _announced.add(spec)
         msg = f"policy-bundle: TEST FAULT ACTIVE ({FAULT_ENV}={spec}): this process is deliberately faulty"
         logging.getLogger("policy_bundle").warning(msg)
         print(msg, file=sys.stderr, flush=True)
-    return fault
+    return [f for f in faults if (kind is None or f.kind == kind) and (name is None or f.hits(name))]
+
+
+def active_fault(kind: Optional[str] = None, name: Optional[str] = None) -> Optional[Fault]:
+    """The first injected fault of ``kind`` that hits ``name`` (see ``active_faults``), or None."""
+    faults = active_faults(kind, name)
+    return faults[0] if faults else None
 
 
 def apply_scale_fault(state: dict) -> dict:
@@ -97,3 +111,19 @@ def apply_scale_fault(state: dict) -> dict:
         raise KeyError(f"{FAULT_ENV}: no observer {key!r}")
     lo, hi = state[key]
     return {**state, key: (lo * fault.factor, hi * fault.factor)}
+
+
+def apply_onnx_fault(path: Path) -> None:
+    """Roll every weight matrix of the ONNX model at ``path`` by one row (only under ``artifact:name=onnx``)."""
+    if active_fault("artifact", "onnx") is None:
+        return
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    for init in model.graph.initializer:
+        arr = numpy_helper.to_array(init)
+        if arr.ndim >= 2 and arr.shape[0] > 1:
+            init.CopyFrom(numpy_helper.from_array(np.roll(arr, 1, axis=0), init.name))
+    onnx.save(model, str(path))

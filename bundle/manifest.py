@@ -62,6 +62,41 @@ def safe_relpath(rel: str) -> str:
     return rel
 
 
+def verify_file(root: Path, rel: str, entry: object) -> Path:
+    """The file at ``rel`` under ``root`` after checking its size and sha256 against its manifest ``entry``."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+        raise BundleVerificationError(f"{rel}: manifest entry has no size/sha256")
+    path = Path(root) / rel
+    if not path.is_file():
+        raise BundleVerificationError(f"{rel}: missing from the bundle")
+    if path.stat().st_size != entry["size"]:
+        raise BundleVerificationError(f"{rel}: size {path.stat().st_size} != manifest {entry['size']}")
+    if sha256_file(path) != entry["sha256"]:
+        raise BundleVerificationError(f"{rel}: sha256 differs from the manifest (file was modified)")
+    return path
+
+
+def verified_artifact(root: Path, manifest: dict, key: str) -> Path:
+    """The file ``artifacts.<key>`` names, before anything loads it: a relative path inside the bundle
+    (``safe_relpath``, and no symlink out of it), listed in the manifest's file table, unchanged."""
+    rel = (manifest.get("artifacts") or {}).get(key)
+    if not isinstance(rel, str):
+        raise BundleVerificationError(f"artifacts.{key}: the manifest names no such artifact")
+    try:
+        safe_relpath(rel)
+    except BundleVerificationError:
+        raise BundleVerificationError(f"artifacts.{key}: {rel!r} is not a relative path inside the bundle "
+                                      "(manifest refused, nothing loaded)") from None
+    listed = manifest.get("files")
+    if not isinstance(listed, dict) or rel not in listed:
+        raise BundleVerificationError(f"artifacts.{key}: {rel!r} is not listed in the manifest's files "
+                                      "(manifest refused, nothing loaded)")
+    root = Path(root)
+    if not (root / rel).resolve().is_relative_to(root.resolve()):
+        raise BundleVerificationError(f"artifacts.{key}: {rel!r} leads out of the bundle (a symlink; nothing loaded)")
+    return verify_file(root, rel, listed[rel])
+
+
 def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None, also: Iterable[str] = ()) -> int:
     """Re-hash every file the manifest lists (only those under ``subdir``, plus the files named in
     ``also``, when ``subdir`` is given).
@@ -82,15 +117,7 @@ def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None, also:
     for rel, entry in sorted(listed.items()):
         if not (rel.startswith(prefix) or rel in wanted):
             continue
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
-            raise BundleVerificationError(f"{rel}: manifest entry has no size/sha256")
-        path = root / rel
-        if not path.is_file():
-            raise BundleVerificationError(f"{rel}: missing from the bundle")
-        if path.stat().st_size != entry["size"]:
-            raise BundleVerificationError(f"{rel}: size {path.stat().st_size} != manifest {entry['size']}")
-        if sha256_file(path) != entry["sha256"]:
-            raise BundleVerificationError(f"{rel}: sha256 differs from the manifest (file was modified)")
+        verify_file(root, rel, entry)
         checked += 1
     missing = sorted(wanted - set(listed))
     if missing:

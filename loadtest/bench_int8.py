@@ -25,7 +25,7 @@ from policy_bundle.loadtest.bench_models import bench_models
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
-from policy_bundle.quantize.model import load_policy
+from policy_bundle.quantize.hf_weights import load_policy
 
 warnings.filterwarnings("ignore")
 

@@ -27,7 +27,7 @@ OLD_LOCAL_RATE = 0.6  # seq/s: 64 rollouts x 32 tokens of a 135M Llama on 2 proc
 
 def workload(name: str, policy_dir: Path, quick: bool):
     g = torch.Generator().manual_seed(0)
-    from policy_bundle.quantize.model import load_hf_config
+    from policy_bundle.quantize.hf_weights import load_hf_config
 
     vocab = load_hf_config(policy_dir).vocab_size
     if name == "reference":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_bundle.quantize.model import PolicyConfig, init_random_policy
+from policy_bundle.quantize.model import PolicyConfig
+
+from policy_bundle.quantize.hf_weights import init_random_policy
 from policy_bundle.quantize.reference import default_cache_dir, ensure_reference_policy, write_policy_dir
 
 RANDOM_100M = PolicyConfig(family="llama", vocab_size=16000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4,
@@ -31,7 +33,7 @@ def outlier_reference_dir(channels: int = 4, factor: float = 100.0) -> Path:
     import json
     import shutil
 
-    from policy_bundle.quantize.model import load_hf_config, load_policy
+    from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
     from policy_bundle.quantize.smooth import make_outlier_model
 
     src = ensure_reference_policy()

@@ -24,7 +24,7 @@ from policy_bundle.loadtest.real_lm import smollm2_dir
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
 from policy_bundle.quantize.decode import decode_tokens_per_s, greedy_generate
-from policy_bundle.quantize.model import load_policy
+from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
 from policy_bundle.quantize.w8a8_plan import layer_sensitivity
 

@@ -10,7 +10,9 @@ from typing import List
 import torch
 from torch import Tensor, nn
 
-from policy_bundle.quantize.model import FullSequence, Policy, PolicyConfig, save_hf_weights
+from policy_bundle.quantize.model import FullSequence, Policy, PolicyConfig
+
+from policy_bundle.quantize.hf_weights import save_hf_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")

@@ -1,8 +1,8 @@
 """Quantization recipes: which linears become INT8 and how (eager ``torch.ao.quantization``).
 
 One entry point per phase, torchao-style: ``prepare(policy, recipe)`` inserts observers,
-``calibrate`` feeds data, ``observer_state``/``merge_observer_states``/``load_observer_state`` move
-calibration results between processes, and ``convert(prepared, recipe)`` returns the INT8 module.
+``calibrate`` feeds data (``quantize/observers.py`` moves the results between processes), and
+``convert(prepared, recipe)`` returns the INT8 module.
 
 - ``static``: W8A8 post-training static quantization. Per-channel symmetric int8 weights,
   per-tensor affine uint8 activations from MinMax observers (their merge is exact, so a sharded
@@ -209,51 +209,6 @@ def calibrate(prepared: nn.Module, batches: Iterable[Tensor]) -> int:
         full_logits(prepared, batch)
         seen += batch.numel()
     return seen
-
-
-ObserverState = Dict[str, Tuple[Tensor, Tensor]]
-
-
-def observer_state(prepared: nn.Module) -> ObserverState:
-    """Per activation observer: (min, max). Small tensors that travel in actor messages."""
-    return {
-        name: (mod.min_val.clone(), mod.max_val.clone())
-        for name, mod in prepared.named_modules()
-        if isinstance(mod, MinMaxObserver)
-    }
-
-
-def merge_observer_states(states: List[ObserverState]) -> ObserverState:
-    """Elementwise min of mins and max of maxes: exact, and independent of shard order."""
-    if not states:
-        raise ValueError("merge_observer_states: no observer states to merge")
-    keys = set(states[0])
-    for s in states[1:]:
-        if set(s) != keys:
-            raise ValueError("merge_observer_states: shards observed different modules")
-    merged: ObserverState = {}
-    for k in sorted(keys):
-        mins = torch.stack([s[k][0] for s in states])
-        maxs = torch.stack([s[k][1] for s in states])
-        merged[k] = (mins.min(dim=0).values, maxs.max(dim=0).values)
-    return merged
-
-
-def load_observer_state(prepared: nn.Module, state: ObserverState) -> None:
-    mods = dict(prepared.named_modules())
-    for name, (lo, hi) in state.items():
-        obs = mods[name]
-        obs.min_val.resize_(lo.shape).copy_(lo)
-        obs.max_val.resize_(hi.shape).copy_(hi)
-
-
-def activation_ranges(state: ObserverState) -> Dict[str, List[float]]:
-    """Per quantized linear: [min, max] of its input activations (from its QuantStub observer)."""
-    out = {}
-    for name, (lo, hi) in state.items():
-        if name.endswith(".quant.activation_post_process"):
-            out[name.removesuffix(".quant.activation_post_process")] = [float(lo), float(hi)]
-    return out
 
 
 def _unwrap_slot(model: nn.Module, name: str, slot: QuantizedLinearSlot) -> None:

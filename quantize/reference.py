@@ -1,12 +1,16 @@
-"""The embedded reference policy: a tiny Llama trained (seeded) on the addition task, cached on disk.
+"""The embedded reference policy: a tiny Llama trained (seeded) on the addition task.
 
-Trained in about a minute on 2 CPU cores, saved as an FP32 HF directory (config, safetensors,
-tokenizer, generation_config) so the rest of the pipeline treats it like any other policy path.
+Trained in about two minutes on 2 CPU cores, saved as an FP32 HF directory (config, safetensors,
+tokenizer, generation_config) so the rest of the pipeline treats it like any other policy path. The
+trained directory ships with the package (``reference_policy/``, 3 MB): every machine gets the same weights
+without training, and it is retrained (``python -m policy_bundle.quantize.reference --ship``) only when what
+training depends on changes (``cache_key``); a changed key falls back to training into the cache.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -22,7 +26,8 @@ import torch.nn.functional as F
 
 from policy_bundle.quantize import task
 from policy_bundle.quantize.decode import greedy_generate
-from policy_bundle.quantize.model import Policy, PolicyConfig, full_logits, save_hf_weights
+from policy_bundle.quantize.model import Policy, PolicyConfig, full_logits
+from policy_bundle.quantize.hf_weights import save_hf_weights
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,23 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
+SHIPPED = Path(__file__).resolve().parent / "reference_policy"
+
+
 def cache_key(tc: TrainConfig) -> str:
-    src = Path(__file__).read_bytes() + Path(task.__file__).read_bytes() + json.dumps(asdict(tc)).encode()
+    """What the trained weights depend on: the task, the training code and its config (not this module's other
+    functions, so editing them keeps the shipped weights valid)."""
+    src = "".join(inspect.getsource(f) for f in (TrainConfig, reference_config, _batch, train_reference)).encode()
+    src += Path(task.__file__).read_bytes() + json.dumps(asdict(tc)).encode()
     return hashlib.sha256(src).hexdigest()[:12]
+
+
+def shipped_policy(tc: TrainConfig) -> Optional[Path]:
+    """The packaged reference policy when it was trained by this code and config."""
+    meta = SHIPPED / "reference.json"
+    if meta.is_file() and json.loads(meta.read_text()).get("key") == cache_key(tc):
+        return SHIPPED
+    return None
 
 
 def _batch(items: List[task.TaskItem], tok) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +159,8 @@ def ensure_reference_policy(
     out = (cache_dir or default_cache_dir()) / f"reference-{cache_key(tc)}"
     if (out / "config.json").is_file():
         return out
+    if cache_dir is None and shipped_policy(tc) is not None:
+        return SHIPPED
     from tqdm import tqdm
 
     log(f"[reference] training the reference policy ({tc.steps} steps) into {out}")
@@ -158,9 +179,26 @@ def ensure_reference_policy(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".reference-", dir=out.parent))
     write_policy_dir(policy, reference_config(tc), tmp)
-    (tmp / "reference.json").write_text(json.dumps({"train": asdict(tc), "golden_accuracy": acc}, indent=2))
+    (tmp / "reference.json").write_text(json.dumps({"key": cache_key(tc), "train": asdict(tc),
+                                                    "golden_accuracy": acc}, indent=2))
     try:
         tmp.rename(out)
     except OSError:  # another process won the race; its copy is identical
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def ship(tc: TrainConfig = TrainConfig()) -> Path:
+    """Train into a fresh cache and copy the result into the package (``reference_policy/``)."""
+    trained = ensure_reference_policy(Path(tempfile.mkdtemp(prefix="reference-ship-")), tc)
+    shutil.rmtree(SHIPPED, ignore_errors=True)
+    shutil.copytree(trained, SHIPPED)
+    return SHIPPED
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--ship"]:
+        raise SystemExit("usage: python -m policy_bundle.quantize.reference --ship")
+    print(f"reference policy shipped at {ship()}")

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from policy_bundle.quantize.export import write_serving_files
-from policy_bundle.quantize.model import Policy, PolicyConfig, save_hf_weights
+from policy_bundle.quantize.model import Policy, PolicyConfig
+from policy_bundle.quantize.hf_weights import save_hf_weights
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one matmul each in vLLM
 Int8Weights = Dict[str, Tuple[Tensor, Tensor]]  # linear (our name) -> (int8 [out, in], scales [out])

@@ -1,15 +1,19 @@
-"""Admin commands as a pydantic model (validated like every other body), and their execution."""
+"""Admin commands as a pydantic model (validated like every other body), and their execution; the history
+endpoint's query parameters."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from policy_bundle.serve.rollout_types import ACTIONS as ROLLOUT_ACTIONS
+from policy_bundle.serve.rollout_db import BundlePair, StateConflict, StoreUnavailable
 from policy_bundle.serve.schemas import ApiError, openapi30, parse_request
 
-ACTIONS = ("promote", "pause", "resume", "rollback", "set-weight", "restart", "analyse", "golden-canary")
+ACTIONS = (*ROLLOUT_ACTIONS, "analyse", "golden-canary")
 
 
 class AdminCommand(BaseModel):
@@ -35,7 +39,10 @@ async def execute(body, canary, controller, metrics) -> dict:
     """Run one command; ApiError (400 / 503) for what cannot be done."""
     cmd = parse_request(AdminCommand, body)
     if cmd.action == "analyse":
-        return canary.analyse_now()
+        try:
+            return await asyncio.to_thread(canary.analyse_now)
+        except StoreUnavailable as exc:
+            raise ApiError(503, str(exc), code="service_unavailable") from None
     if cmd.action == "golden-canary":
         try:
             canary.window.golden = await canary.run_golden()
@@ -44,8 +51,32 @@ async def execute(body, canary, controller, metrics) -> dict:
                            code="service_unavailable") from None
         return {"golden": canary.window.golden}
     try:
-        state = controller.command(cmd.action, cmd.weight, cmd.reason)
+        state = await asyncio.to_thread(controller.command, cmd.action, cmd.weight, cmd.reason)
+    except (StoreUnavailable, StateConflict) as exc:  # nothing changed: the operator may retry
+        raise ApiError(503, f"{cmd.action}: {exc}", code="service_unavailable", headers={"Retry-After": "1"}) from None
     except ValueError as exc:
         raise ApiError(400, str(exc), "action") from None
+    canary.new_window()
     metrics.weight.set(state.weight)
     return {"state": asdict(state)}
+
+
+MAX_HISTORY = 10000
+
+
+def history_limit(raw: str) -> int:
+    """``?limit=`` of the history endpoint: ASCII digits in [1, MAX_HISTORY] ("²".isdigit() is true too)."""
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_HISTORY:
+        raise ApiError(400, f"limit: must be an integer in [1, {MAX_HISTORY}]", "limit", raw, MAX_HISTORY)
+    return int(raw)
+
+
+def pair_named(db, current: BundlePair, sha: Optional[str]) -> BundlePair:
+    """``?pair=<int8 manifest sha256>``: the current pair (no value, or its sha) or an earlier one the database has."""
+    if sha is None or sha == current.int8_manifest:
+        return current
+    for p in db.pairs():
+        if p["int8_manifest"] == sha:
+            return BundlePair(p["int8_manifest"], p["fp16_manifest"], p["label"])
+    raise ApiError(404, "pair: no rollout for that INT8 manifest sha256 (see /admin/rollout/pairs)", "pair",
+                   sha[:64], code="not_found")

@@ -143,14 +143,14 @@ class BatchedEngine:
             if r.cancelled:
                 continue
             slot = len(self._active)
-            self._ensure_capacity(slot + 1)
             start, n = r.filled, len(r.prompt)
             end = n if budget is None else min(n, start + budget)
             try:
+                self._ensure_capacity(slot + 1)  # a failed allocation (out of memory) fails this request only
                 logits = self.module(torch.tensor([r.prompt[start:end]]), start, self._k[:, slot:slot + 1, :, :end],
                                      self._v[:, slot:slot + 1, :, :end])
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
-                r.emit(RuntimeError(f"prefill failed: {type(exc).__name__}: {exc}"))
+                r.emit(RuntimeError(f"prefill failed (KV cache of {self.capacity} slots): {type(exc).__name__}: {exc}"))
                 continue
             self._sleep_for_fault()
             r.filled = end

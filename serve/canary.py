@@ -11,7 +11,9 @@ from typing import Awaitable, Callable, Dict, List
 
 from policy_bundle.bundle.info import BundleInfo, decode
 from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, other_variant
-from policy_bundle.serve.rollout import RolloutController, Window, analyse
+from policy_bundle.serve.analysis import LATENCY_SAMPLES, Window, analyse
+from policy_bundle.serve.rollout import RolloutController
+from policy_bundle.serve.rollout_db import StoreUnavailable
 
 log = logging.getLogger("policy_bundle.router")
 
@@ -23,7 +25,7 @@ class LiveCanary:
         self.tok, self.settings, self.metrics = tok, settings, metrics
         self.golden = info.golden()
         self.golden_cursor = 0
-        self.window = Window()
+        self.window = Window(controller.epoch())
         self.tasks: Dict[str, asyncio.Task] = {}
         self.background: set = set()  # shadow calls in flight (a reference keeps each task alive)
 
@@ -32,7 +34,7 @@ class LiveCanary:
         self.window.requests[variant] += 1
         lat = self.window.latencies[variant]
         lat.append(seconds)
-        del lat[:-5000]
+        del lat[:-LATENCY_SAMPLES]
         self.metrics.requests.labels(variant=variant).inc()
         self.metrics.latency.labels(variant=variant).observe(seconds)
         self.metrics.tokens.labels(variant=variant).inc(tokens)
@@ -110,15 +112,35 @@ class LiveCanary:
 
     # -- analysis ------------------------------------------------------------------------------
     def analyse_now(self) -> dict:
-        window, self.window = self.window, Window()
+        """Judge this replica's window. A failing window counts against whatever state is current (INT8
+        misbehaved, at any weight); a passing or inconclusive one only against the traffic split it was
+        observed under, so a window that straddles a step change (another replica's promote, an operator's
+        command) never promotes twice: it is dropped as ``stale`` and the next window decides. An
+        inconclusive window is not thrown away: it stays open and the next analysis judges it together with
+        what came after (a few shadow pairs per window at 5 % never bound the flip rate on their own). With the
+        database down nothing is judged and the window is kept for the next tick."""
+        self.controller.refresh()
+        window, self.window = self.window, Window(self.controller.epoch())
         verdict, reasons, metrics = analyse(window, self.settings.rollout, self.info.thresholds)
+        try:
+            if verdict != "fail" and window.epoch != self.controller.epoch():
+                verdict, reasons = "stale", ["the rollout moved during this window (another replica or an operator)"]
+            elif self.controller.analysing() and verdict != "idle":
+                self.controller.apply(verdict, reasons, metrics, observed=None if verdict == "fail" else window.epoch)
+                self.metrics.verdicts.labels(verdict=verdict).inc()
+                if verdict == "inconclusive" and window.epoch == self.controller.epoch():
+                    # more evidence needed at this split: the next analysis judges this window and what follows
+                    self.window = window.extended(self.window)
+                else:
+                    self.window = Window(self.controller.epoch())
+        except StoreUnavailable:
+            self.window = window  # judged again once the database is back
+            raise
         failures = {v: n for v, n in window.errors.items() if n}
         if failures:  # crashes and timeouts are history even when the rollout is paused or done
             self.controller.note("variant-errors", ", ".join(f"{n} {v} failure(s)" for v, n in failures.items())
                                  + " in the last window (requests retried on the other variant)", metrics)
-        if self.controller.analysing():
-            self.metrics.verdicts.labels(verdict=verdict).inc()
-            self.controller.apply(verdict, reasons, metrics)
+        self.controller.flush()
         self.metrics.weight.set(self.controller.state.weight)
         if window.shadow_pairs:
             self.metrics.shadow_agreement.set(window.shadow_same / window.shadow_pairs)
@@ -129,12 +151,28 @@ class LiveCanary:
             return
         try:
             self.window.golden = await self.run_golden()
-        except Exception as exc:  # noqa: BLE001 - a failed canary run is an INT8/FP16 error signal
+        except Exception as exc:  # noqa: BLE001 - a broken metric source (the variants' own failures count in the pool)
             log.warning("golden canary run failed: %s", exc)
-            self.window.errors["int8"] += 1
+            await asyncio.to_thread(self.controller.error, f"golden canary run failed: {type(exc).__name__}: {exc}"[:300])
+            return
+        await asyncio.to_thread(self.controller.measured)
 
     async def analysis_tick(self) -> None:
-        self.analyse_now()
+        await asyncio.to_thread(self.analyse_now)
+
+    def new_window(self) -> None:
+        """The state changed (a command here, a transition elsewhere): later evidence is at the new weight."""
+        if self.window.epoch != self.controller.epoch():
+            self.window = Window(self.controller.epoch())
+
+    async def sync_tick(self) -> None:
+        """Re-read the shared state (a transition made on another replica is obeyed within one tick) and write
+        notes the database missed; a changed state starts a new window."""
+        if await asyncio.to_thread(self.controller.refresh):
+            self.new_window()
+            log.info("rollout state changed elsewhere: INT8 at %.1f%% (%s)", self.controller.state.weight,
+                     self.controller.state.status)
+        self.metrics.weight.set(self.controller.state.weight)
 
     # -- supervised loops ----------------------------------------------------------------------
     def ensure_loops(self, loops: Dict[str, tuple], first: Dict[str, float]) -> None:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from policy_bundle.quantize.decode import decode_steps
 from policy_bundle.quantize.model import full_logits
+from policy_bundle.serve.schemas import MIN_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,9 @@ class Step:
 
 
 def pick_token(logits: Tensor, params: SamplingParams, gen: Optional[torch.Generator]) -> Step:
-    """Greedy at temperature 0, else nucleus sampling; returns the token and its logprob."""
+    """Greedy at temperature 0 (or below MIN_TEMPERATURE), else nucleus sampling; the token and its logprob."""
     logprobs = torch.log_softmax(logits.double(), dim=-1)
-    if params.temperature <= 0.0:
+    if params.temperature < MIN_TEMPERATURE:  # greedy, as the router's schema says (no overflow to NaN)
         tok = int(logprobs.argmax())
         return Step(tok, float(logprobs[tok]))
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)

@@ -7,10 +7,11 @@ import asyncio
 import hmac
 import json
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from policy_bundle.serve.schemas import ApiError
 
@@ -56,14 +57,42 @@ def parse_json(body: bytes):
     return data
 
 
-async def read_json(request: Request, limit: int):
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or a 413 as soon as it is known to exceed ``limit``: from its Content-Length, or
+    (chunked, no length) as it streams past the limit, without reading the rest."""
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
+    if length and length.isascii() and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body of {length} bytes exceeds the limit", "body", int(length), limit)
-    body = await request.body()
-    if len(body) > limit:
-        raise ApiError(413, f"request body of {len(body)} bytes exceeds the limit", "body", len(body), limit)
-    return parse_json(body)
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes (refused at {len(body)})",
+                               "body", len(body), limit)
+    except ClientDisconnect:  # nobody reads the answer; a 4xx keeps it out of the server errors
+        raise ApiError(400, "the client disconnected before its body was read", "body") from None
+    return bytes(body)
+
+
+async def read_json(request: Request, limit: int):
+    return parse_json(await read_body(request, limit))
+
+
+class ReleasingStream(StreamingResponse):
+    """A StreamingResponse that calls ``on_end`` once it is over, however it ends: the body sent, the client
+    gone mid-stream, or gone before the first byte (Starlette then never starts the body generator, so a
+    ``finally`` in it never runs)."""
+
+    def __init__(self, content, on_end: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
 
 
 def error_response(err: ApiError) -> JSONResponse:

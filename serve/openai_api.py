@@ -8,6 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from jinja2 import TemplateError
+
+from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.info import BundleInfo, decode, encode_chat, encode_text
 from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest
 
@@ -171,15 +174,32 @@ class CompletionsAdapter(Adapter):
         return [self.chunk(p, variant, p.prompt_text)] if p.req.echo else []
 
 
+# Under the test fault ``template``: a check real templates make (Llama's, Gemma's), ahead of the bundle's own
+# template (or of one line per message where it has none).
+FAULT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                  "{{ raise_exception('System role must be the first message') }}{% endif %}{% endfor %}")
+LINES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+
+
 class ChatAdapter(Adapter):
     endpoint, schema, field_name, id_prefix = "chat", ChatRequest, "messages", "chatcmpl"
+
+    def __init__(self, tok, info: BundleInfo, model_name: str):
+        super().__init__(tok, info, model_name)
+        if active_fault("template"):
+            tok.chat_template = FAULT_TEMPLATE + (getattr(tok, "chat_template", None) or LINES_TEMPLATE)
 
     def encode(self, req: ChatRequest):
         for i, m in enumerate(req.messages):
             if not m.content.strip():
                 raise ApiError(400, f"messages.{i}.content: must not be empty", f"messages.{i}.content", m.content)
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        return "", encode_chat(self.tok, messages)
+        try:
+            return "", encode_chat(self.tok, messages)
+        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+            # a template's raise_exception (roles out of order, a role it has no turn for) refuses these messages
+            raise ApiError(400, f"messages: the model's chat template refused them ({type(exc).__name__}: "
+                           f"{str(exc)[:200]})", "messages", code="invalid_request_error") from None
 
     def max_tokens(self, req: ChatRequest) -> int:
         return req.max_completion_tokens or super().max_tokens(req)

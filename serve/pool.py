@@ -41,6 +41,32 @@ def client_error(exc: BaseException) -> Optional[ApiError]:
     return None
 
 
+async def cancelled(task: asyncio.Future, grace_s: float = 5.0) -> None:
+    """Cancel ``task`` and wait (at most ``grace_s``) until it has stopped, whatever it raised: a cancelled
+    ``__anext__`` still running would make the generator's ``aclose()`` a RuntimeError."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=grace_s)
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning
+
+
+async def close_streams(*streams, tries: int = 40) -> None:
+    """``aclose()`` each async generator; a failure to close is logged, never raised (its request is over).
+    A generator whose cancelled step is still unwinding ("already running") is closed once it has."""
+    for stream in streams:
+        for attempt in range(tries):
+            try:
+                await stream.aclose()
+            except RuntimeError as exc:
+                if "already running" in str(exc) and attempt < tries - 1:
+                    await asyncio.sleep(0.05)
+                    continue
+                log.warning("closing a stream failed: %s: %s", type(exc).__name__, exc)
+            except Exception as exc:  # noqa: BLE001 - closing is cleanup: it must not turn an answer into a 500
+                log.warning("closing a stream failed: %s: %s", type(exc).__name__, exc)
+            break
+
+
 class Admission:
     """In-flight calls against a cap: the check and the count are one step (no await between them).
 
@@ -69,8 +95,9 @@ class Admission:
 
 class VariantPool:
     def __init__(self, services: Dict[str, object], settings, note: Callable[[str, str, dict], None],
-                 on_error: Callable[[str, BaseException], None], metrics):
+                 on_error: Callable[[str, BaseException], None], metrics, expected_manifest: Optional[str] = None):
         self.services, self.settings, self.note, self.on_error, self.metrics = services, settings, note, on_error, metrics
+        self.expected_manifest = expected_manifest  # the router's pair: a variant serving another build is not ready
         self.health: Dict[str, dict] = {n: {"ready": False, "error": "not probed yet"} for n in VARIANTS}
         self.engines: Dict[str, str] = {}  # variant -> the engine its last health reported
         self.down: set = set()
@@ -92,6 +119,10 @@ class VariantPool:
         results = dict(zip(VARIANTS, await asyncio.gather(*[self._probe(n) for n in VARIANTS])))
         for name, health in results.items():
             health["probed_at"] = round(time.time(), 3)
+            sha = health.get("manifest_sha256")
+            if self.expected_manifest and sha and sha != self.expected_manifest:  # a variant restarted on a newer build
+                health.update(ready=False, error=f"serves manifest {sha[:12]}, not the router's pair "
+                                                 f"{self.expected_manifest[:12]} (restart the router with one build)")
             ready = bool(health.get("ready"))
             self.probe_failures[name] = 0 if ready else self.probe_failures.get(name, 0) + 1
             if ready:
@@ -145,11 +176,14 @@ class VariantPool:
         try:
             done, _ = await asyncio.wait({task, waiter}, timeout=self.settings.request_timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the request itself is cancelled (client gone): so is its call
+            task.cancel()
+            raise
         finally:
             waiter.cancel()
         if task in done:
             return task.result()
-        task.cancel()
+        await cancelled(task)  # a stream's step must have stopped before its generator can be closed
         if waiter in done:
             raise VariantDown(f"{name} failed its health probe while this request waited for it")
         raise asyncio.TimeoutError(f"{name} did not answer in {self.settings.request_timeout_s}s")
@@ -193,12 +227,12 @@ class VariantPool:
                 try:
                     return name, await self.next_step(name, steps), steps
                 except aiohttp.ClientConnectionError as exc:
-                    await steps.aclose()
+                    await close_streams(steps)
                     last = exc
                     if attempt == 0:
                         continue
-                except Exception as exc:  # noqa: BLE001 - nothing was sent: try the other variant
-                    await steps.aclose()
+                except Exception as exc:  # noqa: BLE001 - nothing was sent (a timeout too): try the other variant
+                    await close_streams(steps)
                     refused = client_error(exc)
                     if refused is not None:
                         raise refused from None

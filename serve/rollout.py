@@ -1,234 +1,246 @@
-"""Staged INT8 rollout: state and history in SQLite, analysis windows, promote / pause / roll back.
+"""Staged INT8 rollout of one bundle pair: steps with pause durations, analysis verdicts, operator commands.
 
-The store's interface is narrow (load state, save state + append event, read history) so a shared
-store can replace SQLite when the router runs on more than one host.
+The state lives in the rollout database (``rollout_db``), one row per bundle pair. Every change is a
+compare-and-set from the version this replica last read: an analysis verdict applies only to the state its
+window was observed under (a verdict another replica beat is dropped, never applied twice), and an operator
+command re-reads and retries, so replicas never undo each other. Each replica re-reads the state every
+``sync_interval_s`` and so obeys a transition made on any replica.
 """
 
 from __future__ import annotations
 
-import json
-import sqlite3
+import logging
+import random
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import List, Optional, Tuple
+from collections import deque
+from dataclasses import asdict, replace
+from typing import List, Optional
 
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
+from policy_bundle.serve.rollout_db import BundlePair, Event, RolloutDatabase, StateConflict, StoreUnavailable
+from policy_bundle.serve.rollout_types import (ACTIONS, ANALYSED, STOPPED, RolloutConfig, RolloutState)
 
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    steps: Tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)  # % of traffic on INT8
-    analysis_interval_s: float = 30.0
-    min_samples: int = 20  # INT8-served requests (or golden items) an analysis needs
-    failure_limit: int = 2  # failed analyses in a row before rolling back to 0 %
-    max_error_rate: float = 0.05
-    max_p99_latency_ratio: float = 3.0  # INT8 p99 / FP16 p99
-    thresholds: Optional[GateThresholds] = None  # None: the bundle's own gate thresholds
-    shadow_fraction: float = 0.2
-    golden_interval_s: float = 60.0
-    golden_items: int = 16
-    auto_start: bool = True
-
-
-@dataclass
-class RolloutState:
-    weight: float = 0.0  # % of traffic to INT8
-    step_index: int = -1
-    # not-started | progressing | waiting (inconclusive data) | held (operator weight; analyses still roll
-    # back, never promote) | paused (operator: hands off) | promoted | rolled-back
-    status: str = "not-started"
-    consecutive_failures: int = 0
-    updated_at: float = 0.0
-
-
-@dataclass
-class Event:
-    ts: float
-    event: str
-    from_weight: float
-    to_weight: float
-    reason: str
-    metrics: dict
-
-
-class RolloutStore:
-    """SQLite: one state row and an append-only history."""
-
-    def __init__(self, state_dir: Path):
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.path = state_dir / "rollout.sqlite"
-        self.lock = threading.Lock()
-        self.db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS state (id INTEGER PRIMARY KEY CHECK (id = 1), body TEXT)")
-        self.db.execute("CREATE TABLE IF NOT EXISTS history (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, "
-                        "event TEXT, from_weight REAL, to_weight REAL, reason TEXT, metrics TEXT)")
-
-    def load(self) -> Optional[RolloutState]:
-        row = self.db.execute("SELECT body FROM state WHERE id = 1").fetchone()
-        return RolloutState(**json.loads(row[0])) if row else None
-
-    def save(self, state: RolloutState, event: Optional[Event] = None) -> None:
-        """State and its event in one transaction: a crash never keeps one without the other."""
-        with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                self.db.execute("INSERT OR REPLACE INTO state (id, body) VALUES (1, ?)", (json.dumps(asdict(state)),))
-                if event:
-                    self.db.execute("INSERT INTO history (ts, event, from_weight, to_weight, reason, metrics) "
-                                    "VALUES (?, ?, ?, ?, ?, ?)", (event.ts, event.event, event.from_weight,
-                                                                  event.to_weight, event.reason, json.dumps(event.metrics)))
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-
-    def history(self, limit: int = 1000) -> List[Event]:
-        """The newest ``limit`` events, oldest first."""
-        rows = self.db.execute("SELECT ts, event, from_weight, to_weight, reason, metrics FROM history "
-                               "ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
-        return [Event(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in reversed(rows)]
-
-    def count(self) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM history").fetchone()[0]
-
-
-@dataclass
-class Window:
-    """What one analysis interval saw, per variant, plus shadow and golden comparisons."""
-
-    requests: dict = field(default_factory=lambda: {"int8": 0, "fp16": 0})
-    errors: dict = field(default_factory=lambda: {"int8": 0, "fp16": 0})
-    latencies: dict = field(default_factory=lambda: {"int8": [], "fp16": []})
-    shadow_pairs: int = 0
-    shadow_same: int = 0
-    golden: Optional[dict] = None  # latest golden-set canary metrics (fidelity summary)
-
-
-def p99(values: List[float]) -> Optional[float]:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(0.99 * len(s)))]
-
-
-def analyse(window: Window, cfg: RolloutConfig, bundle_thresholds: GateThresholds) -> Tuple[str, List[str], dict]:
-    """('pass' | 'fail' | 'inconclusive', reasons, metrics) for one window. Golden runs are judged by the
-    build's gate (``quantize.fidelity.evaluate_gate``) with the bundle's thresholds unless the router
-    config sets its own."""
-    n_int8 = window.requests["int8"]
-    err = window.errors["int8"] / n_int8 if n_int8 else 0.0
-    lat_i, lat_f = p99(window.latencies["int8"]), p99(window.latencies["fp16"])
-    ratio = lat_i / lat_f if lat_i and lat_f else None
-    shadow = window.shadow_same / window.shadow_pairs if window.shadow_pairs else None
-    metrics = {"int8_requests": n_int8, "fp16_requests": window.requests["fp16"], "int8_error_rate": err,
-               "int8_p99_s": lat_i, "fp16_p99_s": lat_f, "p99_latency_ratio": ratio,
-               "shadow_pairs": window.shadow_pairs, "shadow_agreement": shadow, "golden": window.golden}
-    t = cfg.thresholds or bundle_thresholds
-    fails = []
-    if n_int8 and err > cfg.max_error_rate:
-        fails.append(f"int8 error rate {err:.3f} > max {cfg.max_error_rate}")
-    enough_both = n_int8 >= cfg.min_samples and window.requests["fp16"] >= cfg.min_samples
-    if ratio is not None and enough_both and ratio > cfg.max_p99_latency_ratio:
-        fails.append(f"p99 latency ratio {ratio:.2f} > max {cfg.max_p99_latency_ratio}")
-    if shadow is not None and window.shadow_pairs >= max(3, cfg.min_samples // 4) and shadow < t.min_greedy_agreement:
-        fails.append(f"shadow greedy agreement {shadow:.3f} < min {t.min_greedy_agreement}")
-    g = window.golden
-    if g:
-        nan = float("nan")  # teacher-forced metrics are the build's; live runs judge generations
-        report = FidelityReport(g["items"], 0, nan, nan, nan, greedy_agreement=g.get("greedy_agreement"),
-                                reward_delta=g.get("reward_delta"))
-        fails += [f"golden {f}" for f in evaluate_gate(report, t).failures]
-    if fails:
-        return "fail", fails, metrics
-    evidence = n_int8 + (g or {}).get("items", 0)
-    if evidence < cfg.min_samples:
-        return "inconclusive", [f"{evidence} samples < min_samples {cfg.min_samples}"], metrics
-    return "pass", [], metrics
+log = logging.getLogger("policy_bundle.router")
 
 
 class RolloutController:
-    """Applies analysis verdicts and operator commands to the persisted state. Every transition is saved
-    (state and event in one transaction) before the in-memory state changes: a failed save changes nothing."""
+    """This replica's view of one pair's rollout; every change goes through the database first."""
 
-    ANALYSED = ("progressing", "waiting", "held")
-
-    def __init__(self, store: RolloutStore, cfg: RolloutConfig):
-        self.store, self.cfg = store, cfg
+    def __init__(self, db: RolloutDatabase, pair: BundlePair, cfg: RolloutConfig, replica: str = ""):
+        self.db, self.pair, self.cfg, self.replica = db, pair, cfg, replica
         self.lock = threading.Lock()
-        loaded = store.load()
-        self.state = loaded or RolloutState()
+        self.flush_lock = threading.Lock()
+        self.pending: deque = deque(maxlen=10000)  # notes not yet written (the database was down)
+        loaded = db.load(pair)
         self.resumed = loaded is not None
+        self.state, self.version = (RolloutState.from_body(loaded[0]), loaded[1]) if loaded else (RolloutState(), 0)
         if not loaded and cfg.auto_start:
-            self._move(0, "start", "rollout started at the first step", {}, status="progressing")
+            self._create()
+
+    def _create(self) -> None:
+        now = time.time()
+        first = RolloutState(weight=self.cfg.steps[0].weight, step_index=0, status=self._status_at(0),
+                             step_entered_at=now, updated_at=now)
+        event = Event(now, "start", 0.0, first.weight, f"rollout of {self.pair.label} started at the first step",
+                      {}, self.replica)
+        if self.db.create(self.pair, asdict(first), event) is None:  # another replica started it
+            self.refresh()
+        else:
+            self.state, self.version = first, 1
 
     def analysing(self) -> bool:
-        return self.state.status in self.ANALYSED
+        return self.state.status in ANALYSED
 
-    # -- transitions ---------------------------------------------------------------------------
-    def _set(self, weight: float, event: str, reason: str, metrics: dict, **changes) -> None:
+    def stopped(self) -> bool:
+        return self.state.status in STOPPED or (self.state.status == "paused" and self.state.paused_from in STOPPED)
+
+    def epoch(self) -> tuple:
+        """What an analysis window's evidence depends on: the traffic split and when this step began. Bookkeeping
+        transitions (waiting, a failed analysis counted) bump the version but not this."""
+        return self.state.step_index, self.state.weight, self.state.step_entered_at
+
+    # -- reading -------------------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """Re-read the shared state; True when another replica (or an operator there) changed it."""
+        loaded = self.db.load(self.pair)
+        self.flush()
+        with self.lock:  # only a newer row: a commit made here while the row was read must not be undone
+            if loaded is None or loaded[1] <= self.version:
+                return False
+            self.state, self.version = RolloutState.from_body(loaded[0]), loaded[1]
+            return True
+
+    # -- writing -------------------------------------------------------------------------------
+    def _commit(self, event: str, reason: str, metrics: dict, **changes) -> None:
+        """One compare-and-set from ``self.version``; memory changes only after the database did."""
         now = time.time()
-        new = replace(self.state, weight=weight, updated_at=now, **changes)
-        self.store.save(new, Event(now, event, self.state.weight, weight, reason, metrics))
+        if "step_index" in changes and changes["step_index"] != self.state.step_index:
+            changes.setdefault("step_entered_at", now)
+        new = replace(self.state, updated_at=now, **changes)
+        e = Event(now, event, self.state.weight, new.weight, reason, metrics, self.replica)
+        if self.version == 0:  # no rollout yet (auto_start: false): an operator's command creates it
+            if self.db.create(self.pair, asdict(new), e) is None:
+                raise StateConflict("another replica created this pair's rollout first")
+            self.version = 1
+        else:
+            self.version = self.db.transition(self.pair, self.version, asdict(new), e)
         self.state = new
 
-    def _move(self, index: int, event: str, reason: str, metrics: dict, **changes) -> None:
-        index = max(0, min(index, len(self.cfg.steps) - 1))
-        self._set(self.cfg.steps[index], event, reason, metrics, step_index=index, **changes)
+    def _status_at(self, index: int) -> str:
+        return "awaiting-promote" if self.cfg.steps[index].indefinite else "progressing"
 
-    def apply(self, verdict: str, reasons: List[str], metrics: dict) -> None:
-        with self.lock:
-            s = self.state
-            if s.status not in self.ANALYSED:  # operator pause, rollback, promoted: hands off
-                return
-            if verdict == "fail":
-                failures = s.consecutive_failures + 1
-                if failures >= self.cfg.failure_limit:
-                    self._set(0.0, "rollback", f"{self.cfg.failure_limit} failed analyses: " + "; ".join(reasons),
-                              metrics, status="rolled-back", step_index=-1, consecutive_failures=0)
-                else:
-                    self._set(s.weight, "analysis-failed", "; ".join(reasons), metrics, consecutive_failures=failures)
-            elif verdict == "inconclusive":  # hold the current step until there is enough data
-                if s.status == "progressing":
-                    self._set(s.weight, "waiting", "inconclusive: " + "; ".join(reasons), metrics, status="waiting")
-            elif s.status == "held":  # an operator's weight: passing analyses keep it, failing ones roll back
-                if s.consecutive_failures:
-                    self._set(s.weight, "analysis-passed", "analysis passed at the operator's weight", metrics,
-                              consecutive_failures=0)
-            elif s.step_index + 1 >= len(self.cfg.steps):
-                self._set(s.weight, "promoted", "all steps passed", metrics, status="promoted", consecutive_failures=0)
+    def _to_step(self, index: int, event: str, reason: str, metrics: dict, **changes) -> None:
+        index = max(0, min(index, len(self.cfg.steps) - 1))
+        self._commit(event, reason, metrics, weight=self.cfg.steps[index].weight, step_index=index,
+                     status=changes.pop("status", self._status_at(index)), **changes)
+
+    def apply(self, verdict: str, reasons: List[str], metrics: dict, observed: Optional[tuple] = None) -> bool:
+        """Apply one window's verdict to the state it was observed under (``observed``, an ``epoch``); False when
+        the traffic split had moved on (the verdict is dropped: the next window decides) or nothing changed. A
+        conflict with another replica's bookkeeping (same epoch) is re-read and decided again."""
+        for _ in range(5):
+            with self.lock:
+                if observed is not None and observed != self.epoch():
+                    return False
+                if self.state.status not in ANALYSED:  # operator pause, rollback, promoted: hands off
+                    return False
+                try:
+                    return self._decide(verdict, "; ".join(reasons), metrics)
+                except StateConflict:
+                    log.info("verdict %s: another replica changed the rollout first; re-read", verdict)
+            self.refresh()
+        return False
+
+    def _decide(self, verdict: str, why: str, metrics: dict) -> bool:
+        s, cfg = self.state, self.cfg
+        counters: dict = {}  # consecutive_errors is reset by a golden run that measured (``measured``), not here
+        if verdict == "fail":
+            failures = s.consecutive_failures + 1
+            if failures >= cfg.failure_limit:
+                self._commit("rollback", f"{cfg.failure_limit} failed analyses: {why}", metrics, weight=0.0,
+                             status="rolled-back", step_index=-1, consecutive_failures=0)
             else:
-                self._move(s.step_index + 1, "promote", "analysis passed", metrics, status="progressing",
-                           consecutive_failures=0)
+                self._commit("analysis-failed", why, metrics, consecutive_failures=failures,
+                             consecutive_inconclusive=0, **counters)
+            return True
+        if verdict == "inconclusive":
+            n = s.consecutive_inconclusive + 1
+            if n >= cfg.inconclusive_limit:
+                self._commit("pause", f"{n} inconclusive analyses in a row ({why}): an operator decides", metrics,
+                             status="paused", paused_from=s.status, consecutive_inconclusive=0, **counters)
+            else:
+                self._commit("waiting", f"inconclusive: {why}", metrics, consecutive_inconclusive=n,
+                             status="waiting" if s.status == "progressing" else s.status, **counters)
+            return True
+        reset = dict(consecutive_failures=0, consecutive_inconclusive=0, **counters)
+        step = cfg.steps[max(s.step_index, 0)]
+        dwell = time.time() - s.step_entered_at
+        if s.status in ("held", "awaiting-promote") or dwell < step.pause_s:  # passing analyses keep the weight
+            if any((s.consecutive_failures, s.consecutive_inconclusive)) or s.status == "waiting":
+                self._commit("analysis-passed", f"analysis passed; stays at {s.weight:g} %", metrics, **reset,
+                             status="progressing" if s.status == "waiting" else s.status)
+                return True
+            return False
+        if s.step_index + 1 >= len(cfg.steps):
+            self._commit("promoted", "all steps passed", metrics, status="promoted", **reset)
+        else:
+            self._to_step(s.step_index + 1, "promote", "analysis passed", metrics, **reset)
+        return True
+
+    def error(self, reason: str) -> None:
+        """A metric source failed to measure (a golden canary run raised): ``consecutive_error_limit`` in a row
+        abort the rollout, as a broken analysis must not keep traffic on an unjudged policy."""
+        with self.lock:
+            if self.state.status not in ANALYSED:
+                return
+            n = self.state.consecutive_errors + 1
+            try:
+                if n >= self.cfg.consecutive_error_limit:
+                    self._commit("abort", f"{n} metric-source errors in a row: {reason}", {}, weight=0.0,
+                                 status="aborted", step_index=-1, consecutive_errors=0)
+                else:
+                    self._commit("analysis-error", reason, {}, consecutive_errors=n)
+                return
+            except StateConflict:  # another replica moved first: re-read; the next failed run counts again
+                log.info("metric-source error not recorded: another replica changed the rollout first")
+        self.refresh()
+
+    def measured(self) -> None:
+        """A golden canary run measured: the metric source works again."""
+        if self.state.consecutive_errors and self.state.status in ANALYSED:
+            with self.lock:
+                try:
+                    self._commit("analysis-measured", "the golden canary measured again", {}, consecutive_errors=0)
+                    return
+                except StateConflict:  # re-read; the next golden run that measures resets it
+                    log.info("error count not reset: another replica changed the rollout first")
+            self.refresh()
 
     def note(self, event: str, reason: str, metrics: dict) -> None:
-        """Record something that happened without a transition (e.g. variant failures), in any status."""
-        with self.lock:
-            self._set(self.state.weight, event, reason, metrics)
+        """Record something that happened without a transition (e.g. variant failures), in any status. Only
+        queued here (callers may sit on the event loop): the next refresh (every sync tick) writes it, and keeps
+        it while the database is down."""
+        self.pending.append(Event(time.time(), event, self.state.weight, self.state.weight, reason, metrics,
+                                  self.replica))
+
+    def flush(self) -> None:
+        """Write the queued notes; one writer at a time, and exactly what was written leaves the queue."""
+        with self.flush_lock:
+            batch = list(self.pending)
+            if not batch:
+                return
+            try:
+                self.db.append(self.pair, batch)
+            except StoreUnavailable as exc:
+                log.warning("%d rollout note(s) kept until the database is back: %s", len(batch), exc)
+                return
+            for _ in batch:
+                self.pending.popleft()
 
     # -- operator commands ---------------------------------------------------------------------
     def command(self, action: str, weight: Optional[float] = None, reason: str = "operator") -> RolloutState:
-        with self.lock:
-            s = self.state
-            if action == "promote":
-                if s.step_index + 1 >= len(self.cfg.steps):
-                    self._set(100.0, "promote", reason, {}, status="promoted")
-                else:
-                    self._move(s.step_index + 1, "promote", reason, {}, status="progressing")
-            elif action == "pause":
-                self._set(s.weight, "pause", reason, {}, status="paused")
-            elif action == "resume":
-                self._set(s.weight, "resume", reason, {}, status="progressing")
-            elif action == "rollback":
-                self._set(0.0, "rollback", reason, {}, status="rolled-back", step_index=-1)
-            elif action == "set-weight":
-                idx = max([i for i, w in enumerate(self.cfg.steps) if w <= weight] or [-1])
-                self._set(float(weight), "set-weight", reason, {}, status="held", step_index=idx,
-                          consecutive_failures=0)
-            elif action == "restart":
-                self._move(0, "start", reason, {}, status="progressing", consecutive_failures=0)
-            else:
-                raise ValueError(f"action: {action!r} is not one of promote, pause, resume, rollback, set-weight, restart")
-            return self.state
+        """An operator's command on the newest state (re-read, applied, retried if a replica moved first)."""
+        if action not in ACTIONS:
+            raise ValueError(f"action: {action!r} is not one of {', '.join(ACTIONS)}")
+        for attempt in range(50):
+            self.refresh()
+            with self.lock:
+                try:
+                    self._operate(action, weight, reason)
+                    return self.state
+                except StateConflict:
+                    log.info("%s: another replica changed the rollout first; retrying on the newest state", action)
+            time.sleep(random.uniform(0, 0.005 * min(attempt + 1, 8)))  # replicas racing: back off, re-read
+        raise StateConflict(f"{action}: the rollout state kept changing under this command; try again")
+
+    def _operate(self, action: str, weight: Optional[float], reason: str) -> None:
+        s, last = self.state, len(self.cfg.steps) - 1
+        if action == "promote":
+            if s.status in (*STOPPED, "not-started"):
+                raise ValueError(f"action: promote needs a rollout in progress (it is {s.status}; restart it first)")
+            if s.step_index >= last:
+                self._commit("promote", reason, {}, weight=self.cfg.steps[last].weight, step_index=last,
+                             status="promoted")
+            else:  # into an indefinite step: it waits for the next promote
+                self._to_step(s.step_index + 1, "promote", reason, {}, paused_from="")
+        elif action == "pause":
+            if s.status not in ANALYSED:
+                raise ValueError(f"action: pause needs a rollout in progress (it is {s.status}; restart it first)")
+            self._commit("pause", reason, {}, status="paused", paused_from=s.status)
+        elif action == "resume":
+            if s.status != "paused":
+                raise ValueError(f"action: resume needs a paused rollout (it is {s.status})")
+            back = s.paused_from if s.paused_from in ANALYSED else self._status_at(max(s.step_index, 0))
+            self._commit("resume", reason, {}, status="progressing" if back == "waiting" else back,
+                         consecutive_inconclusive=0, paused_from="")
+        elif action in ("rollback", "abort"):
+            self._commit(action, reason, {}, weight=0.0, status="rolled-back" if action == "rollback" else "aborted",
+                         step_index=-1)
+        elif action == "set-weight":
+            idx = max([i for i, st in enumerate(self.cfg.steps) if st.weight <= weight] or [-1])
+            self._commit("set-weight", reason, {}, weight=float(weight), status="held", step_index=idx,
+                         consecutive_failures=0)
+        else:  # restart
+            self._to_step(0, "start", reason, {}, consecutive_failures=0, consecutive_inconclusive=0,
+                          consecutive_errors=0, step_entered_at=time.time())
+

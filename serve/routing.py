@@ -39,3 +39,13 @@ def forced_variant(request: Request, admin_token: Optional[str]) -> Optional[str
         raise ApiError(403, "x-policy-variant needs a valid x-admin-token header", "x-admin-token",
                        code="permission_denied")
     return forced
+
+
+def matched_variant(request: Request, rules, stopped: bool) -> Optional[str]:
+    """The variant of the first ``rollout.match`` rule whose header or cookie the request carries (A/B by
+    cohort). A rolled-back or aborted rollout sends INT8 cohorts to FP16 too: nobody keeps a failed policy."""
+    for rule in rules:
+        got = request.headers.get(rule.header) if rule.header else request.cookies.get(rule.cookie)
+        if got is not None and got == rule.value:
+            return "fp16" if stopped else rule.variant
+    return None

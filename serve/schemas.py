@@ -9,6 +9,9 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strin
                       ValidationInfo, field_validator)
 
 MAX_TOKENS_LIMIT = 256
+# Below this, sampling is greedy (as in vLLM, whose sampler's epsilon it is): logits / 1e-320 overflow to inf
+# and NaN probabilities, which must not be a variant's failure, let alone count towards a rollback.
+MIN_TEMPERATURE = 1e-5
 TEXT = {"type": "string", "pattern": r"\S"}  # not empty, not only whitespace (the server checks it itself)
 MAX_STOP, MAX_STOP_CHARS = 4, 64
 STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
@@ -67,7 +70,8 @@ class _Request(BaseModel):
 
     model: str
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0,
+                               description=f"0 (or below {MIN_TEMPERATURE}): greedy; else sampling at that temperature")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Optional[StrictInt] = Field(default=None, ge=0, le=2**63 - 1)
     user: Optional[str] = Field(default=None, max_length=256)
@@ -77,6 +81,11 @@ class _Request(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=1)
     stop: Optional[Union[StopText, List[StopText]]] = Field(default=None, json_schema_extra=_published(
         {"anyOf": [STOP, {"type": "array", "items": STOP, "maxItems": MAX_STOP}], "nullable": True}))
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float) -> float:
+        return 0.0 if value < MIN_TEMPERATURE else value
 
     @field_validator("stream_options")
     @classmethod

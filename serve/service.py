@@ -8,35 +8,40 @@ analysis loops), ``admin`` (commands), ``rollout`` (state machine + SQLite), ``h
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+import socket
 import time
 from dataclasses import asdict
 from typing import Optional
 
 import bentoml
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.info import BundleInfo, load_tokenizer
 from policy_bundle.serve import admin
 from policy_bundle.serve.canary import LiveCanary
-from policy_bundle.serve.http import ApiKeyGuard, error_response, read_json, require_admin, require_api_key
+from policy_bundle.serve.http import (ApiKeyGuard, ReleasingStream, error_response, read_json, require_admin,
+                                      require_api_key)
 from policy_bundle.serve.metrics import Metrics
 from policy_bundle.serve.openai_api import Adapter, ChatAdapter, CompletionsAdapter
-from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool
-from policy_bundle.serve.rollout import RolloutController, RolloutStore
-from policy_bundle.serve.routing import choose, forced_variant
+from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, close_streams
+from policy_bundle.serve.rollout import RolloutController
+from policy_bundle.serve.rollout_db import BundlePair, RolloutDatabase, StoreUnavailable, default_url, event_dict
+from policy_bundle.serve.routing import choose, forced_variant, matched_variant
 from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest, openapi_operation, parse_request
 from policy_bundle.serve.settings import settings_or_exit
-from policy_bundle.serve.variants import VERSION, Fp16Policy, Int8Policy, verified_artifact
+from policy_bundle.serve.store_entries import bundle_pair, refuse, verified_artifact
+from policy_bundle.serve.variants import VERSION, Fp16Policy, Int8Policy
 
 log = logging.getLogger("policy_bundle.router")
 # The spec is BentoML's /docs.json (it merges these routes); FastAPI's own copy would be a second one.
 app = FastAPI(title="policy-bundle router", openapi_url=None, docs_url=None, redoc_url=None)
 SETTINGS = settings_or_exit()  # a bad POLICY_ROUTER_CONFIG stops start-up with one line, before anything loads
-MAX_HISTORY = 10000
 
 
 @app.exception_handler(405)
@@ -59,6 +64,7 @@ class PolicyRouter:
     int8 = bentoml.depends(Int8Policy)
     fp16 = bentoml.depends(Fp16Policy)
     int8_model = bentoml.models.BentoModel(f"policy-int8:{VERSION}")  # tokenizer, golden set, manifest
+    fp16_model = bentoml.models.BentoModel(f"policy-fp16:{VERSION}")  # its manifest must be int8's (one build)
 
     def __init__(self) -> None:
         self.settings = SETTINGS
@@ -66,19 +72,28 @@ class PolicyRouter:
         self.info = BundleInfo.read(artifact.parent)
         self.tok = load_tokenizer(artifact)
         self.metrics = Metrics()
-        self.store = RolloutStore(self.settings.state_dir)
-        self.controller = RolloutController(self.store, self.settings.rollout)
+        self.pair = bundle_pair(self.int8_model, self.fp16_model)
+        url = self.settings.state_url or default_url(self.settings.state_dir)
+        replica = f"{socket.gethostname()}:{os.getpid()}"
+        try:
+            self.db = RolloutDatabase(url, replica)
+            self.controller = RolloutController(self.db, self.pair, self.settings.rollout, replica)
+        except StoreUnavailable as exc:
+            refuse(f"state_url: {exc}")
         self.admission = Admission(self.settings.max_inflight, self.settings.background_slots, self.metrics.set_inflight)
         self.pool = VariantPool({"int8": self.int8, "fp16": self.fp16}, self.settings, self.controller.note,
-                                lambda name, exc: self.canary.record_error(name, exc), self.metrics)
+                                lambda name, exc: self.canary.record_error(name, exc), self.metrics,
+                                expected_manifest=self.pair.int8_manifest)
         self.canary = LiveCanary(self.pool, self.admission, self.controller, self.info, self.tok, self.settings,
                                  self.metrics)
         self.adapters = {a.endpoint: a for a in (CompletionsAdapter(self.tok, self.info, self.settings.model_name),
                                                  ChatAdapter(self.tok, self.info, self.settings.model_name))}
         self.fault = active_fault()  # announced in the log; reported by /status
+        self._closing: set = set()  # streams being closed after their response ended (strong references)
         r = self.settings.rollout
         self.loops = {"health": (self.settings.health_interval_s, self._faulty(self.pool.refresh, "health")),
                       "analysis": (r.analysis_interval_s, self._faulty(self.canary.analysis_tick, "analysis")),
+                      "sync": (r.sync_interval_s, self.canary.sync_tick),
                       "golden": (r.golden_interval_s, self.canary.golden_tick)}
         self.metrics.weight.set(self.controller.state.weight)
         log.info("router up: INT8 weight %.1f%% (%s, resumed=%s), context %d tokens", self.controller.state.weight,
@@ -116,27 +131,30 @@ class PolicyRouter:
         t0 = time.perf_counter()
         try:
             require_api_key(request, self.settings.api_keys)
-            if not self.admission.try_acquire():  # first, and with no await before the count: a burst can't pass
+            data = await read_json(request, self.settings.max_body_bytes)  # before a slot: slow uploads hold none
+            if not self.admission.try_acquire():  # the check and the count with no await between: a burst can't pass
                 raise ApiError(429, "too many requests in flight; retry later", "concurrency", self.admission.inflight,
                                self.settings.max_inflight, code="rate_limited", headers={"Retry-After": "1"})
         except ApiError as err:
             return self._refuse(adapter, err)
         streaming = False
         try:
-            req = parse_request(adapter.schema, await read_json(request, self.settings.max_body_bytes))
+            req = parse_request(adapter.schema, data)
             if req.model != self.settings.model_name:
                 raise ApiError(404, f"model: {req.model!r} does not exist (serving {self.settings.model_name!r})",
                                "model", req.model, code="model_not_found")
             p = adapter.prepare(req)
             forced = forced_variant(request, self.settings.admin_token)
-            variant = forced or choose(self.controller.state.weight, self.settings.sticky_salt,
+            variant = forced or matched_variant(request, self.settings.rollout.match, self.controller.stopped()) \
+                or choose(self.controller.state.weight, self.settings.sticky_salt,
                                        req.user or request.headers.get("x-policy-user"))
             kwargs = p.sampling(self.tok.eos_token_id)
             if req.stream:
                 served, first, steps = await self.pool.open_stream(variant, forced is not None, kwargs)
-                streaming = True
-                return StreamingResponse(self._stream(adapter, p, served, first, steps, t0),
-                                         media_type="text/event-stream", headers={"x-policy-variant": served})
+                streaming = True  # from here the response releases the slot, however the stream ends
+                body = self._stream(adapter, p, served, first, steps, t0)
+                return ReleasingStream(body, lambda: self._stream_ended(body, steps), media_type="text/event-stream",
+                                       headers={"x-policy-variant": served})
             served, result = await self.pool.generate(variant, forced is not None, kwargs)
         except ApiError as err:
             return self._refuse(adapter, err)
@@ -177,11 +195,19 @@ class PolicyRouter:
             self.canary.record_error(served, exc)
             yield sse({"error": {"message": f"variant {served} failed mid-stream ({type(exc).__name__})",
                                  "type": "server_error", "code": "variant_failed", "param": None}})
-        finally:
-            await steps.aclose()
-            self.admission.release()
+        finally:  # the variant's stream is closed by _stream_ended, which also runs if this never starts
             if ok:
                 self.canary.record(served, time.perf_counter() - t0, n)
+
+    def _stream_ended(self, body, steps) -> None:
+        """A streamed response is over (sent, cut off mid-stream, or its client gone before the body started,
+        when Starlette never starts the body and its ``finally`` never runs): the slot is free at once; the
+        streams close in a task of their own, which a cancelled request's scope cannot cut short (the one
+        place they are closed)."""
+        self.admission.release()
+        task = asyncio.ensure_future(close_streams(body, steps))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     # -- HTTP routes ---------------------------------------------------------------------------
     @app.post("/v1/completions", openapi_extra=openapi_operation(CompletionRequest, SETTINGS.model_name))
@@ -203,6 +229,7 @@ class PolicyRouter:
         self.ensure_loops()
         return self._guarded(request) or {
             "ready": self.pool.ready(), "variants": self.pool.health, "rollout": asdict(self.controller.state),
+            "pair": asdict(self.pair), "state_version": self.controller.version,
             "inflight": self.admission.inflight, "context_tokens": self.info.max_seq_len,
             "loops": {name: not task.done() for name, task in self.canary.tasks.items()},
             "test_fault": self.fault is not None}
@@ -217,20 +244,42 @@ class PolicyRouter:
 
     @app.get("/admin/rollout")
     async def admin_status(self, request: Request):
-        return self._guarded(request, True) or {"state": asdict(self.controller.state),
+        return self._guarded(request, True) or {"state": asdict(self.controller.state), "pair": asdict(self.pair),
+                                                "state_version": self.controller.version,
                                                 "config": asdict(self.settings.rollout)}
 
     @app.get("/admin/rollout/history")
     async def admin_history(self, request: Request):
-        """The newest ``?limit=`` events (default 1000, oldest first), and how many the history holds."""
+        """The newest ``?limit=`` events (default 1000, oldest first) of the current pair, or of an earlier one
+        (``?pair=<int8 manifest sha256>``, as ``/admin/rollout/pairs`` lists them), and how many it holds."""
         denied = self._guarded(request, True)
         if denied:
             return denied
-        limit = request.query_params.get("limit", "1000")
-        if not limit.isdigit() or not 1 <= int(limit) <= MAX_HISTORY:
-            return error_response(ApiError(400, f"limit: must be an integer in [1, {MAX_HISTORY}]", "limit", limit,
-                                           MAX_HISTORY))
-        return {"history": [asdict(e) for e in self.store.history(int(limit))], "total": self.store.count()}
+        try:
+            limit = admin.history_limit(request.query_params.get("limit", "1000"))
+            pair = await asyncio.to_thread(admin.pair_named, self.db, self.pair, request.query_params.get("pair"))
+            events, total = await asyncio.to_thread(self._history, pair, limit)
+        except ApiError as err:
+            return error_response(err)
+        except StoreUnavailable as exc:
+            return error_response(ApiError(503, str(exc), code="service_unavailable"))
+        return {"pair": asdict(pair), "history": [event_dict(e) for e in events], "total": total,
+                "pending_notes": len(self.controller.pending)}
+
+    def _history(self, pair: BundlePair, limit: int) -> tuple:
+        self.controller.flush()  # notes queued on the event loop are history too
+        return self.db.history(pair, limit), self.db.count(pair)
+
+    @app.get("/admin/rollout/pairs")
+    async def admin_pairs(self, request: Request):
+        """Every bundle pair the state database has a rollout for, newest first (earlier builds stay readable)."""
+        denied = self._guarded(request, True)
+        if denied:
+            return denied
+        try:
+            return {"current": asdict(self.pair), "pairs": await asyncio.to_thread(self.db.pairs)}
+        except StoreUnavailable as exc:
+            return error_response(ApiError(503, str(exc), code="service_unavailable"))
 
     @app.post("/admin/rollout", openapi_extra={
         "requestBody": {"required": True, "content": {"application/json": {"schema": admin.admin_schema()}}},

@@ -9,13 +9,16 @@ from typing import Optional, Tuple
 
 import yaml
 
-from policy_bundle.quantize.fidelity import GateThresholds
-from policy_bundle.serve.rollout import RolloutConfig
+from policy_bundle.quantize.fidelity import GateThresholds, ThresholdError
+from policy_bundle.serve.rollout_types import MatchRule, RolloutConfig, RolloutStep
 
 
 @dataclass(frozen=True)
 class RouterSettings:
     state_dir: Path = Path(os.path.expanduser("~/.cache/policy-bundle/router"))
+    # POLICY_BUNDLE_STATE_URL: the rollout database shared by replicas (SQLAlchemy URL, e.g.
+    # postgresql+psycopg://user@host/db); unset = sqlite:///<state_dir>/rollout.sqlite (one process)
+    state_url: Optional[str] = None
     admin_token: Optional[str] = None  # POLICY_BUNDLE_ADMIN_TOKEN; unset = admin API disabled
     api_keys: Tuple[str, ...] = ()  # POLICY_BUNDLE_API_KEYS (comma-separated); empty = open
     model_name: str = "policy"
@@ -63,10 +66,59 @@ def _rollout_from(data: dict) -> RolloutConfig:
     thresholds = data.pop("thresholds", None)
     if thresholds is not None:
         _check_fields(GateThresholds, thresholds, "rollout.thresholds.")
-        thresholds = GateThresholds(**thresholds)
+        try:
+            thresholds = GateThresholds(**thresholds)  # the ranges the build checks too
+        except ThresholdError as exc:
+            raise SettingsError(f"rollout.thresholds.{exc}") from None
     if "steps" in data:
-        data["steps"] = tuple(float(s) for s in data["steps"])
+        data["steps"] = tuple(_step(s, i) for i, s in enumerate(_listed(data["steps"], "rollout.steps")))
+    if "match" in data:
+        data["match"] = tuple(_rule(r, i) for i, r in enumerate(_listed(data["match"], "rollout.match")))
     return RolloutConfig(**data, thresholds=thresholds)
+
+
+def _listed(value, where: str) -> list:
+    if not isinstance(value, list):
+        raise SettingsError(f"{where}: must be a list")
+    return value
+
+
+def _step(value, i: int) -> RolloutStep:
+    """A weight, or ``{weight: W, pause_s: S}``, or ``{weight: W, pause: indefinite}`` (waits for promote)."""
+    where = f"rollout.steps[{i}]"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return RolloutStep(float(value))
+    if not isinstance(value, dict) or set(value) - {"weight", "pause_s", "pause"} or "weight" not in value:
+        raise SettingsError(f"{where}: {value!r} is not a weight or {{weight, pause_s | pause: indefinite}}")
+    if value.get("pause", "indefinite") != "indefinite" or ("pause" in value and "pause_s" in value):
+        raise SettingsError(f"{where}.pause: only 'indefinite' (or pause_s: seconds instead)")
+    weight, pause_s = value["weight"], value.get("pause_s", 0.0)
+    for name, v in (("weight", weight), ("pause_s", pause_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise SettingsError(f"{where}.{name}: {v!r} is not a number")
+    return RolloutStep(float(weight), float(pause_s), indefinite="pause" in value)
+
+
+def _rule(value, i: int) -> MatchRule:
+    """``{header: NAME, value: V, variant: int8|fp16}`` or the same with ``cookie: NAME``."""
+    where = f"rollout.match[{i}]"
+    if not isinstance(value, dict) or set(value) - {"header", "cookie", "value", "variant"}:
+        raise SettingsError(f"{where}: {value!r} is not {{header | cookie, value, variant}}")
+    if not all(isinstance(value.get(k, ""), str) for k in ("header", "cookie", "value", "variant")) \
+            or "value" not in value:
+        raise SettingsError(f"{where}: header/cookie, value and variant must be strings")
+    header = value.get("header")
+    return MatchRule(value.get("variant", ""), value["value"], header.lower() if header else None, value.get("cookie"))
+
+
+def _api_keys(value) -> Tuple[str, ...]:
+    """``api_keys``: one key (a YAML string) or a list of them; the error names the type, never a key."""
+    keys = () if value is None else (value,) if isinstance(value, str) else value
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k.strip() for k in keys):
+        got = type(value).__name__ if not isinstance(value, (list, tuple)) else \
+            f"a list holding {', '.join(sorted({type(k).__name__ for k in value}))}"
+        raise SettingsError(f"api_keys: must be a non-empty string or a list of non-empty strings (got {got})")
+    return tuple(k.strip() for k in keys)
 
 
 def _from_file(path: str) -> RouterSettings:
@@ -79,7 +131,7 @@ def _from_file(path: str) -> RouterSettings:
     if "state_dir" in data:
         data["state_dir"] = Path(data["state_dir"])
     if "api_keys" in data:
-        data["api_keys"] = tuple(data["api_keys"])
+        data["api_keys"] = _api_keys(data["api_keys"])
     return replace(RouterSettings(), **data, rollout=rollout)
 
 
@@ -99,6 +151,8 @@ def load_settings() -> RouterSettings:
     env = os.environ
     if env.get("POLICY_BUNDLE_STATE_DIR"):
         s = replace(s, state_dir=Path(env["POLICY_BUNDLE_STATE_DIR"]))
+    if env.get("POLICY_BUNDLE_STATE_URL"):
+        s = replace(s, state_url=env["POLICY_BUNDLE_STATE_URL"].strip())
     if env.get("POLICY_BUNDLE_ADMIN_TOKEN"):
         s = replace(s, admin_token=env["POLICY_BUNDLE_ADMIN_TOKEN"])
     if env.get("POLICY_BUNDLE_API_KEYS"):

@@ -7,6 +7,7 @@ manifest; a mismatch stops the service from starting with one clear log line.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -16,22 +17,17 @@ from typing import AsyncGenerator, List, Optional
 import bentoml
 from bentoml.exceptions import InvalidArgument, NotFound
 
-from policy_bundle.bundle.faults import active_fault, fault_spec
+from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
-from policy_bundle.bundle.manifest import BundleVerificationError
-from policy_bundle.bundle.store import INT8_VLLM_DIR, verified_store_path
+from policy_bundle.bundle.store import INT8_VLLM_DIR
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine, vllm_available
 from policy_bundle.serve.http import patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
+from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact
 
 log = logging.getLogger("policy_bundle.serve")
 VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
-
-
-def refuse(message: str) -> None:
-    log.error("refusing to start: %s", message)
-    raise SystemExit(f"policy-bundle: {message}")
 
 
 def _vllm_missing() -> str:
@@ -60,15 +56,6 @@ def _require_what_the_settings_need() -> None:
 
 _require_what_the_settings_need()
 patch_bentoml_timeout()  # every service here (the router imports this module too)
-
-
-def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
-    """The store entry's artifact dir, verified against the manifest recorded at registration."""
-    try:
-        return verified_store_path(str(model.tag), sub)
-    except BundleVerificationError as exc:
-        log.error("refusing to start: %s does not match its manifest: %s", model.tag, exc)
-        raise SystemExit(f"policy-bundle: {model.tag} failed verification: {exc}") from None
 
 
 def int8_vllm_engine(path: Path, max_seq_len: int) -> VllmEngine:
@@ -120,13 +107,17 @@ def check_input(svc, ids: List[int], max_tokens: int = 0, temperature: float = 0
 
 
 async def _steps(variant: str, engine, prompt_ids: List[int], params: SamplingParams) -> AsyncGenerator[Step, None]:
-    """The engine's steps; under the test fault ``fail:after=N`` a RuntimeError after N of them."""
+    """The engine's steps; under the test fault ``fail:after=N`` a RuntimeError after N of them, under
+    ``stall:after=N:factor=S`` a wait of S seconds before the N-th."""
     fault = active_fault("fail", variant)
     fail_after = fault.after if fault is not None else None
+    stalls = {f.after: f.factor for f in active_faults("stall", variant)}
     n = 0
     async for step in engine.generate(prompt_ids, params):
         if fail_after is not None and n >= fail_after:
             raise RuntimeError(f"injected fault: generation fails after {fail_after} token(s)")
+        if n in stalls:
+            await asyncio.sleep(stalls[n])
         n += 1
         yield step
     if fail_after is not None and n >= fail_after:
@@ -183,6 +174,7 @@ class Int8Policy:
         import torch
 
         path = verified_artifact(self.model, "int8")
+        self.manifest = manifest_sha(self.model)
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         if settings_or_exit().int8_engine == "vllm":
             self.engine, self.ready = int8_vllm_engine(path.parent / INT8_VLLM_DIR, self.max_seq_len), False
@@ -229,7 +221,7 @@ class Int8Policy:
     @bentoml.api
     def health(self) -> dict:
         return {"ready": self.ready, "engine": self.engine.name, "max_seq_len": self.max_seq_len,
-                "test_fault": fault_spec(), "batch": engine_stats(self.engine)}
+                "test_fault": fault_spec(), "batch": engine_stats(self.engine), "manifest_sha256": self.manifest}
 
 
 @bentoml.service(name="fp16-policy", workers=1, traffic={"timeout": 120})
@@ -239,6 +231,7 @@ class Fp16Policy:
 
     def __init__(self) -> None:
         path = verified_artifact(self.model, "fp16")
+        self.manifest = manifest_sha(self.model)
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         require = settings_or_exit().require_vllm
         # vLLM is expected where it is installed and not switched off (POLICY_BUNDLE_DISABLE_VLLM), or required
@@ -256,7 +249,7 @@ class Fp16Policy:
                 log.error("refusing to start: require_vllm is set and vLLM did not load: %s", exc)
                 raise SystemExit(f"policy-bundle: require_vllm: vLLM did not load ({type(exc).__name__}: {exc})"[:500]) \
                     from None
-            from policy_bundle.quantize.model import load_policy
+            from policy_bundle.quantize.hf_weights import load_policy
 
             self.fallback_reason = f"{type(exc).__name__}: {exc}"[:300] + \
                 "; serving the FP16 weights with our policy module (FP32)"
@@ -276,4 +269,4 @@ class Fp16Policy:
         # expected_engine: False when vLLM was expected and the fallback loaded (the router is then not ready)
         return {"ready": self.ready, "engine": self.engine.name, "fallback": self.fallback_reason,
                 "expected_engine": not (self.vllm_expected and self.fallback_reason), "test_fault": fault_spec(),
-                "max_seq_len": self.max_seq_len, "batch": engine_stats(self.engine)}
+                "max_seq_len": self.max_seq_len, "batch": engine_stats(self.engine), "manifest_sha256": self.manifest}

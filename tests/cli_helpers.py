@@ -18,3 +18,9 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subpro
     """Run the real ``policy-bundle`` CLI in a fresh process."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(CLI + list(args), cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def shared_tmp(tmp_path_factory) -> Path:
+    """A folder every xdist worker of this run sees (the run's base temp; the worker's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

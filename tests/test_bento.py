@@ -8,19 +8,11 @@ import sys
 import httpx
 
 from cli_helpers import ROOT
-from serve_helpers import Server, bundle_version
-
-REGISTER = "import sys; from pathlib import Path; from policy_bundle.build.store import register_bundle; " \
-           "register_bundle(Path(sys.argv[1]), sys.argv[2], sys.argv[3])"
-
+from serve_helpers import Server, register_into
 
 def test_built_bento_serves_the_api(small_bundle, tmp_path):
-    from policy_bundle.bundle.manifest import manifest_hash
-
     env = {**os.environ, "BENTOML_HOME": str(tmp_path / "home"), "BENTOML_DO_NOT_TRACK": "True"}
-    reg = subprocess.run([sys.executable, "-c", REGISTER, str(small_bundle), bundle_version(small_bundle),
-                          manifest_hash(small_bundle)], env=env, capture_output=True, text=True, cwd=ROOT)
-    assert reg.returncode == 0, reg.stderr[-2000:]
+    register_into(small_bundle, tmp_path / "home")
     built = subprocess.run([sys.executable, "-m", "bentoml", "build", "--output", "tag"], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]

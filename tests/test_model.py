@@ -5,7 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 
-from policy_bundle.quantize.model import UnsupportedModelError, full_logits, greedy_generate, load_hf_config, load_policy
+from policy_bundle.quantize.model import UnsupportedModelError, full_logits, greedy_generate
+
+
+from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
 
 FAMILIES = {
     "llama-gqa": (LlamaConfig, {}),

@@ -8,7 +8,8 @@ import torch
 
 from cli_helpers import SMALL, run_cli
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.model import PolicyConfig, full_logits, init_random_policy
+from policy_bundle.quantize.model import PolicyConfig, full_logits
+from policy_bundle.quantize.hf_weights import init_random_policy
 from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, make_outlier_model, smoothing_scales
 
 FAST = (*SMALL, "--set", "register.bentoml=false", "--set", "export.onnx=false", "--set", "calibration.procs=0")

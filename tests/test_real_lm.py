@@ -3,6 +3,10 @@
 One reduced build (fewer calibration and golden prompts than build/configs/smollm2.yaml, in-process
 calibration: the mesh path of the same statistics is tested in test_mesh.py). Its figures are not the
 benchmark's: README "Recipes" has those, from `loadtest.bench_recipes`.
+
+Not in the default run: the build takes about 15 min alone on 2 cores (887 s measured, 2026-12-01: canary 726 s,
+8 layers in float after the held-out walk 2 -> 4 -> 8) and twice that beside the suite's other worker, which does
+not fit the suite's time budget. Run it with ``.venv/bin/python -m pytest -m real_lm -n 0``.
 """
 
 import json
@@ -14,6 +18,9 @@ from cli_helpers import run_cli
 
 REDUCED = ("--set", "calibration.samples=32", "--set", "calibration.golden=12", "--set", "prompts.max_new_tokens=16",
            "--set", "calibration.procs=0", "--set", "register.bentoml=false",
+           # int8-vllm/ on the real LM is not asserted here (test_int8_vllm.py gates it on the reference policy):
+           # no vLLM load for it in this build
+           "--set", "export.int8_vllm=false",
            # the gate this reduced build must pass; the shipped config asks for top-1 0.98 on more tokens
            "--set", "canary.min_top1_agreement=0.96", "--set", "canary.max_kl_mean=0.01",
            "--set", "canary.min_greedy_agreement=0.25")
@@ -25,12 +32,14 @@ def smollm2_bundle(tmp_path_factory):
 
     smollm2_dir()
     out = tmp_path_factory.mktemp("real") / "smollm2"
-    res = run_cli("build", "--config", "build/configs/smollm2.yaml", "--out", str(out), *REDUCED, timeout=1800)
+    # 30 min was not enough with the suite's other worker busy beside it (2 cores): the build is long, not stuck
+    # (it prints progress every 30 s into res.stderr)
+    res = run_cli("build", "--config", "build/configs/smollm2.yaml", "--out", str(out), *REDUCED, timeout=3600)
     assert res.returncode == 0, res.stderr[-4000:]
     return out, res
 
 
-@pytest.mark.slow
+@pytest.mark.real_lm
 def test_shipped_recipe_keeps_the_real_lm_policy(smollm2_bundle):
     out, _ = smollm2_bundle
     m = json.loads((out / "bundle.json").read_text())
@@ -42,14 +51,14 @@ def test_shipped_recipe_keeps_the_real_lm_policy(smollm2_bundle):
     assert "Exported artifacts vs FP32" in (out / "canary_report.md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.real_lm
 def test_the_build_reports_each_w8a8_step(smollm2_bundle):
     _, res = smollm2_bundle
     assert "[canary] w8a8 candidate" in res.stderr
     assert "[w8a8]" in res.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.real_lm
 def test_int8_artifact_decodes_with_per_token_int8_kernels(smollm2_bundle):
     out, _ = smollm2_bundle
     ts = torch.jit.load(str(out / "int8" / "policy.ts"))

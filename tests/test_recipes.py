@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-from policy_bundle.quantize import recipes
+from policy_bundle.quantize import observers, recipes
 from policy_bundle.quantize.export import export_torchscript
-from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_generate, init_random_policy
+from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_generate
+from policy_bundle.quantize.hf_weights import init_random_policy
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=48)
@@ -66,10 +67,10 @@ def test_torchscript_generation_equals_eager_int8(policy, scheme, tmp_path):
 def test_merge_of_sharded_observers_is_exact_and_order_free(policy):
     recipe = recipes.RecipeConfig()
     data = batches(8)
-    whole = recipes.observer_state(calibrated(policy, recipe, data))
-    shards = [recipes.observer_state(calibrated(policy, recipe, data[i : i + 3])) for i in range(0, 8, 3)]
+    whole = observers.observer_state(calibrated(policy, recipe, data))
+    shards = [observers.observer_state(calibrated(policy, recipe, data[i : i + 3])) for i in range(0, 8, 3)]
     for order in (shards, shards[::-1], random.Random(0).sample(shards, len(shards))):
-        merged = recipes.merge_observer_states(order)
+        merged = observers.merge_observer_states(order)
         assert merged.keys() == whole.keys()
         for k in whole:
             assert torch.equal(merged[k][0], whole[k][0]) and torch.equal(merged[k][1], whole[k][1])
@@ -80,8 +81,8 @@ def test_loaded_merged_state_gives_identical_quantized_parameters(policy):
     data = batches(6)
     direct = recipes.convert(calibrated(policy, recipe, data), recipe)
     target = recipes.prepare(policy, recipe)
-    parts = [recipes.observer_state(calibrated(policy, recipe, data[i : i + 2])) for i in range(0, 6, 2)]
-    recipes.load_observer_state(target, recipes.merge_observer_states(parts))
+    parts = [observers.observer_state(calibrated(policy, recipe, data[i : i + 2])) for i in range(0, 6, 2)]
+    observers.load_observer_state(target, observers.merge_observer_states(parts))
     merged = recipes.convert(target, recipe)
     a, b = recipes.quantized_parameters(direct), recipes.quantized_parameters(merged)
     assert a.keys() == b.keys() and len(a) == 14 * CFG.n_layers

@@ -16,3 +16,38 @@ def test_int8_engine_comes_from_the_file_and_the_env_var_wins(tmp_path, monkeypa
     monkeypatch.setenv("POLICY_BUNDLE_INT8_ENGINE", "onnx")
     with pytest.raises(SettingsError, match=r"int8_engine: 'onnx' is not one of \['torchscript', 'vllm'\]"):
         load_settings()
+
+
+def settings_from(tmp_path, monkeypatch, text: str):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(text)
+    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(cfg))
+    monkeypatch.delenv("POLICY_BUNDLE_API_KEYS", raising=False)
+    return load_settings()
+
+
+def test_api_keys_as_one_yaml_string_is_one_key(tmp_path, monkeypatch):
+    assert settings_from(tmp_path, monkeypatch, "api_keys: s3cr3t\n").api_keys == ("s3cr3t",)
+
+
+def test_api_keys_as_a_yaml_list_are_those_keys(tmp_path, monkeypatch):
+    assert settings_from(tmp_path, monkeypatch, "api_keys: [s3cr3t, other]\n").api_keys == ("s3cr3t", "other")
+
+
+@pytest.mark.parametrize("value", ["5", "{a: b}", "[s3cr3t, 7]", "['']", "true"])
+def test_api_keys_of_another_type_is_one_settings_error(tmp_path, monkeypatch, value):
+    with pytest.raises(SettingsError, match=r"^api_keys: .* (a non-empty string|non-empty strings)"):
+        settings_from(tmp_path, monkeypatch, f"api_keys: {value}\n")
+
+
+@pytest.mark.parametrize("field, value, limit", [("min_top1_agreement", "5", r"\[0.0, 1.0\]"),
+                                                  ("max_kl_mean", "101", r"\[0.0, 100.0\]"),
+                                                  ("min_greedy_agreement", ".nan", r"\[0.0, 1.0\]")])
+def test_router_gate_thresholds_have_the_builds_ranges(tmp_path, monkeypatch, field, value, limit):
+    with pytest.raises(SettingsError, match=rf"^rollout.thresholds.{field}: .* is out of range {limit}$"):
+        settings_from(tmp_path, monkeypatch, f"rollout:\n  thresholds:\n    {field}: {value}\n")
+
+
+def test_router_gate_thresholds_in_range_are_kept(tmp_path, monkeypatch):
+    s = settings_from(tmp_path, monkeypatch, "rollout:\n  thresholds:\n    min_top1_agreement: 0.9\n")
+    assert s.rollout.thresholds.min_top1_agreement == 0.9

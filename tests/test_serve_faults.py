@@ -3,14 +3,13 @@ before or after their first token, loops that raise, vLLM that does not load, ba
 engine the bundle cannot run."""
 
 import json
-import re
 import time
 
 import httpx
 import pytest
 import yaml
 
-from serve_helpers import Server, bundle_version
+from serve_helpers import Server, bundle_version, metric, sse_events
 
 ADMIN = {"Authorization": "Bearer t"}
 # INT8 fails before its first token, FP16 after two; the analysis and health loops raise on their first 2 ticks
@@ -33,20 +32,6 @@ def faulty(tmp_path_factory, small_bundle):
     server = start(tmp_path_factory.mktemp("faulty"), small_bundle, "faulty", FAULTS)
     yield server
     server.stop()
-
-
-def metric(server, name, **labels):
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
-def sse_events(response):
-    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
 
 
 def test_stream_that_fails_before_its_first_token_everywhere_is_a_503(faulty):
@@ -189,6 +174,11 @@ def test_int8_engine_vllm_refuses_a_bundle_without_int8_vllm(tmp_path, small_bun
         bentoml.models.delete(tags.int8_tag)
         bentoml.models.delete(tags.fp16_tag)
     assert "int8_engine: vllm, but policy-int8:reference-no-int8-vllm has no int8-vllm/" in log
+
+
+def test_router_gate_threshold_out_of_the_builds_range_is_one_line(tmp_path, small_bundle):
+    log = refused_start(tmp_path, small_bundle, "badgate", config={"rollout": {"thresholds": {"min_top1_agreement": 5}}})
+    assert "rollout.thresholds.min_top1_agreement: 5 is out of range [0.0, 1.0]" in log
 
 
 def test_bad_int8_engine_is_one_line(tmp_path, small_bundle):

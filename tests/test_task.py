@@ -22,10 +22,27 @@ def test_tokenizer_round_trips_and_prepends_bos():
 
 
 def test_reference_policy_solves_held_out_task(reference_dir):
-    from policy_bundle.quantize.model import load_policy
+    from policy_bundle.quantize.hf_weights import load_policy
     from policy_bundle.quantize.reference import evaluate_accuracy
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(reference_dir))
     acc = evaluate_accuracy(load_policy(reference_dir), tok, task.golden_set(200))
     assert acc >= 0.95
+
+
+def test_the_shipped_reference_policy_is_what_this_code_trains():
+    """Changing the task or the training code without re-shipping (``python -m policy_bundle.quantize.reference
+    --ship``) would make every machine train its own weights again: this fails first."""
+    from policy_bundle.quantize.reference import SHIPPED, TrainConfig, ensure_reference_policy, shipped_policy
+
+    assert shipped_policy(TrainConfig()) == SHIPPED
+    said = []
+    ensure_reference_policy(log=said.append)
+    assert not any("training" in line for line in said)
+
+
+def test_a_changed_training_config_is_not_served_the_shipped_weights():
+    from policy_bundle.quantize.reference import TrainConfig, shipped_policy
+
+    assert shipped_policy(TrainConfig(steps=999)) is None  # negative control: the key names the config

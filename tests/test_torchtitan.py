@@ -4,6 +4,8 @@ our converted policy reproduces torchtitan's forward, and broken checkpoints fai
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -55,7 +57,8 @@ def test_converted_policy_logits_equal_torchtitans_forward(trained, tmp_path):
     from policy_bundle.build.config import TorchtitanSection
     from policy_bundle.build.torchtitan_checkpoint import REFERENCE_FLAVOR, resolve_torchtitan_source
     from policy_bundle.quantize import task
-    from policy_bundle.quantize.model import full_logits, load_policy
+    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.hf_weights import load_policy
 
     step, trainer = trained
     src = TorchtitanSection(model="llama3", flavor=REFERENCE_FLAVOR, tokenizer="reference")
@@ -113,7 +116,8 @@ def test_stock_debugmodel_checkpoints_convert_to_torchtitans_logits(model, tmp_p
     from policy_bundle.build.config import TorchtitanSection
     from policy_bundle.build.torchtitan_checkpoint import model_spec, resolve_torchtitan_source
     from policy_bundle.quantize import task
-    from policy_bundle.quantize.model import full_logits, load_policy
+    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.hf_weights import load_policy
 
     spec = model_spec(model, "debugmodel")
     for layer in spec.model.layers:  # the stock FlexAttention forward compiles on CPU; same weights, causal SDPA
@@ -165,3 +169,23 @@ def test_mismatched_shapes_are_named(model_only_checkpoint, tmp_path):
     res = build_titan(model_only_checkpoint, tmp_path, "--set", "policy.torchtitan.flavor=debugmodel")
     one_line_error(res, "tok_embeddings.weight has shape [15, 64]")
     assert "llama3/debugmodel expects [2048, 256]" in res.stderr
+
+
+class RunsACommand:
+    """Unpickling this runs a shell command (what a booby-trapped checkpoint's .metadata can do)."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_metadata_pickle_that_would_run_code_is_refused_without_running_it(tmp_path):
+    step = tmp_path / "step-7"
+    step.mkdir()
+    marker = tmp_path / "it-ran"
+    (step / ".metadata").write_bytes(pickle.dumps(RunsACommand(f"touch {marker}")))
+    res = build_titan(step, tmp_path)
+    one_line_error(res, f"{step / '.metadata'} refers to posix.system, which DCP metadata never holds")
+    assert not marker.exists()

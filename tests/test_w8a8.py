@@ -5,7 +5,8 @@ import torch
 
 from policy_bundle.quantize import linear_stats as ls
 from policy_bundle.quantize.gptq import gptq_quantize
-from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_generate, init_random_policy
+from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_generate
+from policy_bundle.quantize.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig, RecipeError, selected_linears
 from policy_bundle.quantize.smooth import make_outlier_model
 from policy_bundle.quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, quantize_weight

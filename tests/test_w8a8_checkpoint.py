@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from policy_bundle.quantize import linear_stats as ls
-from policy_bundle.quantize.model import PolicyConfig, init_random_policy
+from policy_bundle.quantize.model import PolicyConfig
+from policy_bundle.quantize.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
 from policy_bundle.quantize.smooth import make_outlier_model
 from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint, hf_name

@@ -150,6 +150,40 @@ def test_missing_checkpoint_dir_and_tampered_bundle_fail_with_one_line(deployed,
     assert res.returncode == 2 and "golden.jsonl" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
+ODD_INDEX = 17  # where the out-of-distribution record sits in the calibration jsonl
+
+
+def policy_with_a_one_hot_pad(reference_dir: Path, dst: Path) -> Path:
+    """The reference policy with ``<pad>`` (also the unknown-character token) embedded as a one-hot vector
+    along layer 0's largest attention-norm weight. After RMSNorm a one-hot row becomes sqrt(dim) x that
+    weight at layer 0's q/k/v input: the largest value any token can give there (a dense row reaches a few
+    times less), so a sample holding it stands out by construction, whatever training made of the rest."""
+    shutil.copytree(reference_dir, dst)
+    path = dst / "model.safetensors"
+    w = load_file(str(path))
+    norm = w["model.layers.0.input_layernorm.weight"]
+    emb = w["model.embed_tokens.weight"].clone()
+    row = torch.zeros_like(emb[0])
+    row[int(norm.abs().argmax())] = float(emb.norm(dim=1).mean())
+    emb[0] = row  # task.VOCAB[0] is <pad>
+    w["model.embed_tokens.weight"] = emb
+    save_file(w, str(path), metadata={"format": "pt"})
+    return dst
+
+
+def calibration_jsonl(path: Path, n: int = 64) -> Path:
+    """``n`` task rollouts (prompt and correct answer); record ``ODD_INDEX`` opens with a run of a character
+    the task never uses (tokenized as ``<pad>``)."""
+    from policy_bundle.quantize import task
+
+    golden = frozenset(i.prompt for i in task.golden_set(1000))
+    items = task.make_items(task.PROMPT_SEED, n, exclude=golden)
+    recs = [{"prompt": ("?" * 12 if i == ODD_INDEX else "") + it.prompt, "completion": it.answer}
+            for i, it in enumerate(items)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
 def test_odd_samples_are_found_against_the_others_and_dropped_on_request(reference_dir, tmp_path):
     from policy_bundle.quantize.odd_samples import odd_samples
 
@@ -161,19 +195,23 @@ def test_odd_samples_are_found_against_the_others_and_dropped_on_request(referen
     assert [(o.index, o.layer) for o in found] == [(17, "c")] and found[0].sigmas > 10
     assert odd_samples(torch.cat([ranges[:17], ranges[18:]]), ["a", "b", "c"], 10.0) == []
 
-    # Through the build: the reference policy's heavy-tailed samples at a 4-sigma rule are reported,
-    # dropped on request, and the calibrated range is then the largest of the samples left.
+    # Through the build: the calibration sample made out of distribution is reported as the most extreme
+    # at a 4-sigma rule, dropped on request (with any others the weights make odd), and the calibrated
+    # range is then below its max |x|.
+    policy = policy_with_a_one_hot_pad(reference_dir, tmp_path / "policy")
     out = tmp_path / "b"
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST, "--set",
-                  "calibration.outlier_sigma=4", "--set", "calibration.drop_outliers=true", "--set",
+                  f"policy.source={policy}", "--set", f"rollouts.jsonl={calibration_jsonl(tmp_path / 'r.jsonl')}",
+                  "--set", "calibration.outlier_sigma=4", "--set", "calibration.drop_outliers=true", "--set",
                   "register.bentoml=false", "--set", "canary.enabled=false")
     assert res.returncode == 0, res.stderr[-3000:]
     cal = json.loads((out / "bundle.json").read_text())["calibration"]
     odd = cal["odd_samples"]
-    assert odd["dropped"] and odd["samples"] and odd["sigma"] == 4
-    assert cal["samples"] == 64 - len(odd["samples"])
-    assert "odd sample" in res.stderr and "(dropped)" in res.stderr
+    assert odd["dropped"] and odd["sigma"] == 4 and odd["samples"], odd
     worst = odd["samples"][0]
+    assert worst["sample"] == ODD_INDEX and worst["sigmas"] > 4, odd["samples"][:3]
+    assert cal["samples"] == 64 - len(odd["samples"])
+    assert f"odd sample {ODD_INDEX}:" in res.stderr and "(dropped)" in res.stderr
     lo, hi = cal["activation_ranges"][worst["layer"]]
     assert max(abs(lo), abs(hi)) < worst["absmax"]
 

@@ -1,0 +1,49 @@
+"""The router's and the variants' store entries: each artifact re-hashed against the manifest recorded at
+registration before it loads, and the INT8/FP16 pair checked to come from one build."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import bentoml
+
+from policy_bundle.bundle.manifest import BundleVerificationError
+from policy_bundle.bundle.store import verified_store_path
+from policy_bundle.serve.rollout_db import BundlePair
+
+log = logging.getLogger("policy_bundle.serve")
+
+
+def refuse(message: str) -> None:
+    log.error("refusing to start: %s", message)
+    raise SystemExit(f"policy-bundle: {message}")
+
+
+def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
+    """The store entry's artifact dir, verified against the manifest recorded at registration."""
+    try:
+        return verified_store_path(str(model.tag), sub)
+    except BundleVerificationError as exc:
+        log.error("refusing to start: %s does not match its manifest: %s", model.tag, exc)
+        raise SystemExit(f"policy-bundle: {model.tag} failed verification: {exc}") from None
+
+
+def manifest_sha(model: bentoml.models.BentoModel) -> Optional[str]:
+    """The manifest sha256 the store entry recorded at registration."""
+    return (bentoml.models.get(str(model.tag)).info.metadata or {}).get("manifest_sha256")
+
+
+def bundle_pair(int8_model: bentoml.models.BentoModel, fp16_model: bentoml.models.BentoModel) -> BundlePair:
+    """The pair the router serves, keyed by manifest sha256: INT8 and FP16 must come from one build (``latest``
+    resolves each name on its own, so a build registered half-way, or a hand-picked version, can split them)."""
+    shas = {}
+    for model in (int8_model, fp16_model):
+        entry = bentoml.models.get(str(model.tag))
+        shas[entry.tag.name] = (manifest_sha(model), entry.tag)
+    (i_sha, i_tag), (f_sha, f_tag) = shas["policy-int8"], shas["policy-fp16"]
+    if not i_sha or i_sha != f_sha:
+        refuse(f"{i_tag} and {f_tag} come from different builds (manifest sha256 {str(i_sha)[:12]} vs "
+               f"{str(f_sha)[:12]}): serve one bundle's pair (POLICY_BUNDLE_VERSION=<name>-<hash>)")
+    return BundlePair(i_sha, f_sha, label=str(i_tag.version))

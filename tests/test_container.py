@@ -1,0 +1,172 @@
+"""`policy-bundle containerize` (bentoml build + bentoml containerize --backend podman) makes an image that
+serves both variants over HTTP, carries the models it was built from, and rebuilds from cache.
+
+Select with ``-m container``; needs podman (``.ci/run`` installs it and points CONTAINERS_CONF at
+``.ci/containers.conf``, this machine's runc/cgroupfs settings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from cli_helpers import CLI, ROOT
+from serve_helpers import bundle_version, free_port, register_into
+
+PODMAN = shutil.which("podman")
+ENV = {"CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(ROOT / ".ci" / "containers.conf")),
+       "BENTOML_DO_NOT_TRACK": "True"}
+ADMIN_TOKEN = "test-admin-token"
+needs_podman = pytest.mark.skipif(PODMAN is None, reason="podman is not installed (.ci/run installs it)")
+
+
+def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PODMAN, *args], env={**os.environ, **ENV}, capture_output=True, text=True, timeout=timeout)
+
+
+def logs(name: str) -> str:
+    res = podman("logs", "--tail", "80", name)
+    return (res.stdout + res.stderr)[-6000:]
+
+
+def status(url: str) -> str:
+    try:
+        return httpx.get(f"{url}/status", timeout=5).text[:2000]
+    except httpx.HTTPError as exc:
+        return f"/status: {exc}"
+
+
+def containerize(home, *args: str) -> tuple:
+    """The CLI in a fresh process; (result, seconds)."""
+    t0 = time.monotonic()
+    res = subprocess.run([*CLI, "containerize", *args], cwd=ROOT, env={**os.environ, **ENV, "BENTOML_HOME": str(home)},
+                         capture_output=True, text=True, timeout=1800)
+    return res, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def home(small_bundle, tmp_path_factory):
+    """An isolated BentoML store holding the small bundle's two entries."""
+    home = tmp_path_factory.mktemp("container-home")
+    register_into(small_bundle, home)
+    return home
+
+
+@pytest.fixture(scope="module")
+def image(home):
+    res, seconds = containerize(home)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    built = re.search(r"^image: (\S+) \(([\d.]+) GB\) from bento (\S+)$", res.stdout, re.M)
+    assert built, res.stdout
+    print(f"\ncontainerize (first in this store): {seconds:.0f}s, {built[1]} {built[2]} GB", file=sys.stderr)
+    return {"image": built[1], "bento": built[3], "seconds": seconds}
+
+
+@pytest.fixture(scope="module")
+def container(image, tmp_path_factory):
+    """The image running as `podman run --network host` on a free port, admin token set; stopped after."""
+    port, name = free_port(), f"policy-bundle-test-{os.getpid()}"
+    run = podman("run", "-d", "--rm", "--name", name, "--network", "host", "--shm-size", "1g",
+                 "-e", f"POLICY_BUNDLE_ADMIN_TOKEN={ADMIN_TOKEN}", image["image"], "--port", str(port), "--host",
+                 "127.0.0.1")
+    assert run.returncode == 0, run.stderr
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if podman("container", "exists", name).returncode != 0:
+                pytest.fail(f"container exited before /readyz:\n{logs(name)}")
+            try:
+                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail(f"container not ready in 600s: {status(url)}\n{logs(name)}")
+        yield {"url": url, "name": name}
+    finally:
+        podman("rm", "-f", "-t", "20", name)
+
+
+def complete(url: str, variant: str) -> dict:
+    r = httpx.post(f"{url}/v1/completions", headers={"x-policy-variant": variant, "x-admin-token": ADMIN_TOKEN},
+                   json={"model": "policy", "prompt": "358+64=", "temperature": 0, "max_tokens": 6}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_containerize_without_podman_is_one_line(tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    res = subprocess.run([*CLI, "containerize"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PATH": str(empty), "BENTOML_HOME": str(tmp_path)})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()]
+    assert res.stderr.startswith("error: podman: not found on PATH") and "apt-get install -y podman" in res.stderr
+
+
+@needs_podman
+def test_containerize_an_unknown_bento_is_one_line(home):
+    res, _ = containerize(home, "--bento", "policy-bundle:nosuchversion")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == ("error: --bento: policy-bundle:nosuchversion is not in the "
+                                                   f"BentoML store (BENTOML_HOME={home})")
+
+
+@needs_podman
+@pytest.mark.container
+def test_the_image_serves_both_variants_over_http(container):
+    for variant in ("int8", "fp16"):
+        done = complete(container["url"], variant)
+        assert done["policy_variant"] == variant and done["choices"][0]["text"] == "998"
+
+
+@needs_podman
+@pytest.mark.container
+def test_the_image_streams_a_chat_completion(container):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{container['url']}/v1", api_key="unused")
+    streamed = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34="}],
+                                              max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "46"
+
+
+@needs_podman
+@pytest.mark.container
+def test_policy_bundle_verify_passes_inside_the_image_with_the_store_entries_manifest(container, home,
+                                                                                     small_bundle):
+    from policy_bundle.bundle.manifest import manifest_hash
+
+    res = podman("exec", "-w", "/home/bentoml/bento/src", container["name"], "python", "-m", "policy_bundle.build.cli",
+                 "verify", "/home/bentoml/bento")  # src/: the bento's sources, as `bentoml serve` imports them
+    assert res.returncode == 0, res.stdout + res.stderr
+    reported = dict(re.findall(r"^ok: (\S+) matches its manifest \(sha256 (\w+)\)$", res.stdout, re.M))
+    version = bundle_version(small_bundle)
+    assert set(reported) == {f"policy-int8:{version}", f"policy-fp16:{version}"}
+    for tag, sha in reported.items():  # the host store entry the image was built from
+        entry = subprocess.run([sys.executable, "-m", "bentoml", "models", "get", tag, "-o", "json"], text=True,
+                               capture_output=True, env={**os.environ, "BENTOML_HOME": str(home)}, cwd=ROOT)
+        info = json.loads(entry.stdout)
+        assert sha == info["metadata"]["manifest_sha256"] == manifest_hash(small_bundle)
+        assert info["labels"]["manifest_sha256"] == sha[:32]
+
+
+@needs_podman
+@pytest.mark.container
+def test_a_second_containerize_reuses_the_package_layers(image, home):
+    res, seconds = containerize(home)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    print(f"\ncontainerize (again, new bento of the same bundle): {seconds:.0f}s", file=sys.stderr)
+    # the package install step (the image's big layer), then buildah's verdict on it
+    # (BentoML relays buildah's lines with a log prefix: "INFO: STEP 29/35: RUN ...", "INFO: --> Using cache ...")
+    assert re.search(r"RUN bash -euxo pipefail \S+/install\.sh\n[^\n]*--> Using cache", res.stderr), res.stderr[-4000:]

@@ -1,0 +1,182 @@
+"""Two router replicas on one real PostgreSQL rollout database, over HTTP: a transition made by either is
+obeyed by both within one sync tick, and a database restart mid-rollout loses no event and no transition."""
+
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import Server, bundle_version
+from test_serve import ADMIN, FORCE_INT8, admin, complete, env_for
+
+FORCE_FP16 = {**FORCE_INT8, "x-policy-variant": "fp16"}
+
+
+@pytest.fixture(scope="module")
+def replicas(small_bundle, postgres, tmp_path_factory):
+    state = tmp_path_factory.mktemp("replicas")
+    version = bundle_version(small_bundle)
+    servers = []
+    try:
+        # replica a judges latency with an impossible bound (an injected bad verdict): its windows fail
+        steps = [1, {"weight": 5, "pause": "indefinite"}, {"weight": 50, "pause_s": 3}, 100]
+        for name, strict in (("a", {"max_p99_latency_ratio": 0.0}), ("b", {})):
+            env = env_for(state, name, version, vllm=False, rollout={"sync_interval_s": 0.5, "steps": steps,
+                                                                     "inconclusive_limit": 2, **strict})
+            env["POLICY_BUNDLE_STATE_URL"] = postgres.url
+            servers.append(Server(env, state / f"{name}.log"))
+        yield [s.wait_ready() for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_racing_replicas_on_postgres_never_write_the_same_version_twice(postgres):
+    """8 threads on 4 replicas (each its own engine) set weights as fast as they can: every transition
+    lands at a distinct version, and the history holds exactly the transitions that succeeded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from policy_bundle.serve.rollout import RolloutController
+    from policy_bundle.serve.rollout_types import RolloutConfig
+    from policy_bundle.serve.rollout_db import BundlePair, RolloutDatabase
+
+    pair = BundlePair("c" * 64, "c" * 64, "race")
+    replicas = [RolloutController(RolloutDatabase(postgres.url, f"r{i}"), pair, RolloutConfig(), f"r{i}")
+                for i in range(4)]
+
+    def hammer(i: int) -> int:
+        ctl = replicas[i % 4]
+        done = 0
+        for k in range(10):
+            ctl.command("set-weight", float(10 * i + k), reason=f"r{i}-{k}")
+            done += 1
+        return done
+
+    with ThreadPoolExecutor(8) as pool:
+        total = sum(pool.map(hammer, range(8)))
+    events = replicas[0].db.history(pair, 10000)
+    versions = [e.state_version for e in events]
+    assert versions == list(range(1, total + 2))  # the start, then one version per command: none lost, none twice
+    replicas[0].refresh()
+    assert replicas[0].version == total + 1
+
+
+def rollout_of(server) -> dict:
+    return httpx.get(f"{server.url}/admin/rollout", headers=ADMIN, timeout=30).json()
+
+
+def wait_for(server, status: str, version: int = 0, seconds: float = 5.0) -> dict:
+    """The replica's rollout once it shows ``status`` at ``version`` or newer (or after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        got = rollout_of(server)
+        if (got["state"]["status"] == status and got["state_version"] >= version) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def test_both_replicas_serve_the_same_pair_from_one_state_row(replicas):
+    a, b = replicas
+    admin(a, "restart")
+    ra = rollout_of(a)
+    rb = wait_for(b, "progressing", ra["state_version"])
+    assert ra["pair"] == rb["pair"] and ra["pair"]["int8_manifest"] == ra["pair"]["fp16_manifest"]
+    assert ra["state_version"] == rb["state_version"]
+
+
+def test_a_pause_sent_to_one_replica_holds_both(replicas):
+    a, b = replicas
+    admin(a, "restart")
+    assert admin(a, "pause")["state"]["status"] == "paused"
+    assert wait_for(b, "paused", seconds=1.5)["state"]["status"] == "paused"  # within a sync tick (0.5 s) or so
+    for _ in range(3):
+        complete(b, max_tokens=4)
+        assert admin(b, "analyse")["verdict"] in ("pass", "inconclusive", "stale", "idle")
+    assert rollout_of(b)["state"]["status"] == "paused" and rollout_of(a)["state"]["status"] == "paused"
+    admin(b, "resume")
+    assert wait_for(a, "progressing")["state"]["status"] == "progressing"
+
+
+def analysed(server) -> dict:
+    admin(server, "golden-canary")  # 16 golden items: enough evidence for a verdict
+    return admin(server, "analyse")
+
+
+def test_an_indefinite_step_waits_for_promote_and_a_timed_step_for_its_pause(replicas):
+    _, b = replicas
+    admin(b, "restart")
+    assert analysed(b)["verdict"] == "pass"
+    assert (rollout_of(b)["state"]["weight"], rollout_of(b)["state"]["status"]) == (5.0, "awaiting-promote")
+    assert analysed(b)["verdict"] == "pass" and rollout_of(b)["state"]["weight"] == 5.0  # passing never moves it
+    assert admin(b, "promote")["state"]["weight"] == 50.0
+    assert analysed(b)["verdict"] == "pass" and rollout_of(b)["state"]["weight"] == 50.0  # pause_s 3 not over
+    time.sleep(3)
+    assert analysed(b)["verdict"] == "pass" and rollout_of(b)["state"]["weight"] == 100.0
+
+
+def test_inconclusive_analyses_pause_the_rollout_for_an_operator(replicas):
+    _, b = replicas
+    admin(b, "restart")
+    assert admin(b, "analyse")["verdict"] == "idle"  # no traffic at all: not counted
+    verdicts = []
+    for _ in range(2):  # some evidence, less than min_samples (10)
+        assert complete(b, headers=FORCE_INT8, max_tokens=3).status_code == 200
+        verdicts.append(admin(b, "analyse")["verdict"])
+    assert verdicts == ["inconclusive", "inconclusive"]
+    got = rollout_of(b)["state"]
+    assert (got["status"], got["weight"]) == ("paused", 1.0)
+    assert "inconclusive analyses in a row" in history(b)[-1]["reason"]
+
+
+def history(server) -> list:
+    return httpx.get(f"{server.url}/admin/rollout/history", headers=ADMIN, timeout=30).json()["history"]
+
+
+def test_a_rollback_decided_by_one_replica_is_obeyed_by_the_other(replicas):
+    a, b = replicas
+    admin(a, "restart")
+    admin(a, "set-weight", weight=50)
+    assert wait_for(b, "held")["state"]["weight"] == 50.0
+    verdicts = []
+    for _ in range(2):
+        for _ in range(10):
+            assert complete(a, headers=FORCE_INT8, max_tokens=3).status_code == 200
+            assert complete(a, headers=FORCE_FP16, max_tokens=3).status_code == 200
+        verdicts.append(admin(a, "analyse")["verdict"])
+    assert verdicts == ["fail", "fail"]
+    got = wait_for(b, "rolled-back")
+    assert (got["state"]["status"], got["state"]["weight"]) == ("rolled-back", 0.0)
+    assert all(complete(b, user=f"u{i}", max_tokens=3).headers["x-policy-variant"] == "fp16" for i in range(8))
+    assert admin(b, "analyse")["verdict"] in ("pass", "inconclusive", "stale", "idle")  # b's verdict cannot undo it
+    assert rollout_of(a)["state"]["status"] == "rolled-back"
+    events = history(b)
+    since = max(i for i, e in enumerate(events) if e["event"] == "set-weight")  # made on a
+    rollbacks = [e for e in events[since:] if e["event"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["reason"].startswith("2 failed analyses")
+    assert rollbacks[0]["replica"] == events[since]["replica"]  # decided once, by replica a
+
+
+def test_a_database_restart_mid_rollout_loses_no_event_and_no_transition(replicas, postgres):
+    a, b = replicas
+    admin(a, "restart")
+    wait_for(b, "progressing", rollout_of(a)["state_version"])
+    before = history(a)
+    postgres.stop()
+    try:
+        for server in (a, b):  # serving goes on at the last weight read
+            assert complete(server, max_tokens=3).status_code == 200
+        refused = httpx.post(f"{a.url}/admin/rollout", headers=ADMIN, json={"action": "promote"}, timeout=60)
+        assert refused.status_code == 503 and "database" in refused.json()["error"]["message"]
+        assert rollout_of(a)["state"]["weight"] == 1.0  # nothing changed in memory either
+    finally:
+        postgres.start()
+    assert admin(b, "promote")["state"]["weight"] == 5.0
+    deadline = time.monotonic() + 10
+    while rollout_of(a)["state"]["weight"] != 5.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rollout_of(a)["state"]["weight"] == 5.0
+    after = history(a)
+    assert after[: len(before)] == before  # every earlier event is still there
+    versions = [e["state_version"] for e in after if e["state_version"] is not None]
+    assert versions == list(range(versions[0], versions[0] + len(versions)))  # no gap, no duplicate
+    assert rollout_of(a)["state_version"] == rollout_of(b)["state_version"] == versions[-1]
