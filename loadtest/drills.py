@@ -50,7 +50,8 @@ def drill_promote(run: DrillRun, home: Path, seconds: float) -> None:
     events = [e["event"] for e in run.history]
     run.check("INT8 promoted from 1 % to 100 % through every step", state.get("status") == "promoted"
               and [e["to_weight"] for e in run.history if e["event"] == "promote"] == [5.0, 25.0, 50.0, 100.0])
-    run.check("no analysis failed and no rollback", "analysis-failed" not in events and "rollback" not in events)
+    failed = [f"{e['event']}: {e.get('reason', '')}" for e in run.history if e["event"] in ("analysis-failed", "rollback")]
+    run.check("no analysis failed and no rollback" + (f" ({' | '.join(failed)})" if failed else ""), not failed)
     run.check("every client request got a 200", all_answered(run))
 
 

@@ -85,9 +85,15 @@ def analyse(window: Window, cfg: RolloutConfig, bundle_thresholds: GateThreshold
                "shadow_pairs": window.shadow_pairs, "shadow_agreement": shadow, "golden": window.golden}
     t = cfg.thresholds or bundle_thresholds
     fails = []
-    if n_int8 and err > cfg.max_error_rate:
-        fails.append(f"int8 error rate {err:.3f} > max {cfg.max_error_rate}")
-    enough_both = n_int8 >= cfg.min_samples and window.requests["fp16"] >= cfg.min_samples
+    if n_int8:
+        # like the shadow flips: one timed-out request among 8 is no evidence of a 5 % error rate
+        err_lo, err_hi = wilson_interval(window.errors["int8"], n_int8, cfg.confidence)
+        metrics["int8_error_rate_bounds"] = [err_lo, err_hi]
+        if err_lo > cfg.max_error_rate:
+            fails.append(f"int8 error rate {err:.3f} (>= {err_lo:.3f} at {cfg.confidence:.0%} confidence) > max "
+                         f"{cfg.max_error_rate}")
+    need = max(cfg.min_samples, cfg.min_latency_samples)
+    enough_both = all(len(window.latencies[v]) >= need for v in ("int8", "fp16"))
     if ratio is not None and enough_both and ratio > cfg.max_p99_latency_ratio:
         fails.append(f"p99 latency ratio {ratio:.2f} > max {cfg.max_p99_latency_ratio}")
     shadow_fails, shadow_conclusive = _shadow_verdict(window, cfg, t, metrics)

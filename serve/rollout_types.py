@@ -40,8 +40,9 @@ class RolloutConfig:
     failure_limit: int = 2  # failed analyses in a row before rolling back to 0 %
     inconclusive_limit: int = 5  # inconclusive analyses in a row before the rollout pauses for an operator
     consecutive_error_limit: int = 4  # metric-source errors in a row (golden canary runs) before an abort
-    max_error_rate: float = 0.05
+    max_error_rate: float = 0.05  # fails when even the rate's lower bound (at ``confidence``) is above it
     max_p99_latency_ratio: float = 3.0  # INT8 p99 / FP16 p99
+    min_latency_samples: int = 100  # per variant before the p99 ratio is judged (p99 of fewer is their maximum)
     thresholds: Optional[GateThresholds] = None  # None: the bundle's own gate thresholds
     confidence: float = 0.95  # two-sided confidence of the bound on the shadow flip rate
     shadow_fraction: float = 0.2
@@ -60,7 +61,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.steps: weights {weights} must rise strictly within (0, 100]")
         if any(s.pause_s < 0 for s in steps):
             raise ValueError("rollout.steps: pause_s must be >= 0")
-        for name in ("failure_limit", "inconclusive_limit", "consecutive_error_limit", "min_samples"):
+        for name in ("failure_limit", "inconclusive_limit", "consecutive_error_limit", "min_samples",
+                     "min_latency_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}: {getattr(self, name)} must be >= 1")
         for name, lo, hi in (("max_error_rate", 0, 1), ("shadow_fraction", 0, 1), ("confidence", 0.5, 0.9999)):

@@ -200,6 +200,22 @@ def test_shadow_flips_fail_only_with_confidence_and_are_inconclusive_in_between(
     assert metrics["shadow_flip_rate_bounds"] == [lo, hi] and round(lo, 2) == 0.11 and round(hi, 2) == 0.60
 
 
+def test_int8_errors_fail_only_with_confidence_and_p99_only_over_enough_samples():
+    cfg, t = RolloutConfig(min_samples=8), GateThresholds(min_greedy_agreement=0.0)
+
+    def verdict(errors, n=40, lat_int8=(), lat_fp16=()):
+        return analyse(Window(requests={"int8": n, "fp16": n}, errors={"int8": errors, "fp16": 0},
+                              latencies={"int8": list(lat_int8), "fp16": list(lat_fp16)}), cfg, t)
+
+    assert verdict(1)[0] == "pass"  # 1 of 40 (one timed-out request): the rate's lower bound 0.004 < 0.05
+    v, reasons, metrics = verdict(12)  # 12 of 40: lower bound 0.18 > 0.05
+    assert v == "fail" and "int8 error rate" in reasons[0] and metrics["int8_error_rate_bounds"][0] > 0.05
+    # one stalled INT8 request among 40: a "p99" of 40 samples is their maximum, not judged below 100
+    assert verdict(0, lat_int8=[0.1] * 39 + [5.0], lat_fp16=[0.1] * 40)[0] == "pass"
+    v, reasons, _ = verdict(0, n=200, lat_int8=[1.0] * 200, lat_fp16=[0.1] * 200)  # 10x slower at 200 samples each
+    assert v == "fail" and reasons == ["p99 latency ratio 10.00 > max 3.0"]
+
+
 def byte_level_tokenizer():
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast

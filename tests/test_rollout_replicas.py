@@ -20,7 +20,7 @@ def replicas(small_bundle, postgres, tmp_path_factory):
     try:
         # replica a judges latency with an impossible bound (an injected bad verdict): its windows fail
         steps = [1, {"weight": 5, "pause": "indefinite"}, {"weight": 50, "pause_s": 3}, 100]
-        for name, strict in (("a", {"max_p99_latency_ratio": 0.0}), ("b", {})):
+        for name, strict in (("a", {"max_p99_latency_ratio": 0.0, "min_latency_samples": 1}), ("b", {})):
             env = env_for(state, name, version, vllm=False, rollout={"sync_interval_s": 0.5, "steps": steps,
                                                                      "inconclusive_limit": 2, **strict})
             env["POLICY_BUNDLE_STATE_URL"] = postgres.url
