@@ -394,7 +394,8 @@ def test_restart_resumes_the_rollout_with_its_history(good, small_bundle, state)
     before = httpx.get(f"{good.url}/admin/rollout", headers=ADMIN).json()["state"]
     history = httpx.get(f"{good.url}/admin/rollout/history", headers=ADMIN).json()["history"]
     good.stop()
-    again = Server(env_for(state, "good", bundle_version(small_bundle)), state / "good2.log").wait_ready()
+    # the rollout state is the router's: the restarted one serves FP16 with the fallback (no second vLLM start)
+    again = Server(env_for(state, "good", bundle_version(small_bundle), vllm=False), state / "good2.log").wait_ready()
     try:
         after = httpx.get(f"{again.url}/admin/rollout", headers=ADMIN).json()["state"]
         assert {k: after[k] for k in ("weight", "step_index", "status")} == {k: before[k] for k in ("weight", "step_index", "status")}
