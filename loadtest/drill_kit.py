@@ -20,6 +20,7 @@ from policy_bundle.loadtest.servers import ROOT, Server
 SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64",
          "--set", "calibration.procs=0", "--set", "export.onnx=false",
          "--set", "export.int8_vllm=false"]  # the drills serve INT8 as TorchScript: no vLLM load to gate int8-vllm/
+BUILD_TIMEOUT_S = 900
 REGISTER = ("import sys; from pathlib import Path; from policy_bundle.build.store import register_bundle; "
             "register_bundle(Path(sys.argv[1]), sys.argv[2], sys.argv[3])")
 
@@ -70,7 +71,10 @@ def _build(home: Path, out: Path, broken: bool) -> str:
     if broken:  # a deliberately broken INT8 policy that a gated build would refuse: gate off, one scale x400
         args += ["--set", "canary.enabled=false"]
         env["POLICY_BUNDLE_TEST_FAULT"] = "scale:layer=layers.0.mlp.down_proj:factor=400"
-    res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:  # bounded: a drill in another process may be waiting on the lock this build holds
+        res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"bundle build ran past {BUILD_TIMEOUT_S} s:\n{(exc.stderr or b'')[-3000:]!r}") from None
     if res.returncode != 0:
         raise RuntimeError(f"bundle build failed:\n{res.stderr[-3000:]}")
     return f"{name}-{manifest_hash(out)[:12]}"
