@@ -1,0 +1,67 @@
+"""Guards below the HTTP tests, each pinned on its own: the engine's greedy cut-off for a tiny temperature (what
+a variant's own API does when the router's schema is bypassed), an artifact symlinked out of its bundle, and a
+variant whose health names another build's manifest."""
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from policy_bundle.bundle.manifest import BundleVerificationError, read_manifest, verified_artifact, write_manifest
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-300, 1e-6])
+def test_the_engine_picks_greedily_below_the_minimum_temperature(temperature):
+    from policy_bundle.serve.engines import SamplingParams, pick_token
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    step = pick_token(logits, SamplingParams(temperature=temperature), torch.Generator().manual_seed(0))
+    assert step.token_id == 1 and math.isfinite(step.logprob)
+    # the negative control: above the cut-off it samples (a flat distribution picks other tokens too)
+    gen = torch.Generator().manual_seed(0)
+    picked = {pick_token(torch.zeros(4), SamplingParams(temperature=1.0), gen).token_id for _ in range(50)}
+    assert len(picked) > 1
+
+
+def test_an_artifact_symlinked_out_of_the_bundle_is_refused_before_loading(tmp_path):
+    outside = tmp_path / "outside.ts"
+    outside.write_bytes(b"not ours")
+    bundle = tmp_path / "bundle"
+    (bundle / "int8").mkdir(parents=True)
+    (bundle / "int8" / "policy.ts").write_bytes(b"the real artifact")
+    write_manifest(bundle, {"artifacts": {"int8_torchscript": "int8/policy.ts"}})
+    manifest = read_manifest(bundle)
+    assert verified_artifact(bundle, manifest, "int8_torchscript") == bundle / "int8" / "policy.ts"
+    (bundle / "int8" / "policy.ts").unlink()
+    (bundle / "int8" / "policy.ts").symlink_to(outside)
+    with pytest.raises(BundleVerificationError, match="leads out of the bundle"):
+        verified_artifact(bundle, manifest, "int8_torchscript")
+
+
+class _Gauge:
+    def labels(self, **_):
+        return self
+
+    def set(self, _):
+        pass
+
+
+def test_a_variant_serving_another_builds_manifest_is_not_ready():
+    from policy_bundle.serve.pool import VariantPool
+
+    def service(sha):
+        async def health():
+            return {"ready": True, "engine": "test", "manifest_sha256": sha}
+
+        return SimpleNamespace(to_async=SimpleNamespace(health=health))
+
+    metrics = SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge())
+    pool = VariantPool({"int8": service("a" * 64), "fp16": service("b" * 64)}, SimpleNamespace(health_timeout_s=3.0),
+                       note=lambda *a: None, on_error=lambda *a: None, metrics=metrics, expected_manifest="a" * 64)
+    health = asyncio.run(pool.refresh())
+    assert health["int8"]["ready"] and not health["fp16"]["ready"] and not pool.ready()
+    assert "not the router's pair" in health["fp16"]["error"]
+    pool.expected_manifest = "b" * 64  # the control: the same probe against its own pair
+    assert asyncio.run(pool.refresh())["fp16"]["ready"]
