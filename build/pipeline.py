@@ -26,6 +26,7 @@ from policy_bundle.build.artifact_fidelity import gate_artifacts, quick_fidelity
 from policy_bundle.build.calibrated import CalibratedModels
 from policy_bundle.build.canary import add_artifact_comparison
 from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.drift import write_drift_report
 from policy_bundle.build.errors import RegistrationError
 from policy_bundle.build.int8_vllm import INT8_VLLM, Int8Vllm, check_int8_vllm, export_int8_vllm, planned
 from policy_bundle.build.manifest_body import INT8_TS, calibration_section, manifest_body
@@ -39,11 +40,6 @@ from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, 
 from policy_bundle.quantize.fidelity import GoldenItem
 from policy_bundle.quantize.model import Policy
 from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
-
-
-DRIFT_REPORT = "drift_report.json"
-DRIFT_SUMMARY = ("step", "checkpoint", "previous_bundle", "previous_manifest_sha256", "previous_step", "threshold", "max_drift",
-                 "drifted_layers")
 
 
 @dataclass
@@ -125,8 +121,7 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
         body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm,
                              onnx_skipped)
         if drift is not None:
-            (tmp / DRIFT_REPORT).write_text(json.dumps(drift, indent=2) + "\n")
-            body["drift"] = {"report": DRIFT_REPORT, **{k: drift[k] for k in DRIFT_SUMMARY if k in drift}}
+            body["drift"] = write_drift_report(tmp, drift)
         sha = manifest_stage(stages, body, tmp)
     return BuildResult(final, sha, None, None, fidelity)
 
