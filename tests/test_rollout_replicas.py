@@ -88,7 +88,8 @@ def test_a_pause_sent_to_one_replica_holds_both(replicas):
     a, b = replicas
     admin(a, "restart")
     assert admin(a, "pause")["state"]["status"] == "paused"
-    assert wait_for(b, "paused", seconds=1.5)["state"]["status"] == "paused"  # within a sync tick (0.5 s) or so
+    # obeyed through the database (sync ticks every 0.5 s); 5 s of slack for a busy 2-core machine, not a timing test
+    assert wait_for(b, "paused", seconds=5.0)["state"]["status"] == "paused"
     for _ in range(3):
         complete(b, max_tokens=4)
         assert admin(b, "analyse")["verdict"] in ("pass", "inconclusive", "stale", "idle")
