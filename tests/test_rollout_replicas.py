@@ -181,3 +181,33 @@ def test_a_database_restart_mid_rollout_loses_no_event_and_no_transition(replica
     versions = [e["state_version"] for e in after if e["state_version"] is not None]
     assert versions == list(range(versions[0], versions[0] + len(versions)))  # no gap, no duplicate
     assert rollout_of(a)["state_version"] == rollout_of(b)["state_version"] == versions[-1]
+
+
+def test_two_routers_on_one_sqlite_file_obey_each_other(small_bundle, tmp_path):
+    """The zero-set-up default shared by two processes (BentoML workers > 1, or replicas on one volume): both
+    keep their state in one SQLite file; a command made on either holds on the other, and their writes never
+    undo each other (compare-and-set on the state version)."""
+    version = bundle_version(small_bundle)
+    servers = []
+    try:
+        for name in ("a", "b"):
+            env = env_for(tmp_path, name, version, vllm=False, rollout={"sync_interval_s": 0.5})
+            env["POLICY_BUNDLE_STATE_DIR"] = str(tmp_path / "shared-state")  # one rollout.sqlite for both
+            servers.append(Server(env, tmp_path / f"{name}.log"))
+        a, b = [s.wait_ready() for s in servers]
+        assert rollout_of(a)["pair"] == rollout_of(b)["pair"]
+        assert admin(a, "pause")["state"]["status"] == "paused"
+        assert wait_for(b, "paused", seconds=5.0)["state"]["status"] == "paused"
+        admin(b, "resume")
+        admin(b, "set-weight", weight=25)
+        got = wait_for(a, "held", seconds=5.0)
+        assert (got["state"]["status"], got["state"]["weight"]) == ("held", 25.0)
+        assert rollout_of(a)["state_version"] == rollout_of(b)["state_version"]
+        events = history(a)
+        assert [e["event"] for e in events][-3:] == ["pause", "resume", "set-weight"]
+        assert events[-3]["replica"] != events[-1]["replica"] == events[-2]["replica"]  # pause on a, the rest on b
+        versions = [e["state_version"] for e in events if e["state_version"] is not None]
+        assert versions == list(range(1, len(versions) + 1))  # one file, one sequence: no gap, none twice
+    finally:
+        for s in servers:
+            s.stop()
