@@ -1,0 +1,101 @@
+"""Which int8 matmul is cheaper than float on this CPU: one linear of SmolLM2-135M's shapes, side by side.
+
+    .venv/bin/python -m policy_bundle.quantize.bench_kernels [--rows 1 8 32] [--repeat 200]
+
+Per shape (in -> out features) and rows (1: a batch-1 decode step; 32: a prefill chunk or 32 decoding rows) it
+times, in one process, one after the other, and prints the median microseconds and each one's ratio to float:
+
+- ``fp32``: ``F.linear`` (what the FP32 eager policy runs);
+- ``int_mm``: our per-token W8A8 (``quantize/w8a8.py``'s ``Int8TokenLinear``: per-row activation scale, int8,
+  ``torch._int_mm``, rescale);
+- ``fbgemm-dyn``: fbgemm's dynamic quantized linear over per-channel int8 weights (``quantized::linear_dynamic``,
+  what torch.ao's ``dynamic`` recipe ships): one activation scale per call, so per-token only at one row;
+- ``fbgemm-dyn/row``: the same kernel called once per row (per-token scales at any row count).
+
+Also each one's relative error against fp32 on the same inputs (activations with a few large channels, as
+real LMs have). Weights and inputs are seeded random at the real shapes: timings depend on shapes, not values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+SMOLLM2_SHAPES = {"q_proj": (576, 576), "k_proj": (576, 192), "gate_proj": (576, 1536), "down_proj": (1536, 576),
+                  "lm_head": (576, 49152)}
+
+
+def per_channel_int8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+    return torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8), scales
+
+
+def kernels(w: torch.Tensor) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    q, scales = per_channel_int8(w)
+    qw = torch.quantize_per_channel(q.float() * scales.unsqueeze(1), scales.double(),
+                                    torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(qw, None)
+    qt = q.t()
+
+    def int_mm(x: torch.Tensor) -> torch.Tensor:
+        row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+        xq = torch.round(x / row_scale).clamp(-127, 127).to(torch.int8)
+        return torch._int_mm(xq, qt).float() * row_scale * scales
+
+    def fbgemm_dyn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x, packed, True)
+
+    def fbgemm_rows(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.ops.quantized.linear_dynamic(x[i:i + 1], packed, True) for i in range(x.shape[0])])
+
+    return {"fp32": lambda x: F.linear(x, w), "int_mm": int_mm, "fbgemm-dyn": fbgemm_dyn,
+            "fbgemm-dyn/row": fbgemm_rows}
+
+
+def median_us(fn: Callable[[], torch.Tensor], repeat: int) -> float:
+    for _ in range(max(3, repeat // 10)):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--repeat", type=int, default=200)
+    args = ap.parse_args(argv)
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        torch.backends.quantized.engine = "x86"
+    g = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quantized engine "
+          f"{torch.backends.quantized.engine}; median us over {args.repeat} calls (ratio to fp32); rel. error vs fp32")
+    with torch.inference_mode():
+        for name, (n_in, n_out) in SMOLLM2_SHAPES.items():
+            w = torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
+            fns = kernels(w)
+            for rows in args.rows:
+                x = torch.randn(rows, n_in, generator=g)
+                x[:, :4] *= 20.0  # a few outlier channels
+                ref = fns["fp32"](x)
+                cells = []
+                base = None
+                for k, fn in fns.items():
+                    us = median_us(lambda: fn(x), args.repeat)
+                    base = base or us
+                    err = float((fn(x) - ref).norm() / ref.norm())
+                    cells.append(f"{k} {us:8.1f} ({us / base:4.2f}x, err {err:.3f})")
+                print(f"{name:<9} {n_in:>5}->{n_out:<5} rows {rows:>3}: " + " | ".join(cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
