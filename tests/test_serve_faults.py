@@ -70,13 +70,23 @@ def test_plain_request_is_a_503_when_no_variant_answers(faulty):
 def test_loops_survive_their_exceptions(faulty):
     """The analysis and health loops raised twice each at start; both still run (and are reported alive)."""
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if metric(faulty, "policy_canary_verdicts_total") >= 2 and metric(faulty, "policy_loop_errors_total") >= 4:
-            break
+    while metric(faulty, "policy_loop_errors_total") < 4 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert metric(faulty, "policy_loop_errors_total", loop="analysis") == 2
     assert metric(faulty, "policy_loop_errors_total", loop="health") == 2
-    assert metric(faulty, "policy_canary_verdicts_total") >= 2  # analyses after the failures
+    # The analysis loop still judges new evidence: a fresh rollout, then a forced INT8 request (INT8 fails here)
+    # at a time; each must get a verdict from the loop (analysis-failed, then rollback), not from an admin call.
+    httpx.post(f"{faulty.url}/admin/rollout", json={"action": "restart"}, headers=ADMIN, timeout=30)
+    forced = {"x-policy-variant": "int8", "x-admin-token": "t"}
+    for _ in range(2):
+        before = metric(faulty, "policy_canary_verdicts_total")
+        r = httpx.post(f"{faulty.url}/v1/completions", headers=forced, timeout=60,
+                       json={"model": "policy", "prompt": "1+1=", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 503
+        deadline = time.monotonic() + 30
+        while metric(faulty, "policy_canary_verdicts_total") <= before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(faulty, "policy_canary_verdicts_total") > before  # judged by the loop after its failures
     status = httpx.get(f"{faulty.url}/status", timeout=10).json()
     assert all(status["loops"].values()) and status["test_fault"] is True
     first = status["variants"]["int8"]["probed_at"]
