@@ -47,7 +47,6 @@ def serve_until(run: DrillRun, home: Path, broken: bool, seconds: float, until: 
 
 def drill_promote(run: DrillRun, home: Path, seconds: float) -> None:
     state = serve_until(run, home, broken=False, seconds=seconds, until="promoted")
-    events = [e["event"] for e in run.history]
     run.check("INT8 promoted from 1 % to 100 % through every step", state.get("status") == "promoted"
               and [e["to_weight"] for e in run.history if e["event"] == "promote"] == [5.0, 25.0, 50.0, 100.0])
     failed = [f"{e['event']}: {e.get('reason', '')}" for e in run.history if e["event"] in ("analysis-failed", "rollback")]
