@@ -1,12 +1,11 @@
-"""Rollout state machine, its database and the analysis, in process (the HTTP behaviour is in test_serve*,
-the shared-database replicas in test_rollout_replicas)."""
+"""Rollout state machine and its database, in process (one window's verdict is in test_analysis, the HTTP
+behaviour in test_serve*, the shared-database replicas in test_rollout_replicas)."""
 
 import time
 
 import pytest
 
 from policy_bundle.quantize.fidelity import GateThresholds
-from policy_bundle.serve.analysis import Window, analyse, wilson_interval
 from policy_bundle.serve.rollout import RolloutController
 from policy_bundle.serve.rollout_types import RolloutConfig, RolloutStep
 from policy_bundle.serve.rollout_db import BundlePair, RolloutDatabase, StateConflict, StoreUnavailable, default_url
@@ -175,75 +174,6 @@ def test_rollout_config_refuses_bad_steps_and_limits():
                 {"failure_limit": 0}, {"confidence": 1.5}):
         with pytest.raises(ValueError, match="rollout"):
             RolloutConfig(**bad)
-
-
-def test_golden_runs_are_judged_with_the_bundle_thresholds():
-    w = Window(golden={"items": 16, "greedy_agreement": 0.6, "reward_delta": 0.0})
-    strict, lenient = GateThresholds(min_greedy_agreement=0.9), GateThresholds(min_greedy_agreement=0.5)
-    assert analyse(w, RolloutConfig(min_samples=1), strict)[0] == "fail"
-    assert analyse(w, RolloutConfig(min_samples=1), lenient)[0] == "pass"
-    assert analyse(w, RolloutConfig(min_samples=1, thresholds=strict), lenient)[0] == "fail"  # config overrides
-
-
-def test_shadow_flips_fail_only_with_confidence_and_are_inconclusive_in_between():
-    t = GateThresholds(min_greedy_agreement=0.8)  # allowed flip rate 0.2
-    cfg = RolloutConfig(min_samples=8)
-
-    def verdict(pairs, same):
-        return analyse(Window(requests={"int8": 40, "fp16": 40}, shadow_pairs=pairs, shadow_same=same), cfg, t)
-
-    assert verdict(60, 60)[0] == "pass"  # 0 of 60 flipped: upper bound 0.06 < 0.2
-    assert verdict(60, 30)[0] == "fail"  # half flipped: lower bound 0.38 > 0.2
-    v, reasons, metrics = verdict(10, 7)  # 3 of 10: the interval [0.11, 0.60] straddles 0.2
-    assert v == "inconclusive" and "straddles" in reasons[0]
-    lo, hi = wilson_interval(3, 10, 0.95)
-    assert metrics["shadow_flip_rate_bounds"] == [lo, hi] and round(lo, 2) == 0.11 and round(hi, 2) == 0.60
-
-
-def test_int8_errors_fail_only_with_confidence_and_p99_only_over_enough_samples():
-    cfg, t = RolloutConfig(min_samples=8), GateThresholds(min_greedy_agreement=0.0)
-
-    def verdict(errors, n=40, lat_int8=(), lat_fp16=()):
-        return analyse(Window(requests={"int8": n, "fp16": n}, errors={"int8": errors, "fp16": 0},
-                              latencies={"int8": list(lat_int8), "fp16": list(lat_fp16)}), cfg, t)
-
-    assert verdict(1)[0] == "pass"  # 1 of 40 (one timed-out request): the rate's lower bound 0.004 < 0.05
-    v, reasons, metrics = verdict(12)  # 12 of 40: lower bound 0.18 > 0.05
-    assert v == "fail" and "int8 error rate" in reasons[0] and metrics["int8_error_rate_bounds"][0] > 0.05
-    # one stalled INT8 request among 40: a "p99" of 40 samples is their maximum, not judged below 100
-    assert verdict(0, lat_int8=[0.1] * 39 + [5.0], lat_fp16=[0.1] * 40)[0] == "pass"
-    v, reasons, _ = verdict(0, n=200, lat_int8=[1.0] * 200, lat_fp16=[0.1] * 200)  # 10x slower at 200 samples each
-    assert v == "fail" and reasons == ["p99 latency ratio 10.00 > max 3.0"]
-
-
-def byte_level_tokenizer():
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    core = ByteLevelBPETokenizer()
-    core.train_from_iterator(["plain ascii words and spaces", "more words"] * 20, vocab_size=300, min_frequency=1)
-    return PreTrainedTokenizerFast(tokenizer_object=core._tokenizer)
-
-
-@pytest.mark.parametrize("stop", [[], ["caf"], ["é"], ["🙂 ok"]])
-def test_text_stream_equals_one_decode_for_split_utf8(stop):
-    from policy_bundle.bundle.info import decode
-    from policy_bundle.serve.openai_api import TextStream
-
-    tok = byte_level_tokenizer()
-    text = "naïve café 日本語 🙂 ok and plain words"
-    ids = tok(text)["input_ids"]
-    assert "\ufffd" in "".join(tok.decode([i]) for i in ids)  # pieces split characters
-    stream = TextStream(tok, stop)
-    pieces = []
-    for i in ids:
-        pieces.append(stream.push(i))
-        if stream.stopped:
-            break
-    pieces.append(stream.finish())
-    whole = decode(tok, ids)
-    expected = whole[:min([whole.find(s) for s in stop if s in whole] or [len(whole)])]
-    assert "".join(pieces) == expected and all("\ufffd" not in p for p in pieces)
 
 
 def test_resume_returns_to_the_status_the_pause_interrupted(tmp_path):

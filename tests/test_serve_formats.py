@@ -1,5 +1,6 @@
 """Serving a policy with a production-like tokenizer (SentencePiece-style pieces, a chat template) over a real
-`bentoml serve`: streamed text equals plain text, chat roles reach the template, one context length."""
+`bentoml serve`: streamed text equals plain text, chat roles reach the template, one context length; and the
+streaming decoder alone on characters split across byte-level pieces."""
 
 import json
 
@@ -99,3 +100,33 @@ def test_one_context_length_for_the_router_and_both_variants(spm, variant):
     over = httpx.post(f"{server.url}/v1/completions", headers=FORCE[variant], timeout=60,
                       json={"model": "policy", "prompt": " ".join([words] * 4) + " two", "max_tokens": 80})
     assert over.status_code == 400 and over.json()["error"]["limit"] == CONTEXT
+
+
+def byte_level_tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    core = ByteLevelBPETokenizer()
+    core.train_from_iterator(["plain ascii words and spaces", "more words"] * 20, vocab_size=300, min_frequency=1)
+    return PreTrainedTokenizerFast(tokenizer_object=core._tokenizer)
+
+
+@pytest.mark.parametrize("stop", [[], ["caf"], ["é"], ["🙂 ok"]])
+def test_text_stream_equals_one_decode_for_split_utf8(stop):
+    from policy_bundle.bundle.info import decode
+    from policy_bundle.serve.openai_api import TextStream
+
+    tok = byte_level_tokenizer()
+    text = "naïve café 日本語 🙂 ok and plain words"
+    ids = tok(text)["input_ids"]
+    assert "\ufffd" in "".join(tok.decode([i]) for i in ids)  # pieces split characters
+    stream = TextStream(tok, stop)
+    pieces = []
+    for i in ids:
+        pieces.append(stream.push(i))
+        if stream.stopped:
+            break
+    pieces.append(stream.finish())
+    whole = decode(tok, ids)
+    expected = whole[:min([whole.find(s) for s in stop if s in whole] or [len(whole)])]
+    assert "".join(pieces) == expected and all("\ufffd" not in p for p in pieces)
