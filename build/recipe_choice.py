@@ -10,7 +10,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-import torch
 
 from policy_bundle.build.artifact_fidelity import fidelity_kwargs
 from policy_bundle.build.calibrated import CalibratedModels, plan_key
@@ -21,6 +20,7 @@ from policy_bundle.build.fallback import gate_torch_ao, gate_w8a8
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
+from policy_bundle.quantize.export import script_int8
 from policy_bundle.build.data import GoldenSplit
 from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, evaluate_gate,
                                              measure_fidelity, policy_logits_fn, teacher_forced_logits)
@@ -60,7 +60,7 @@ class ChosenRecipe:
 
 def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int = 3, warmup: int = 3) -> float:
     """Batch-1 decode tokens/s of the candidate as TorchScript (what ships)."""
-    return decode_tokens_per_s(torch.jit.script(int8), [1] * prompt_len, new_tokens, repeats, warmup)
+    return decode_tokens_per_s(script_int8(int8), [1] * prompt_len, new_tokens, repeats, warmup)
 
 
 def best_so_far(trials: Sequence[Trial]) -> str:

@@ -24,6 +24,7 @@ from policy_bundle.loadtest.real_lm import smollm2_dir
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
 from policy_bundle.quantize.decode import decode_tokens_per_s, greedy_generate
+from policy_bundle.quantize.export import script_int8
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
 from policy_bundle.quantize.w8a8_plan import layer_sensitivity
@@ -48,7 +49,7 @@ def hf_generate_tps(path, new_tokens: int, repeats: int) -> float:
 
 def ts_decode_tps(model, new_tokens: int, repeats: int) -> float:
     """Decode tokens/s of ``model`` as TorchScript (what ships), 3 warm-up runs."""
-    return decode_tokens_per_s(torch.jit.script(model), [1] * 8, new_tokens, repeats, warmup=3)
+    return decode_tokens_per_s(script_int8(model), [1] * 8, new_tokens, repeats, warmup=3)
 
 
 def ao_recipe(policy, batches, scheme: str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -10,9 +11,9 @@ from typing import List
 import torch
 from torch import Tensor, nn
 
-from policy_bundle.quantize.model import FullSequence, Policy, PolicyConfig
-
 from policy_bundle.quantize.hf_weights import save_hf_weights
+from policy_bundle.quantize.model import FullSequence, Policy, PolicyConfig
+from policy_bundle.quantize.w8a8 import fuse_projections
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
@@ -24,9 +25,18 @@ def copy_tokenizer_files(source_dir: Path, out: Path) -> None:
             shutil.copy(source_dir / name, out / name)
 
 
+def script_int8(int8: nn.Module) -> torch.jit.ScriptModule:
+    """The INT8 policy as it ships: a copy with its int8 q/k/v and gate/up projections fused (the same outputs,
+    one activation quantization and one matmul per input), scripted."""
+    fused = copy.deepcopy(int8)
+    fuse_projections(fused)
+    return torch.jit.script(fused)
+
+
 def export_torchscript(int8: nn.Module, out: Path) -> Path:
-    """Script the INT8 policy; the file exposes ``new_cache``, ``prefill`` and ``decode``."""
-    scripted = torch.jit.script(int8)
+    """Script the INT8 policy (``script_int8``); the file exposes ``new_cache``, ``prefill``, ``decode`` and
+    ``decode_batch``."""
+    scripted = script_int8(int8)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.jit.save(scripted, str(out))
     return out

@@ -48,15 +48,26 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, kv, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q, cfg.dim, bias=False)
         self.use_qk_norm = cfg.qk_norm
+        # An int8 export may replace q/k/v by one projection over the concatenated weights (one activation
+        # quantization, one matmul: ``quantize.w8a8.fuse_projections``); q_proj/k_proj/v_proj then become Identity.
+        self.fused_qkv = False
+        self.qkv_proj: nn.Module = nn.Identity()
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """Rotated queries and keys, and values, as [B, heads, T, head_dim]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.fused_qkv:
+            qkv = self.qkv_proj(x)
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q = qkv[:, :, :nq].reshape(b, t, self.n_heads, self.head_dim)
+            k = qkv[:, :, nq : nq + nkv].reshape(b, t, self.n_kv_heads, self.head_dim)
+            v = qkv[:, :, nq + nkv :].reshape(b, t, self.n_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k).transpose(1, 2)
         v = v.transpose(1, 2)
@@ -65,10 +76,16 @@ class Attention(nn.Module):
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         b, t = q.shape[0], q.shape[2]
         if self.n_kv_heads != self.n_heads:
+            # Grouped-query attention without copying the cache per query head: the ``rep`` query heads
+            # of one kv head attend as ``rep * t`` rows of that head (head h reads kv head h // rep).
             rep = self.n_heads // self.n_kv_heads
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            q = q.reshape(b, self.n_kv_heads, rep * t, self.head_dim)
+            if mask.dim() == 2:  # [t, S]: the same mask for each of the rep heads' rows
+                mask = mask.repeat(rep, 1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            out = out.reshape(b, self.n_heads, t, self.head_dim)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def forward(
@@ -99,8 +116,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.fused_gate_up = False  # as Attention.fused_qkv: gate/up as one projection in an int8 export
+        self.gate_up_proj: nn.Module = nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused_gate_up:
+            gu = self.gate_up_proj(x)
+            n = self.intermediate_size
+            return self.down_proj(F.silu(gu[..., :n]) * gu[..., n:])
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -63,7 +63,7 @@ def test_int8_artifact_decodes_with_per_token_int8_kernels(smollm2_bundle):
     out, _ = smollm2_bundle
     ts = torch.jit.load(str(out / "int8" / "policy.ts"))
     int8 = [m for m in ts.modules() if m.original_name == "Int8TokenLinear"]
-    assert int8 and all("_int_mm" in m.code for m in int8)
+    assert int8 and all("linear_dynamic" in m.code and "_int_mm" in m.rows.code for m in int8)  # fbgemm, _int_mm
     k, v = ts.new_cache(1, 24)
     logits = ts.prefill(torch.tensor([[1, 9690, 198, 2683, 359, 253]]), k, v)
     nxt = ts.decode(logits[:, -1:].argmax(-1), 6, k, v)

@@ -1,5 +1,7 @@
 """The w8a8 recipes' parts: per-token int8 linear, outlier rows, GPTQ rounding, statistics merge, plan."""
 
+import copy
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_gener
 from policy_bundle.quantize.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig, RecipeError, selected_linears
 from policy_bundle.quantize.smooth import make_outlier_model
-from policy_bundle.quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, quantize_weight
+from policy_bundle.quantize.w8a8 import (OUTLIER_CHANNELS, Int8RescoredHead, Int8TokenLinear, fuse_projections,
+                                         quantize_weight)
 from policy_bundle.quantize.w8a8_plan import build_plan
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -32,17 +35,59 @@ def test_per_token_scales_keep_a_quiet_token_exact_beside_a_loud_one():
     assert torch.allclose(m(x)[1], exact, rtol=0, atol=0.02 * float(exact.abs().max()))
 
 
-def test_outlier_rows_run_in_float_against_the_int8_weight():
+def test_outlier_rows_keep_their_largest_channels_in_float():
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 32, bias=False)
     x = torch.randn(3, 64)
     x[1, :] *= 200.0
     x[1, 7] = 5000.0
-    m = Int8TokenLinear.from_float(lin, outlier_threshold=100.0)
+    m = Int8TokenLinear.from_float(lin, outlier_threshold=1000.0)
+    plain = Int8TokenLinear.from_float(lin)  # no threshold: the loud row is quantized whole
     float_path = x[1] @ m.dequantized_weight().t()
-    assert torch.allclose(m(x)[1], float_path, atol=1e-3)
-    plain = Int8TokenLinear.from_float(lin)  # no threshold: the row is quantized and differs
-    assert not torch.allclose(plain(x)[1], float_path, atol=1e-3)
+    err = lambda out: float((out - float_path).abs().max() / float_path.abs().max())  # noqa: E731
+    assert err(m(x)[1]) < 0.01 and err(plain(x)[1]) > 5 * err(m(x)[1])
+    idx = x[1].abs().topk(OUTLIER_CHANNELS).indices  # what the split computes: those channels in float ...
+    big = torch.zeros(64).index_copy(0, idx, x[1, idx])
+    expect = plain.rows((x[1] - big).unsqueeze(0))[0] + big @ m.dequantized_weight().t()  # ... the rest in int8
+    assert torch.allclose(m(x)[1], expect, rtol=1e-5, atol=1e-3)
+    assert torch.equal(m(x)[[0, 2]], plain(x)[[0, 2]])  # quiet rows: untouched
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576)])
+def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape):
+    """A batch-1 decode step (fbgemm) and the same row inside a prefill or a decode batch (_int_mm) give the
+    same floats: a request's tokens do not depend on what else the engine is running."""
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(*shape, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(shape[1], shape[0], generator=g))
+    m = Int8TokenLinear.from_float(lin)
+    x = torch.randn(200, shape[0], generator=g) * torch.rand(200, 1, generator=g) * 10
+    x[::3] = x[::3].abs()  # one-sided rows: zero point 0
+    x[1::7, :6] *= 40  # a few loud channels
+    x[5] = 0.0  # fbgemm's all-zero row (scale 0.1)
+    x[9] *= 1e-6  # and its smallest-scale widening
+    together = m(x)
+    alone = torch.cat([m(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(together, alone)
+
+
+def test_fused_projections_equal_the_separate_ones():
+    policy = init_random_policy(CFG, seed=3)
+    names = [n for n, mod in policy.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"]
+    int8 = copy.deepcopy(policy)
+    for n in names:
+        parent, _, child = n.rpartition(".")
+        setattr(int8.get_submodule(parent), child, Int8TokenLinear.from_float(policy.get_submodule(n)))
+    fused = copy.deepcopy(int8)
+    assert fuse_projections(fused) == 2 * CFG.n_layers
+    x = torch.randint(0, 64, (2, 16))
+    assert torch.equal(full_logits(fused, x), full_logits(int8, x))
+    assert greedy_generate(torch.jit.script(fused), [3, 14, 15], 10) == greedy_generate(int8, [3, 14, 15], 10)
+    one_float = copy.deepcopy(int8)  # a group with a float member stays unfused
+    one_float.layers[0].self_attn.k_proj = policy.layers[0].self_attn.k_proj
+    assert fuse_projections(one_float) == 2 * CFG.n_layers - 1
 
 
 def test_int8_token_linear_scripts_and_matches_eager():
