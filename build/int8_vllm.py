@@ -86,14 +86,14 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, smoothing_scales,
         float_policy = plan.convert(policy, [])
         int8 = {n: plan.weights[n] for n in names}
         weights = f"the TorchScript artifact's int8 weights and scales ({plan.rounding} rounding)"
-        activations = ("int8 per token at run time, as the TorchScript artifact, but with no outlier rows in "
-                       "float: vLLM's W8A8 kernel quantizes every row (judge it by fidelity.int8_vllm)")
+        activations = ("int8 per token at run time with a zero point, as the TorchScript artifact, but with no outlier "
+                       "channels in float: vLLM's W8A8 kernel quantizes every row whole (judge it by fidelity.int8_vllm)")
     else:
         float_policy = apply_smoothing(policy, smoothing_scales) if recipe.smooth else policy
         int8 = {n: quantize_weight(float_policy.get_submodule(n).weight.detach().float()) for n in names}
         weights = ("int8 per output channel, symmetric, nearest rounding of the "
                    + ("smoothed " if recipe.smooth else "") + "float weights")
-        activations = "int8 per token, dynamic (vLLM's W8A8), not " + AO_ACTIVATIONS[recipe.base_mode]
+        activations = "int8 per token with a zero point, dynamic (vLLM's W8A8), not " + AO_ACTIVATIONS[recipe.base_mode]
         modes = {p: m for p, m in recipe.overrides if m != "fp32"}
         if modes:
             activations += f"; per-layer overrides {modes} are W8A8 here too"

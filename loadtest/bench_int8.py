@@ -28,6 +28,7 @@ from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
 from policy_bundle.quantize.hf_weights import load_policy
 
 warnings.filterwarnings("ignore")
+BATCH_ROWS = 32  # the batched-decode column: sequences decoding together
 
 
 def vllm_available() -> bool:
@@ -66,6 +67,25 @@ def onnx_decode_tps(sess, prompt_len: int, new_tokens: int, vocab: int, repeats:
 
 
 @torch.no_grad()
+def batch_decode_tps(module, rows: int, prompt_len: int, new_tokens: int, vocab: int, repeats: int) -> float:
+    """Tokens/s of ``rows`` sequences decoding together (``decode_batch``, one token per row per step; prefill
+    untimed), median over ``repeats`` fresh caches after one warm-up."""
+    prompts = torch.randint(3, vocab, (rows, prompt_len), generator=torch.Generator().manual_seed(3))
+
+    def run() -> float:
+        k, v = module.new_cache(rows, prompt_len + new_tokens + 1)
+        nxt = module.prefill(prompts, k, v)[:, -1:].argmax(-1)
+        t = time.perf_counter()
+        for step in range(new_tokens):
+            pos = torch.full((rows,), prompt_len + step, dtype=torch.long)
+            nxt = module.decode_batch(nxt, pos, k, v)[:, -1:].argmax(-1)
+        return time.perf_counter() - t
+
+    run()
+    return rows * new_tokens / statistics.median([run() for _ in range(repeats)])
+
+
+@torch.no_grad()
 def forward_tps(fn, batch: int, seq: int, vocab: int, repeats: int) -> float:
     x = torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
     return batch * seq / median_time(lambda: fn(x), repeats)
@@ -99,7 +119,10 @@ def vllm_figures(policy_dir: Path, prompt_len: int, new_tokens: int, seq: int, v
                                                             detokenize=False), use_tqdm=False)
 
     full, one = median_time(gen([prompt], new_tokens), repeats), median_time(gen([prompt], 1), repeats)
-    return (new_tokens - 1) / max(full - one, 1e-9), 8 * seq / median_time(gen(batch, 1), repeats)
+    rows = [{"prompt_token_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist()} for _ in range(BATCH_ROWS)]
+    b_full, b_one = median_time(gen(rows, new_tokens), repeats), median_time(gen(rows, 1), repeats)
+    return ((new_tokens - 1) / max(full - one, 1e-9), 8 * seq / median_time(gen(batch, 1), repeats),
+            BATCH_ROWS * (new_tokens - 1) / max(b_full - b_one, 1e-9))
 
 
 def worker(args) -> None:
@@ -107,14 +130,13 @@ def worker(args) -> None:
     import json
 
     r, vocab, seq, plen, new = args.repeats, args.vocab, args.seq, args.prompt_len, args.new_tokens
-    if args.worker == "fp32 eager":
-        policy = load_policy(Path(args.artifact), max_seq_len=128)
-        dec = decode_tps(policy, plen, new, vocab, r)
-        fwd = forward_tps(lambda x: policy(x, 0, *policy.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r)
-    elif args.worker == "int8 torchscript":
-        scripted = torch.jit.load(args.artifact)
-        dec = decode_tps(scripted, plen, new, vocab, r)
-        fwd = forward_tps(lambda x: scripted(x, 0, *scripted.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r)
+    batch = float("nan")  # decode tok/s of BATCH_ROWS sequences together (KV-cache engines only)
+    if args.worker in ("fp32 eager", "int8 torchscript"):
+        module = (load_policy(Path(args.artifact), max_seq_len=128) if args.worker == "fp32 eager"
+                  else torch.jit.load(args.artifact))
+        dec = decode_tps(module, plen, new, vocab, r)
+        fwd = forward_tps(lambda x: module(x, 0, *module.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r)
+        batch = batch_decode_tps(module, BATCH_ROWS, plen, new, vocab, r)
     elif args.worker == "int8 onnxruntime":
         import onnxruntime as ort
 
@@ -122,8 +144,8 @@ def worker(args) -> None:
         dec = onnx_decode_tps(sess, plen, new, vocab, r)
         fwd = forward_tps(lambda x: sess.run(None, {"input_ids": x.numpy()}), 8, seq, vocab, r)
     else:
-        dec, fwd = vllm_figures(Path(args.artifact), plen, new, seq, vocab, r)
-    print("BENCH " + json.dumps({"decode": dec, "forward": fwd, "peak_mb": peak_rss_mb()}), flush=True)
+        dec, fwd, batch = vllm_figures(Path(args.artifact), plen, new, seq, vocab, r)
+    print("BENCH " + json.dumps({"decode": dec, "forward": fwd, "batch": batch, "peak_mb": peak_rss_mb()}), flush=True)
 
 
 def run_worker(variant: str, artifact: Path, vocab: int, seq: int, prompt_len: int, new_tokens: int, args) -> dict:
@@ -198,15 +220,22 @@ def bench_bundle(bundle: Path, args) -> None:
     fp32_bytes = sum(p.numel() * 4 for p in policy.parameters())
     sizes = {"fp32 eager": fp32_bytes, "fp16 vllm": fp32_bytes // 2,
              **{v: Path(a).stat().st_size for v, a in artifacts.items() if Path(a).is_file()}}
+    fid = manifest.get("fidelity", {})
+    fidelity = {"fp32 eager": {"top1_agreement": 1.0, "kl_mean": 0.0}, "int8 torchscript": fid.get("int8_torchscript"),
+                "int8 onnxruntime": fid.get("int8_onnx"), "fp16 vllm": fid.get("fp16_hf")}
     print(f"\n== bundle {bundle} ({manifest['recipe']['scheme']}, {len(manifest['recipe']['fp32_layers'])} layers "
-          f"in float) on {policy_dir.name}; HF transformers FP32 generate {hf:.1f} tok/s")
-    print(f"{'variant':20s} {'decode tok/s':>13s} {'vs eager':>8s} {'vs HF':>6s} {'forward tok/s':>14s} "
-          f"{'peak RSS MB':>12s} {'artifact MB':>12s}")
+          f"in float) on {policy_dir.name}; HF transformers FP32 generate {hf:.1f} tok/s; top-1 / KL vs FP32 from the "
+          "manifest's held-out golden set (fp16 vllm: the FP16 weights in torch)")
+    print(f"{'variant':20s} {'decode tok/s':>13s} {'vs eager':>8s} {'vs HF':>6s} {f'b={BATCH_ROWS} tok/s':>12s} "
+          f"{'vs eager':>8s} {'forward tok/s':>14s} {'peak RSS MB':>12s} {'artifact MB':>12s} {'top-1':>7s} {'KL':>8s}")
     base = figures["fp32 eager"]
     for v, f in figures.items():
         if f:
+            q = fidelity.get(v) or {}
+            top1, kl = q.get("top1_agreement", float("nan")), q.get("kl_mean", float("nan"))
             print(f"{v:20s} {f['decode']:13.1f} {f['decode'] / base['decode']:8.2f} {f['decode'] / hf:6.2f} "
-                  f"{f['forward']:14.1f} {f['peak_mb']:12.0f} {sizes[v] / 1e6:12.1f}")
+                  f"{f['batch']:12.1f} {f['batch'] / base['batch']:8.2f} {f['forward']:14.1f} {f['peak_mb']:12.0f} "
+                  f"{sizes[v] / 1e6:12.1f} {top1:7.4f} {kl:8.5f}")
 
 
 def hf_generate_tps(path: Path, new_tokens: int, repeats: int) -> float:

@@ -26,6 +26,7 @@ k columns, not the whole weight), the rest of the row is quantized as any other 
 
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -81,9 +82,35 @@ def fake_quant_rows(x: Tensor) -> Tensor:
 
 def _packed(weight_int8: Tensor, scales: Tensor):
     """fbgemm's pre-packed weight (no bias: both kernels add it after, so their sums are equal)."""
-    qw = torch._make_per_channel_quantized_tensor(weight_int8, scales.double(),
-                                                  torch.zeros(weight_int8.shape[0], dtype=torch.long), 0)
+    with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the kernel's packing needs one
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(weight_int8, scales.double(),
+                                                      torch.zeros(weight_int8.shape[0], dtype=torch.long), 0)
     return torch.ops.quantized.linear_prepack(qw, None)
+
+
+class FbgemmWeight(nn.Module):
+    """fbgemm's pre-packed copy of an int8 weight. Saved as that int8 weight and its scales (the owner's own
+    tensors: a TorchScript file stores them once) and packed again where it is loaded or copied."""
+
+    def __init__(self, weight_int8: Tensor, scales: Tensor):
+        super().__init__()
+        self.weight_int8, self.scales = weight_int8, scales
+        self.packed = _packed(weight_int8, scales)
+
+    def __reduce__(self):  # eager copies and pickles: rebuilt from the int8 weight
+        return (FbgemmWeight, (self.weight_int8, self.scales))
+
+    @torch.jit.export
+    def __getstate__(self) -> Tuple[Tensor, Tensor, bool]:
+        return self.weight_int8, self.scales, self.training
+
+    @torch.jit.export
+    def __setstate__(self, state: Tuple[Tensor, Tensor, bool]) -> None:
+        self.weight_int8, self.scales, self.training = state[0], state[1], state[2]
+        qw = torch._make_per_channel_quantized_tensor(state[0], state[1].double(),
+                                                      torch.zeros(state[0].shape[0], dtype=torch.long), 0)
+        self.packed = torch.ops.quantized.linear_prepack(qw, None)
 
 
 class Int8TokenLinear(nn.Module):
@@ -103,7 +130,7 @@ class Int8TokenLinear(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("col_sums", weight_int8.sum(dim=1, dtype=torch.int32))
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
-        self.packed = _packed(self.weight_int8, self.scales)
+        self.fbgemm = FbgemmWeight(self.weight_int8, self.scales)
         self.in_features = int(weight_int8.shape[1])
         self.out_features = int(weight_int8.shape[0])
         self.outlier_threshold = float(outlier_threshold)
@@ -146,7 +173,7 @@ class Int8TokenLinear(nn.Module):
         if rows.numel() > 0:
             out = self._with_outliers(flat, rows)
         elif flat.shape[0] == 1:
-            out = torch.ops.quantized.linear_dynamic(flat, self.packed, False)
+            out = torch.ops.quantized.linear_dynamic(flat, self.fbgemm.packed, False)
         else:
             out = self.rows(flat)
         if self.bias is not None:

@@ -1,8 +1,8 @@
 """A compressed-tensors W8A8 checkpoint that vLLM serves: the INT8 policy as an HF directory.
 
 int8 weights (symmetric, per output channel: ``weight`` int8 [out, in] + ``weight_scale`` float32
-[out, 1]) and int8 activations quantized per token at run time, as ``compressed-tensors`` writes
-them (``format: int-quantized``); the config is built with that package's own classes, so vLLM's
+[out, 1]) and int8 activations quantized per token at run time (a scale and a zero point per token), as
+``compressed-tensors`` writes them (``format: int-quantized``); the config is built with that package's own classes, so vLLM's
 loader and ours read the same schema. Everything not quantized is stored in ``dtype``.
 
 vLLM fuses q/k/v and gate/up into one matmul each and needs one scheme per fused matmul: a block
@@ -28,7 +28,8 @@ Int8Weights = Dict[str, Tuple[Tensor, Tensor]]  # linear (our name) -> (int8 [ou
 
 
 def quantization_config(ignore: List[str]):
-    """W8A8 int8: per-channel symmetric static weights, dynamic per-token symmetric activations."""
+    """W8A8 int8: per-channel symmetric static weights, dynamic per-token asymmetric activations (a scale and a
+    zero point per token from its min and max: what our INT8 kernel does; vLLM-CPU runs it on oneDNN with azp)."""
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -41,7 +42,7 @@ def quantization_config(ignore: List[str]):
 
     weights = QuantizationArgs(num_bits=8, type=QuantizationType.INT, symmetric=True,
                                strategy=QuantizationStrategy.CHANNEL, dynamic=False)
-    activations = QuantizationArgs(num_bits=8, type=QuantizationType.INT, symmetric=True,
+    activations = QuantizationArgs(num_bits=8, type=QuantizationType.INT, symmetric=False,
                                    strategy=QuantizationStrategy.TOKEN, dynamic=True)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
     return QuantizationConfig(config_groups={"group_0": scheme}, format=CompressionFormat.int_quantized.value,

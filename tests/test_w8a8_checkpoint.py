@@ -48,7 +48,7 @@ def test_checkpoint_config_parses_back_and_weights_dequantize_to_the_plans(tmp_p
     assert (scheme.weights.num_bits, scheme.weights.type, scheme.weights.strategy, scheme.weights.symmetric,
             scheme.weights.dynamic) == (8, "int", "channel", True, False)
     assert (scheme.input_activations.strategy, scheme.input_activations.dynamic,
-            scheme.input_activations.symmetric) == ("token", True, True)
+            scheme.input_activations.symmetric) == ("token", True, False)  # a zero point per token, as ours
     # vLLM runs q/k/v as one matmul: a float q_proj keeps its block's k_proj and v_proj in float too
     assert set(qc.ignore) == {"lm_head", *(f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj"))}
     assert [hf_name(n) for n in floating] == qc.ignore
