@@ -49,6 +49,13 @@ def test_sections_hold_the_library_dataclasses_with_their_yaml_keys():
     assert cfg.recipe_config() == RecipeConfig(scheme="smooth-w8a8", overrides=(("down_proj", "fp32"),))
 
 
+def test_auto_defaults_to_the_recipes_that_pass_on_real_lms(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("policy:\n  source: /some/model\nrecipe:\n  scheme: auto\n")
+    cfg = load_config(str(cfg_file))
+    assert cfg.recipe.candidates() == ["smooth-w8a8", "w8a8"] and cfg.recipe_config().scheme == "smooth-w8a8"
+
+
 def test_auto_scheme_gates_every_candidate_starting_with_the_first():
     cfg = load_config("build/configs/reference.yaml", ("recipe.scheme=auto", "recipe.auto_candidates=[dynamic, static]"))
     assert cfg.recipe.candidates() == ["dynamic", "static"] and cfg.recipe_config().scheme == "dynamic"
