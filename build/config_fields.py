@@ -40,6 +40,7 @@ RANGES = {
     "recipe.outlier_ratio": (0.0, 10_000.0),
     "recipe.gptq_damp": (1e-6, 1.0),
     "recipe.lm_head_topk": (0, 4096),
+    "recipe.rotation_block": (0, 4096),  # and a power of two (RecipeConfig says so)
     **{f"canary.{name}": limits for name, limits in THRESHOLD_RANGES.items()},  # GateThresholds' own ranges
     "canary.max_fp_layers": (0, 10_000),
 }

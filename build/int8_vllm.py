@@ -84,8 +84,14 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, smoothing_scales,
     names = selected_linears(policy, recipe)
     if plan is not None:
         float_policy = plan.convert(policy, [])
-        int8 = {n: plan.weights[n] for n in names}
+        # vLLM's kernel has no input rotation: a rotated linear's int8 weight (W @ R) is of no use there, so it
+        # gets nearest rounding of its smoothed float weight
+        int8 = {n: (plan.weights[n] if not plan.rot_blocks.get(n)
+                    else quantize_weight(float_policy.get_submodule(n).weight.detach().float())) for n in names}
         weights = f"the TorchScript artifact's int8 weights and scales ({plan.rounding} rounding)"
+        if plan.rot_blocks:
+            weights = ("int8 per output channel, nearest rounding of the smoothed float weights (the TorchScript "
+                       "artifact's are of Hadamard-rotated inputs, which vLLM's kernel does not rotate)")
         activations = ("int8 per token at run time with a zero point, as the TorchScript artifact, but with no outlier "
                        "channels in float: vLLM's W8A8 kernel quantizes every row whole (judge it by fidelity.int8_vllm)")
     else:

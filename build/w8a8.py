@@ -61,9 +61,10 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
 
     plan = build_plan(policy, stats, groups, names, smooth=recipe.smooth, alphas=recipe.smooth_alphas,
                       rounding=recipe.rounding, gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
-                      head_topk=recipe.lm_head_topk, progress=progress)
+                      head_topk=recipe.lm_head_topk, max_rot_block=recipe.rotation_block, progress=progress)
     log(f"[w8a8] plan: {len(names)} linears in {len(groups)} input groups, {recipe.rounding} rounding"
-        + (", smoothing alpha searched per group" if recipe.smooth else ""))
+        + (", smoothing alpha searched per group" if recipe.smooth else "")
+        + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else ""))
     return plan
 
 

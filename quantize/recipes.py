@@ -59,6 +59,7 @@ class RecipeConfig:
     rounding: str = "gptq"  # nearest | gptq (error-feedback rounding on the calibration Hessians)
     gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
     lm_head_topk: int = 64  # an int8 lm_head (not in skip) rescores each row's top-k logits in float; 0: off
+    rotation_block: int = 512  # w8a8: Hadamard-rotate each linear's input in blocks up to this size; 0: off
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -74,6 +75,8 @@ class RecipeConfig:
             raise RecipeError(f"recipe.outlier_ratio: {self.outlier_ratio} is out of range [0, 10000]")
         if not 0 <= self.lm_head_topk <= 4096:
             raise RecipeError(f"recipe.lm_head_topk: {self.lm_head_topk} is out of range [0, 4096]")
+        if self.rotation_block < 0 or self.rotation_block > 4096 or self.rotation_block & (self.rotation_block - 1):
+            raise RecipeError(f"recipe.rotation_block: {self.rotation_block} is not 0 or a power of two up to 4096")
         if not 0.0 < self.gptq_damp <= 1.0:
             raise RecipeError(f"recipe.gptq_damp: {self.gptq_damp} is out of range (0, 1]")
         for a in self.smooth_alphas:

@@ -27,7 +27,8 @@ from policy_bundle.quantize.gptq import gptq_quantize
 from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
 from policy_bundle.quantize.model import full_logits
 from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
-from policy_bundle.quantize.w8a8 import Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight
+from policy_bundle.quantize.w8a8 import (Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight,
+                                         rotation_block, rotation_matrix)
 
 
 def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
@@ -39,10 +40,14 @@ def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
     return s.view(attn.n_kv_heads, 1, attn.head_dim).expand(-1, rep, -1).reshape(-1)
 
 
-def relative_output_error(x: Tensor, weight: Tensor, q_weight: Tensor, s_in: Optional[Tensor] = None) -> float:
-    """||x W^T - fq(x / s) Wq^T||^2 / ||x W^T||^2 on calibration rows (Wq already smoothed by s)."""
+def relative_output_error(x: Tensor, weight: Tensor, q_weight: Tensor, s_in: Optional[Tensor] = None,
+                          rot: Optional[Tensor] = None) -> float:
+    """||x W^T - fq(x / s @ R) Wq^T||^2 / ||x W^T||^2 on calibration rows (Wq already smoothed by s and rotated
+    by R)."""
     ref = x @ weight.t()
     xs = x if s_in is None else x / s_in
+    if rot is not None:
+        xs = xs @ rot
     out = fake_quant_rows(xs) @ q_weight.t()
     return float((ref - out).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-12))
 
@@ -58,10 +63,12 @@ class W8A8Plan:
     sensitivity: List[Tuple[str, float]] = field(default_factory=list)  # most sensitive first
     rounding: str = "nearest"
     head_topk: int = 0  # lm_head: top-k logits recomputed in float (0: plain int8)
+    rot_blocks: Dict[str, int] = field(default_factory=dict)  # linear -> Hadamard block of its input (absent: none)
 
     def quantized_module(self, name: str, float_linear: nn.Linear) -> nn.Module:
         q, s = self.weights[name]
-        int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s)
+        int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s,
+                                          rot_block=self.rot_blocks.get(name, 0))
         if name == "lm_head" and self.head_topk > 0:
             return Int8RescoredHead(int8, float_linear.weight.detach(), self.head_topk)
         return int8
@@ -69,7 +76,8 @@ class W8A8Plan:
     def subset(self, names: Sequence[str]) -> "W8A8Plan":
         """The same plan holding only the named linears' int8 weights (what a mesh actor needs to score them)."""
         return W8A8Plan(self.scales, self.alphas, {n: self.weights[n] for n in names},
-                        {n: self.thresholds[n] for n in names}, rounding=self.rounding, head_topk=self.head_topk)
+                        {n: self.thresholds[n] for n in names}, rounding=self.rounding, head_topk=self.head_topk,
+                        rot_blocks={n: self.rot_blocks[n] for n in names if n in self.rot_blocks})
 
     def convert(self, policy: nn.Module, quantized: Sequence[str]) -> nn.Module:
         """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float)."""
@@ -90,8 +98,9 @@ Progress = Callable[[str], None]
 
 def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str]], selected: Sequence[str], *,
                smooth: bool, alphas: Sequence[float], rounding: str, gptq_damp: float, outlier_ratio: float,
-               head_topk: int = 0, progress: Progress = lambda _: None) -> W8A8Plan:
-    """Search smoothing, round weights and rank sensitivity for the ``selected`` linears."""
+               head_topk: int = 0, max_rot_block: int = 0, progress: Progress = lambda _: None) -> W8A8Plan:
+    """Search smoothing, rotate (``max_rot_block`` > 0: a Hadamard rotation of each input group but the LM
+    head's), round weights and rank sensitivity for the ``selected`` linears."""
     plan = W8A8Plan({}, {}, {}, {}, rounding=rounding, head_topk=head_topk)
     chosen = set(selected)
     work = {p: [c for c in cs if c in chosen] for p, cs in groups.items() if stats[p].sample is not None}
@@ -108,7 +117,8 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
                 progress(f"smoothing search {i + 1}/{len(work)}: {producer} has outlier rows, not smoothed")
                 continue
             s, alpha = _search_alpha(policy, producer, groups[producer], stats[producer].channel_absmax,
-                                     stats[producer].sample, alphas)
+                                     stats[producer].sample, alphas, _group_rotation(policy, producer, groups,
+                                                                                     max_rot_block))
             plan.alphas[producer] = alpha
             if alpha is not None:
                 plan.scales[producer] = s
@@ -122,9 +132,16 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
         if rounding == "gptq" and st.hessian is not None:
             inv = (1.0 / s_in).double()
             h = st.hessian * inv.unsqueeze(0) * inv.unsqueeze(1)
-        threshold = _smoothed_threshold(st, s_in, outlier_ratio)
+        rot = _group_rotation(policy, producer, groups, max_rot_block)
+        if rot is not None:
+            xs = xs @ rot
+            h = None if h is None else rot.t().double() @ h @ rot.double()
+        threshold = _smoothed_threshold(st, s_in, outlier_ratio, rot)
         for c in mine:
             w = smoothed.get_submodule(c).weight.detach().float()
+            if rot is not None:
+                w = w @ rot
+                plan.rot_blocks[c] = rotation_block(w.shape[1], max_rot_block)
             q, sc = gptq_quantize(w, h, damp=gptq_damp) if h is not None else quantize_weight(w)
             plan.weights[c], plan.thresholds[c] = (q, sc), threshold
             plan.sensitivity.append((c, relative_output_error(xs, w, q.float() * sc.unsqueeze(1))))
@@ -133,16 +150,28 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
     return plan
 
 
-def _smoothed_threshold(st, s_in: Tensor, ratio: float) -> float:
+def _group_rotation(policy: nn.Module, producer: str, groups: Dict[str, List[str]], max_block: int) -> Optional[Tensor]:
+    """The dense rotation of a group's (smoothed) input, or None: no rotation asked, or no power-of-two block
+    divides the width. (An int8 LM head's float rescoring reads its input unrotated: the kernel rotates its own
+    copy.)"""
+    if max_block <= 0:
+        return None
+    n = policy.get_submodule(groups[producer][0]).in_features
+    block = rotation_block(n, max_block)
+    return rotation_matrix(n, block) if block else None
+
+
+def _smoothed_threshold(st, s_in: Tensor, ratio: float, rot: Optional[Tensor] = None) -> float:
     """The outlier threshold on the smoothed input: below every calibration outlier row (smoothing
     shrinks their channel, and a missed outlier row is the attention sink quantized), else the
     ratio-times-median rule on the smoothed rows."""
     if st.threshold <= 0:
         return 0.0
-    rule = float((st.sample / s_in).abs().amax(dim=1).median()) * ratio
+    turn = (lambda x: x @ rot) if rot is not None else (lambda x: x)  # noqa: E731
+    rule = float(turn(st.sample / s_in).abs().amax(dim=1).median()) * ratio
     if st.outliers is None:
         return rule
-    return min(rule, 0.9 * float((st.outliers / s_in).abs().amax(dim=1).min()))
+    return min(rule, 0.9 * float(turn(st.outliers / s_in).abs().amax(dim=1).min()))
 
 
 def _channels(policy: nn.Module, producer: str, consumers: List[str]) -> int:
@@ -154,8 +183,9 @@ def _channels(policy: nn.Module, producer: str, consumers: List[str]) -> int:
 
 
 def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max: Tensor, x: Tensor,
-                  alphas: Sequence[float]) -> Tuple[Tensor, Optional[float]]:
-    """The s (and alpha) with the least summed relative output error; alpha None = no smoothing."""
+                  alphas: Sequence[float], rot: Optional[Tensor] = None) -> Tuple[Tensor, Optional[float]]:
+    """The s (and alpha) with the least summed relative output error (after the group's rotation, if any);
+    alpha None = no smoothing."""
     weights = [policy.get_submodule(c).weight.detach().float() for c in consumers]
     best: Tuple[float, Tensor, Optional[float]] = (float("inf"), torch.ones(_channels(policy, producer, consumers)), None)
     for alpha in (None, *alphas):
@@ -164,8 +194,9 @@ def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max:
         s_in = _input_scale(policy, producer, s)
         err = 0.0
         for w in weights:
-            q, sc = quantize_weight(w * s_in.unsqueeze(0))
-            err += relative_output_error(x, w, q.float() * sc.unsqueeze(1), s_in)
+            ws = w * s_in.unsqueeze(0)
+            q, sc = quantize_weight(ws if rot is None else ws @ rot)
+            err += relative_output_error(x, w, q.float() * sc.unsqueeze(1), s_in, rot)
         if err < best[0]:
             best = (err, s, alpha)
     return best[1], best[2]

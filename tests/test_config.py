@@ -46,7 +46,8 @@ def test_missing_config_file_is_named(tmp_path):
 def test_sections_hold_the_library_dataclasses_with_their_yaml_keys():
     cfg = load_config("build/configs/smollm2.yaml", ("canary.max_kl_mean=0.01", "recipe.overrides={down_proj: fp32}"))
     assert cfg.canary.gate == GateThresholds(0.02, 0.98, 0.01, 0.5, 0.5)
-    assert cfg.recipe_config() == RecipeConfig(scheme="smooth-w8a8", overrides=(("down_proj", "fp32"),))
+    assert cfg.recipe_config() == RecipeConfig(scheme="smooth-w8a8", skip=("embed_tokens",),
+                                               overrides=(("down_proj", "fp32"),))
 
 
 def test_auto_defaults_to_the_recipes_that_pass_on_real_lms(tmp_path):
@@ -87,10 +88,10 @@ def test_torchtitan_config_round_trips_through_its_manifest_shape():
 
 def test_an_auto_candidate_can_set_its_own_w8a8_fields():
     cfg = load_config("build/configs/smollm2.yaml", ("recipe.scheme=auto",
-                      'recipe.auto_candidates=[smooth-w8a8, "w8a8 rounding=nearest skip=[embed_tokens]"]'))
+                      'recipe.auto_candidates=[smooth-w8a8, "w8a8 rounding=nearest skip=[embed_tokens, lm_head]"]'))
     first, second = (cfg.recipe_config(c) for c in cfg.recipe.candidates())
-    assert (first.scheme, first.rounding, first.skip) == ("smooth-w8a8", "gptq", ("embed_tokens", "lm_head"))
-    assert (second.scheme, second.rounding, second.skip) == ("w8a8", "nearest", ("embed_tokens",))
+    assert (first.scheme, first.rounding, first.skip) == ("smooth-w8a8", "gptq", ("embed_tokens",))
+    assert (second.scheme, second.rounding, second.skip) == ("w8a8", "nearest", ("embed_tokens", "lm_head"))
 
 
 @pytest.mark.parametrize("entry, message", [

