@@ -25,7 +25,7 @@ import torch
 from cli_helpers import run_cli
 
 GATE = {"min_top1_agreement": 0.97, "max_kl_mean": 0.005, "min_greedy_agreement": 0.0}  # what it reaches
-SHIPPED = {"min_top1_agreement": 0.98, "min_greedy_agreement": 0.5}  # the shipped gate's bars it misses
+SHIPPED = {"top1_agreement": 0.98, "greedy_agreement": 0.5}  # the shipped gate's bars it misses
 
 
 def default_config(path, source, **recipe) -> str:
@@ -68,19 +68,12 @@ def test_auto_with_the_defaults_passes_the_shipped_kl_on_held_out_prompts_within
 
 
 @pytest.mark.real_lm
-@pytest.mark.xfail(strict=False, reason="held-out top-1 0.975 < 0.98 on SmolLM2 (the INT8 issue)")
-def test_top1_on_held_out_prompts_meets_the_shipped_gate(smollm2_bundle):
+@pytest.mark.xfail(strict=False, reason="held-out top-1 0.975 < 0.98, greedy 0.38-0.46 < 0.5 on SmolLM2 (the INT8 issue)")
+@pytest.mark.parametrize("metric", sorted(SHIPPED))
+def test_the_shipped_gate_bars_it_misses_on_held_out_prompts(smollm2_bundle, metric):
     out, _ = smollm2_bundle
     ts = json.loads((out / "bundle.json").read_text())["fidelity"]["int8_torchscript"]
-    assert ts["top1_agreement"] >= SHIPPED["min_top1_agreement"], ts
-
-
-@pytest.mark.real_lm
-@pytest.mark.xfail(strict=False, reason="greedy agreement 0.38-0.46 < 0.5 on SmolLM2 (the INT8 issue)")
-def test_greedy_continuations_meet_the_shipped_gate(smollm2_bundle):
-    out, _ = smollm2_bundle
-    ts = json.loads((out / "bundle.json").read_text())["fidelity"]["int8_torchscript"]
-    assert ts["greedy_agreement"] >= SHIPPED["min_greedy_agreement"], ts
+    assert ts[metric] >= SHIPPED[metric], ts
 
 
 @pytest.mark.real_lm
