@@ -199,3 +199,19 @@ def test_rescored_head_gives_exact_float_logits_for_its_top_k():
     assert torch.allclose(out.gather(1, top), exact.gather(1, top), atol=1e-5)
     assert rescored.float_weight.data_ptr() == emb.weight.data_ptr()  # shared with the embedding, not copied
     assert torch.equal(torch.jit.script(rescored)(x), out)
+
+
+def test_exported_int8_head_keeps_its_float_rows_tied_to_the_embedding(tmp_path):
+    from dataclasses import replace
+
+    from policy_bundle.quantize.export import export_torchscript
+
+    policy = init_random_policy(replace(CFG, tie_embeddings=True), seed=4)
+    int8 = copy.deepcopy(policy)
+    int8.lm_head = Int8RescoredHead(Int8TokenLinear.from_float(int8.lm_head), int8.lm_head.weight.detach(), topk=8)
+    x = torch.randint(0, 64, (1, 12))
+    before = full_logits(int8, x)
+    loaded = torch.jit.load(str(export_torchscript(int8, tmp_path / "p.ts")))
+    emb, rows = loaded.embed_tokens.weight, loaded.lm_head.float_weight
+    assert rows.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr()  # one copy in the file and in RAM
+    assert torch.equal(full_logits(loaded, x), before)
