@@ -17,7 +17,7 @@ Two kernels, one result:
   this CPU (``quantize/bench_kernels.py``: 0.07-0.6x of fp32 ``F.linear`` at SmolLM2's shapes);
 - **several rows** (prefill, batched decode, the teacher-forced gate): the same quantization computed per row,
   then ``torch._int_mm`` (int8 x int8 -> int32, exact) on ``x_u8 - 128`` with the zero-point term added back
-  from the weight's column sums. The integers equal fbgemm's; a test pins the two within float rounding.
+  from the weight's column sums. The integers equal fbgemm's and so do the floats, bitwise (tested).
 
 Rows whose max |x| exceeds a threshold calibrated per layer (the sink) are split: their ``outlier_channels``
 largest channels are multiplied in float against those few weight columns (dequantized from int8, a gather of
@@ -108,12 +108,10 @@ def fake_quant_rows(x: Tensor) -> Tensor:
     return ((q - zp.float()) * scale).reshape(x.shape)
 
 
-def _packed(weight_int8: Tensor, scales: Tensor):
+def pack_int8(weight_int8: Tensor, scales: Tensor):
     """fbgemm's pre-packed weight (no bias: both kernels add it after, so their sums are equal)."""
-    with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the kernel's packing needs one
-        warnings.simplefilter("ignore")
-        qw = torch._make_per_channel_quantized_tensor(weight_int8, scales.double(),
-                                                      torch.zeros(weight_int8.shape[0], dtype=torch.long), 0)
+    qw = torch._make_per_channel_quantized_tensor(weight_int8, scales.double(),
+                                                  torch.zeros(weight_int8.shape[0], dtype=torch.long), 0)
     return torch.ops.quantized.linear_prepack(qw, None)
 
 
@@ -124,7 +122,9 @@ class FbgemmWeight(nn.Module):
     def __init__(self, weight_int8: Tensor, scales: Tensor):
         super().__init__()
         self.weight_int8, self.scales = weight_int8, scales
-        self.packed = _packed(weight_int8, scales)
+        with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
+            warnings.simplefilter("ignore")
+            self.packed = pack_int8(weight_int8, scales)
 
     def __reduce__(self):  # eager copies and pickles: rebuilt from the int8 weight
         return (FbgemmWeight, (self.weight_int8, self.scales))
@@ -136,9 +136,7 @@ class FbgemmWeight(nn.Module):
     @torch.jit.export
     def __setstate__(self, state: Tuple[Tensor, Tensor, bool]) -> None:
         self.weight_int8, self.scales, self.training = state[0], state[1], state[2]
-        qw = torch._make_per_channel_quantized_tensor(state[0], state[1].double(),
-                                                      torch.zeros(state[0].shape[0], dtype=torch.long), 0)
-        self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.packed = pack_int8(state[0], state[1])
 
 
 class Int8TokenLinear(nn.Module):

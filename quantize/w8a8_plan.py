@@ -99,12 +99,13 @@ Progress = Callable[[str], None]
 def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str]], selected: Sequence[str], *,
                smooth: bool, alphas: Sequence[float], rounding: str, gptq_damp: float, outlier_ratio: float,
                head_topk: int = 0, max_rot_block: int = 0, progress: Progress = lambda _: None) -> W8A8Plan:
-    """Search smoothing, rotate (``max_rot_block`` > 0: a Hadamard rotation of each input group but the LM
-    head's), round weights and rank sensitivity for the ``selected`` linears."""
+    """Search smoothing, rotate (``max_rot_block`` > 0: a Hadamard rotation of each input group's input), round
+    weights and rank sensitivity for the ``selected`` linears."""
     plan = W8A8Plan({}, {}, {}, {}, rounding=rounding, head_topk=head_topk)
     chosen = set(selected)
     work = {p: [c for c in cs if c in chosen] for p, cs in groups.items() if stats[p].sample is not None}
     work = {p: cs for p, cs in work.items() if cs}
+    rotations = {p: _group_rotation(policy, p, groups, max_rot_block) for p in work}  # (block, R) or None
     if smooth:  # all scales first: a producer linear (up_proj, v_proj) is also another group's consumer
         for i, producer in enumerate(work):
             if producer == HEAD_GROUP:
@@ -117,8 +118,8 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
                 progress(f"smoothing search {i + 1}/{len(work)}: {producer} has outlier rows, not smoothed")
                 continue
             s, alpha = _search_alpha(policy, producer, groups[producer], stats[producer].channel_absmax,
-                                     stats[producer].sample, alphas, _group_rotation(policy, producer, groups,
-                                                                                     max_rot_block))
+                                     stats[producer].sample, alphas,
+                                     rotations[producer][1] if rotations[producer] else None)
             plan.alphas[producer] = alpha
             if alpha is not None:
                 plan.scales[producer] = s
@@ -132,7 +133,7 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
         if rounding == "gptq" and st.hessian is not None:
             inv = (1.0 / s_in).double()
             h = st.hessian * inv.unsqueeze(0) * inv.unsqueeze(1)
-        rot = _group_rotation(policy, producer, groups, max_rot_block)
+        block, rot = rotations[producer] or (0, None)
         if rot is not None:
             xs = xs @ rot
             h = None if h is None else rot.t().double() @ h @ rot.double()
@@ -141,7 +142,7 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
             w = smoothed.get_submodule(c).weight.detach().float()
             if rot is not None:
                 w = w @ rot
-                plan.rot_blocks[c] = rotation_block(w.shape[1], max_rot_block)
+                plan.rot_blocks[c] = block
             q, sc = gptq_quantize(w, h, damp=gptq_damp) if h is not None else quantize_weight(w)
             plan.weights[c], plan.thresholds[c] = (q, sc), threshold
             plan.sensitivity.append((c, relative_output_error(xs, w, q.float() * sc.unsqueeze(1))))
@@ -150,15 +151,16 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
     return plan
 
 
-def _group_rotation(policy: nn.Module, producer: str, groups: Dict[str, List[str]], max_block: int) -> Optional[Tensor]:
-    """The dense rotation of a group's (smoothed) input, or None: no rotation asked, or no power-of-two block
-    divides the width. (An int8 LM head's float rescoring reads its input unrotated: the kernel rotates its own
-    copy.)"""
+def _group_rotation(policy: nn.Module, producer: str, groups: Dict[str, List[str]],
+                    max_block: int) -> Optional[Tuple[int, Tensor]]:
+    """The Hadamard block and dense rotation of a group's (smoothed) input, or None: no rotation asked, or no
+    power-of-two block divides the width. (An int8 LM head's float rescoring reads its input unrotated: the
+    kernel rotates its own copy.)"""
     if max_block <= 0:
         return None
     n = policy.get_submodule(groups[producer][0]).in_features
     block = rotation_block(n, max_block)
-    return rotation_matrix(n, block) if block else None
+    return (block, rotation_matrix(n, block)) if block else None
 
 
 def _smoothed_threshold(st, s_in: Tensor, ratio: float, rot: Optional[Tensor] = None) -> float:
