@@ -14,9 +14,9 @@ import torch
 from policy_bundle.build import data
 from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.errors import CanaryGateError
-from policy_bundle.build.manifest_body import INT8_ONNX, INT8_TS
-from policy_bundle.quantize import task
 from policy_bundle.build.progress import log
+from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
+from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, measure_fidelity
 from policy_bundle.quantize.model import CastPolicy, Policy
 from policy_bundle.quantize.hf_weights import load_policy
@@ -30,19 +30,19 @@ def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
 
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
     """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set."""
-    kw = fidelity_kwargs(cfg, tok)
-    scripted = torch.jit.load(str(bundle / INT8_TS))
+    kw, layout = fidelity_kwargs(cfg, tok), BundleLayout(bundle)
+    scripted = torch.jit.load(str(layout.int8_torchscript))
     ref_outputs = [g.completion_ids for g in golden]
     out = {"int8_torchscript": gated(measure_fidelity(policy, scripted, golden, reference_outputs=ref_outputs, **kw),
                                      cfg.canary.gate)}
     # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
     # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU);
     # `policy-bundle check-fp16 --engine vllm` adds vLLM's own greedy agreement.
-    fp16 = CastPolicy(load_policy(bundle / "fp16", max_seq_len=cfg.policy.max_seq_len), torch.float16)
+    fp16 = CastPolicy(load_policy(layout.fp16_dir, max_seq_len=cfg.policy.max_seq_len), torch.float16)
     out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, reference_outputs=ref_outputs, **kw).summary(),
                       "computed_as": "float16 weights and compute (torch, CPU)"}
     if cfg.export.onnx:
-        out["int8_onnx"] = gated(onnx_fidelity(policy, bundle / INT8_ONNX, golden, kw), cfg.canary.gate)
+        out["int8_onnx"] = gated(onnx_fidelity(policy, layout.int8_onnx, golden, kw), cfg.canary.gate)
     return out
 
 
@@ -60,11 +60,12 @@ def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[s
         return None
     ts = fidelity["int8_torchscript"]
     if ts["gate"] != "pass":
-        raise CanaryGateError(f"{INT8_TS} as loaded back fails the accuracy gate ({'; '.join(ts['failures'])})")
+        raise CanaryGateError(f"{INT8_TORCHSCRIPT} as loaded back fails the accuracy gate ({'; '.join(ts['failures'])})")
     onnx = fidelity["int8_onnx"]
     if onnx["gate"] == "pass":
         return None
-    for p in (bundle / INT8_ONNX).parent.glob(Path(INT8_ONNX).name + "*"):  # the model and any external data
+    onnx = BundleLayout(bundle).int8_onnx
+    for p in onnx.parent.glob(onnx.name + "*"):  # the model and any external data
         p.unlink()
     why = f"failed the accuracy gate in onnxruntime ({'; '.join(onnx['failures'])})"
     log(f"[fidelity] {INT8_ONNX} left out of the bundle: {why}")

@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits, policy_logits_fn, teacher_forced_logits)
 
@@ -106,9 +107,10 @@ def metrics_table(rows: Sequence[Tuple[str, dict]]) -> str:
 def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThresholds, extra: Optional[dict] = None) -> Path:
     """canary_report.json, canary_report.md and its two PNGs (sensitivity, per-token KL)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    layout = BundleLayout(out_dir)
     body = report_json(outcome, thresholds, extra)
-    (out_dir / "canary_report.json").write_text(json.dumps(body, indent=2))
-    pngs = _plots(out_dir, outcome)
+    layout.canary_report_json.write_text(json.dumps(body, indent=2))
+    pngs = _plots(layout, outcome)
     md = [f"# Accuracy canary: **{body['verdict'].upper()}**", ""]
     if body["failures"]:
         md += ["Missed thresholds:", ""] + [f"- {f}" for f in body["failures"]] + [""]
@@ -138,11 +140,11 @@ def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThreshol
         md.append("")
         md += [f"- `{c['candidate']}`: {c['rejected']}" for c in cands if c.get("rejected")] + [""]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
-    (out_dir / "canary_report.md").write_text("\n".join(md) + "\n")
-    return out_dir / "canary_report.md"
+    layout.canary_report.write_text("\n".join(md) + "\n")
+    return layout.canary_report
 
 
-def _plots(out_dir: Path, outcome: CanaryOutcome) -> List[Path]:
+def _plots(layout: BundleLayout, outcome: CanaryOutcome) -> List[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,7 +161,7 @@ def _plots(out_dir: Path, outcome: CanaryOutcome) -> List[Path]:
         ax.set_xlabel("KL(FP32 || only this layer INT8), mean per token (red: kept in float)")
         ax.tick_params(axis="y", labelsize=7)
         fig.tight_layout()
-        paths.append(out_dir / "sensitivity.png")
+        paths.append(layout.sensitivity_plot)
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
     kl = [max(v, 1e-12) for v in outcome.report.kl_per_token]
@@ -172,7 +174,7 @@ def _plots(out_dir: Path, outcome: CanaryOutcome) -> List[Path]:
         ax.set_ylabel("tokens")
         ax.set_title(f"mean {np.mean(kl):.3g}, p99 {np.quantile(kl, 0.99):.3g}, {len(kl)} tokens")
         fig.tight_layout()
-        paths.append(out_dir / "kl_distribution.png")
+        paths.append(layout.kl_plot)
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
     return paths
@@ -180,7 +182,8 @@ def _plots(out_dir: Path, outcome: CanaryOutcome) -> List[Path]:
 
 def add_artifact_comparison(out_dir: Path, fidelity: dict) -> None:
     """Append the exported artifacts side by side (INT8 TorchScript, ONNX, FP16 weights) vs FP32 to the report."""
-    md, js = out_dir / "canary_report.md", out_dir / "canary_report.json"
+    layout = BundleLayout(out_dir)
+    md, js = layout.canary_report, layout.canary_report_json
     if not md.is_file():
         return
     names = {"int8_torchscript": "INT8 TorchScript", "int8_onnx": "INT8 ONNX", "fp16_hf": "FP16 directory",

@@ -43,6 +43,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from policy_bundle.build.containerize.bento_models import is_bento, verify_bento_models
+    from policy_bundle.bundle.layout import BundleLayout
     from policy_bundle.bundle.manifest import verify_bundle
 
     if is_bento(Path(args.bundle)):
@@ -50,7 +51,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"ok: {model.tag} matches its manifest (sha256 {model.manifest_sha256})")
         return 0
     n = verify_bundle(Path(args.bundle))
-    print(f"ok: {n} files match {Path(args.bundle) / 'bundle.json'}")
+    print(f"ok: {n} files match {BundleLayout(args.bundle).manifest}")
     return 0
 
 
@@ -69,11 +70,13 @@ def cmd_canary(args: argparse.Namespace) -> int:
     from policy_bundle.build.canary import metrics_table
     from policy_bundle.build.config import config_from_dict
     from policy_bundle.build.data import load_tokenizer, read_golden_jsonl
+    from policy_bundle.bundle.layout import BundleLayout
     from policy_bundle.bundle.manifest import read_manifest, verified_artifact, verify_bundle
     from policy_bundle.quantize.fidelity import evaluate_gate, measure_fidelity
     from policy_bundle.quantize.hf_weights import load_policy
 
     bundle = Path(args.bundle)
+    layout = BundleLayout(bundle)
     verify_bundle(bundle)
     manifest = read_manifest(bundle)
     artifact = verified_artifact(bundle, manifest, "int8_torchscript")  # what serving checks, before any load
@@ -81,13 +84,13 @@ def cmd_canary(args: argparse.Namespace) -> int:
     source = Path(manifest["policy"]["source"])
     if not (source / "config.json").is_file():
         print(f"note: FP32 source {source} is gone; using the bundle's FP16 weights upcast to FP32 as reference")
-        source = bundle / "fp16"
+        source = layout.fp16_dir
     import torch
 
     reference = load_policy(source, max_seq_len=cfg.policy.max_seq_len)
     candidate = torch.jit.load(str(artifact))
-    golden = read_golden_jsonl(bundle / "golden.jsonl")
-    report = measure_fidelity(reference, candidate, golden, **fidelity_kwargs(cfg, load_tokenizer(bundle / "int8")))
+    golden = read_golden_jsonl(layout.golden)
+    report = measure_fidelity(reference, candidate, golden, **fidelity_kwargs(cfg, load_tokenizer(layout.int8_dir)))
     verdict = evaluate_gate(report, cfg.canary.gate)
     print(metrics_table([("INT8 vs FP32", report.summary())]))
     for note in report.notes:

@@ -21,6 +21,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from policy_bundle.bundle.layout import DRIFT_REPORT, BundleLayout
+
 
 @dataclass(frozen=True)
 class LayerDrift:
@@ -94,12 +96,11 @@ def calibration_drift(deployed: dict, fresh: dict, reduce_range: bool,
     return what, sorted(drifts, key=lambda d: -d.drift)
 
 
-DRIFT_REPORT = "drift_report.json"
 DRIFT_SUMMARY = ("step", "checkpoint", "previous_bundle", "previous_manifest_sha256", "previous_step", "threshold",
                  "max_drift", "drifted_layers")
 
 
 def write_drift_report(bundle: Path, drift: dict) -> dict:
     """Write the whole drift report into the bundle; returns the manifest's ``drift`` section (its summary)."""
-    (Path(bundle) / DRIFT_REPORT).write_text(json.dumps(drift, indent=2) + "\n")
+    BundleLayout(bundle).drift_report.write_text(json.dumps(drift, indent=2) + "\n")
     return {"report": DRIFT_REPORT, **{k: drift[k] for k in DRIFT_SUMMARY if k in drift}}

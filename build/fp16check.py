@@ -14,6 +14,7 @@ from typing import List, Optional
 import torch
 
 from policy_bundle.build.data import read_golden_jsonl
+from policy_bundle.bundle.layout import FP16_DIR, BundleLayout
 from policy_bundle.bundle.manifest import read_manifest, verify_files
 
 
@@ -54,15 +55,15 @@ def vllm_completions(fp16_dir: Path, prompts: List[List[int]], max_new: int, eos
 
 
 def check_fp16(bundle: Path, engine: str = "transformers") -> Fp16Check:
-    bundle = Path(bundle)
-    manifest = read_manifest(bundle)
-    verify_files(bundle, manifest, subdir="fp16")
-    golden = read_golden_jsonl(bundle / "golden.jsonl")
+    layout = BundleLayout(bundle)
+    manifest = read_manifest(layout.root)
+    verify_files(layout.root, manifest, subdir=FP16_DIR)
+    golden = read_golden_jsonl(layout.golden)
     max_new = manifest["config"]["prompts"]["max_new_tokens"]
     eos = manifest["policy"]["config"].get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     prompts = [g.prompt_ids for g in golden]
     run = vllm_completions if engine == "vllm" else transformers_completions
-    outs = run(bundle / "fp16", prompts, max_new, eos)
+    outs = run(layout.fp16_dir, prompts, max_new, eos)
     same = sum(trim_at_eos(g.completion_ids, eos) == o for g, o in zip(golden, outs))
     return Fp16Check(engine, len(golden), same / max(1, len(golden)))

@@ -28,7 +28,7 @@ from policy_bundle.build.errors import BuildError, CanaryGateError, ConfigError
 from policy_bundle.build.fp16check import trim_at_eos
 from policy_bundle.build.progress import log
 from policy_bundle.build.vllm_golden import VllmGoldenRequest, VllmGoldenResult, VllmRunError, run_vllm_golden
-from policy_bundle.bundle.store import INT8_VLLM_DIR as INT8_VLLM
+from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
 from policy_bundle.quantize.model import Policy, full_logits
 from policy_bundle.quantize.hf_weights import load_hf_config
@@ -54,7 +54,7 @@ class Int8Vllm:
     fidelity: Optional[dict] = None
 
     def artifacts_section(self) -> dict:
-        return {"int8_vllm": None if self.skipped else INT8_VLLM, "int8_vllm_recipe": self.recipe or None,
+        return {"int8_vllm": None if self.skipped else INT8_VLLM_DIR, "int8_vllm_recipe": self.recipe or None,
                 "int8_vllm_skipped": self.skipped}
 
 
@@ -119,8 +119,9 @@ def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenIt
     """Run int8-vllm/ in vLLM on the golden set and gate it; with ``auto``, a failure removes it (recorded)."""
     strict = cfg.export.int8_vllm == "true"
     vocab = int(policy.embed_tokens.num_embeddings)
-    ctx = min(cfg.policy.max_seq_len, load_hf_config(bundle / INT8_VLLM).max_seq_len)
-    req = VllmGoldenRequest(str(bundle / INT8_VLLM), DTYPE, ctx, cfg.prompts.max_new_tokens, min(TOP_K, vocab),
+    vllm_dir = BundleLayout(bundle).int8_vllm_dir
+    ctx = min(cfg.policy.max_seq_len, load_hf_config(vllm_dir).max_seq_len)
+    req = VllmGoldenRequest(str(vllm_dir), DTYPE, ctx, cfg.prompts.max_new_tokens, min(TOP_K, vocab),
                             [g.prompt_ids for g in golden], [g.prompt_ids + g.completion_ids for g in golden])
     try:
         try:
@@ -130,19 +131,19 @@ def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenIt
             result = run_vllm_golden(req)
     except VllmRunError as exc:
         if strict:
-            raise BuildError(f"export.int8_vllm: vLLM could not run {INT8_VLLM}/: {exc}") from None
+            raise BuildError(f"export.int8_vllm: vLLM could not run {INT8_VLLM_DIR}/: {exc}") from None
         return _skip(bundle, outcome, f"vLLM could not run it: {exc}")
     outcome.fidelity = vllm_fidelity_summary(cfg, policy, tok, golden, result, vocab)
     if cfg.canary.enabled and outcome.fidelity["gate"] != "pass":
         why = "; ".join(outcome.fidelity["failures"])
         if strict:
-            raise CanaryGateError(f"export.int8_vllm: {INT8_VLLM}/ failed the accuracy gate in vLLM ({why})")
+            raise CanaryGateError(f"export.int8_vllm: {INT8_VLLM_DIR}/ failed the accuracy gate in vLLM ({why})")
         return _skip(bundle, outcome, f"failed the accuracy gate in vLLM ({why})")
     return outcome
 
 
 def _skip(bundle: Path, outcome: Int8Vllm, why: str) -> Int8Vllm:
-    shutil.rmtree(bundle / INT8_VLLM, ignore_errors=True)
+    shutil.rmtree(BundleLayout(bundle).int8_vllm_dir, ignore_errors=True)
     outcome.skipped = why
     return outcome
 

@@ -22,12 +22,10 @@ from policy_bundle.build.torchtitan_checkpoint import provenance
 from policy_bundle.build.w8a8 import onnx_recipe_note, w8a8_summary
 from policy_bundle.bundle.faults import fault_spec
 from policy_bundle.bundle.info import serving_section
+from policy_bundle.bundle.layout import CANARY_REPORT, FP16_DIR, GOLDEN, INT8_ONNX, INT8_TORCHSCRIPT
+from policy_bundle.bundle.manifest import FORMAT
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.model import Policy
-
-FORMAT = "policy-bundle/1"
-INT8_TS = "int8/policy.ts"
-INT8_ONNX = "int8/policy-int8.onnx"
 
 if TYPE_CHECKING:
     from policy_bundle.build.int8_vllm import Int8Vllm
@@ -59,7 +57,7 @@ def canary_section(cfg: BuildConfig, chosen: ChosenRecipe) -> dict:
     outcome = chosen.outcome
     return {"verdict": outcome.verdict.label if cfg.canary.enabled else "not-run",
             "failures": outcome.verdict.failures, "fallback_layers": outcome.fp32_layers,
-            "report": "canary_report.md" if cfg.canary.enabled else None, "golden_split": chosen.golden_split}
+            "report": CANARY_REPORT if cfg.canary.enabled else None, "golden_split": chosen.golden_split}
 
 
 def calibration_section(cfg: BuildConfig, seqs: List[List[int]], batches: list, summary: dict) -> dict:
@@ -71,9 +69,9 @@ def calibration_section(cfg: BuildConfig, seqs: List[List[int]], batches: list, 
 def artifacts_section(cfg: BuildConfig, recipe: recipes.RecipeConfig, int8_vllm: Int8Vllm,
                       onnx_skipped: Optional[str]) -> dict:
     """Where each artifact is; one that was not built or missed the gate is None, with ``*_skipped`` saying why."""
-    return {"int8_torchscript": INT8_TS, "int8_onnx": None if onnx_skipped else INT8_ONNX,
+    return {"int8_torchscript": INT8_TORCHSCRIPT, "int8_onnx": None if onnx_skipped else INT8_ONNX,
             "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.export.onnx else None, "int8_onnx_skipped": onnx_skipped,
-            **int8_vllm.artifacts_section(), "fp16_hf": "fp16", "golden": "golden.jsonl"}
+            **int8_vllm.artifacts_section(), "fp16_hf": FP16_DIR, "golden": GOLDEN}
 
 
 def policy_section(policy_dir: Path) -> dict:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Callable, List
 
 from policy_bundle.build.errors import BundleExistsError, OutputNotReplaceableError
-from policy_bundle.build.manifest_body import FORMAT
-from policy_bundle.bundle.manifest import MANIFEST
+from policy_bundle.bundle.layout import MANIFEST, BundleLayout
+from policy_bundle.bundle.manifest import FORMAT
 
 WORK_DIR = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|replaced)-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 
@@ -28,7 +28,7 @@ WORK_DIR = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|replaced)-(?P<pid>\d+)
 def written_by_build(path: Path) -> bool:
     """``path`` holds a bundle.json this project's build wrote (its format and a file table)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads(BundleLayout(path).manifest.read_text())
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("files"), dict)
@@ -43,7 +43,7 @@ def check_output(out: Path, force: bool) -> None:
         raise BundleExistsError(f"--out: output directory {out} already exists (use --force to replace it)")
     if out.is_symlink() or not out.is_dir() or not (written_by_build(out) or not any(out.iterdir())):
         raise OutputNotReplaceableError(
-            f"--out: {out} exists and is not a bundle (no bundle.json written by policy-bundle build) nor an empty "
+            f"--out: {out} exists and is not a bundle (no {MANIFEST} written by policy-bundle build) nor an empty "
             "directory; --force replaces only those: move it away or choose another --out")
 
 

@@ -10,7 +10,6 @@ the same parent removes what a killed one left.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from contextlib import contextmanager
@@ -28,13 +27,14 @@ from policy_bundle.build.canary import add_artifact_comparison
 from policy_bundle.build.config import BuildConfig
 from policy_bundle.build.drift import write_drift_report
 from policy_bundle.build.errors import RegistrationError
-from policy_bundle.build.int8_vllm import INT8_VLLM, Int8Vllm, check_int8_vllm, export_int8_vllm, planned
-from policy_bundle.build.manifest_body import INT8_TS, calibration_section, manifest_body
+from policy_bundle.build.int8_vllm import Int8Vllm, check_int8_vllm, export_int8_vllm, planned
+from policy_bundle.build.manifest_body import calibration_section, manifest_body
 from policy_bundle.build.output_dir import check_output, move_into_place, new_partial_dir, remove_stale_work_dirs
 from policy_bundle.build.progress import Stages, Throttled, bar, heartbeat, log
 from policy_bundle.build.recipe_choice import ChosenRecipe, choose_recipe
 from policy_bundle.bundle.faults import active_fault, apply_onnx_fault
-from policy_bundle.bundle.manifest import manifest_hash, write_manifest
+from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
+from policy_bundle.bundle.manifest import manifest_hash, read_manifest, write_manifest
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
 from policy_bundle.quantize.fidelity import GoldenItem
@@ -232,17 +232,17 @@ def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, ca
 
 def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: ChosenRecipe, calibrated: CalibratedModels,
                  batches: List[Tensor], tmp: Path, int8_vllm: Int8Vllm) -> None:
-    policy, policy_dir, recipe = loaded.policy, loaded.policy_dir, chosen.recipe
+    policy, policy_dir, recipe, out = loaded.policy, loaded.policy_dir, chosen.recipe, BundleLayout(tmp)
     with stages.run("export INT8 (TorchScript, ONNX, W8A8 for vLLM) + FP16 HF") as s:
-        export_torchscript(chosen.outcome.int8, tmp / INT8_TS)
-        shutil.copy(policy_dir / "config.json", tmp / "int8" / "config.json")
-        copy_tokenizer_files(policy_dir, tmp / "int8")
+        export_torchscript(chosen.outcome.int8, out.int8_torchscript)
+        shutil.copy(policy_dir / "config.json", out.int8_dir / "config.json")
+        copy_tokenizer_files(policy_dir, out.int8_dir)
         if cfg.export.onnx:
-            apply_onnx_fault(export_onnx_int8(policy, tmp / "int8", batches,
+            apply_onnx_fault(export_onnx_int8(policy, out.int8_dir, batches,
                                               keep_float=list(recipe.skip + recipe.fp32_layers)))
-        export_fp16_hf(policy, load_hf_config(policy_dir), policy_dir, tmp / "fp16")
+        export_fp16_hf(policy, load_hf_config(policy_dir), policy_dir, out.fp16_dir)
         if not int8_vllm.skipped:
-            int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated.scales, tmp / INT8_VLLM)
+            int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated.scales, out.int8_vllm_dir)
         s.detail = ", ".join(f"{p.relative_to(tmp)} {p.stat().st_size / 1e6:.1f} MB"
                              for p in sorted(tmp.glob("*/*")) if p.suffix in (".ts", ".onnx", ".safetensors"))
 
@@ -257,15 +257,15 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
             check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm)
         if int8_vllm.fidelity:
             fidelity["int8_vllm"] = int8_vllm.fidelity
-        data.write_golden_jsonl(golden, tmp / "golden.jsonl")
+        data.write_golden_jsonl(golden, BundleLayout(tmp).golden)
         add_artifact_comparison(tmp, fidelity)
         ts, f16 = fidelity["int8_torchscript"], fidelity["fp16_hf"]
         s.detail = (f"INT8 top-1 agreement {ts['top1_agreement']:.3f}, KL mean {ts['kl_mean']:.4f}; FP16 weights "
                     f"top-1 {f16['top1_agreement']:.3f}, KL mean {f16['kl_mean']:.2g}") + (
             f", reward {ts['reward_reference']:.3f} -> {ts['reward_candidate']:.3f}"
             if ts.get("reward_candidate") is not None else ""
-        ) + (f"; {INT8_VLLM}: skipped ({int8_vllm.skipped})" if int8_vllm.skipped else
-             f"; {INT8_VLLM} in vLLM: greedy {int8_vllm.fidelity['greedy_agreement']:.3f}, "
+        ) + (f"; {INT8_VLLM_DIR}: skipped ({int8_vllm.skipped})" if int8_vllm.skipped else
+             f"; {INT8_VLLM_DIR} in vLLM: greedy {int8_vllm.fidelity['greedy_agreement']:.3f}, "
              f"KL mean {int8_vllm.fidelity['kl_mean']:.4f}") + (
             f"; ONNX left out ({onnx_skipped})" if onnx_skipped and cfg.export.onnx else "")
     return fidelity, onnx_skipped
@@ -274,7 +274,7 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
 def manifest_stage(stages: Stages, body: dict, tmp: Path) -> str:
     with stages.run("manifest") as s:
         sha = write_manifest(tmp, body)
-        s.detail = f"{len(json.loads((tmp / 'bundle.json').read_text())['files'])} files, sha256 {sha[:16]}"
+        s.detail = f"{len(read_manifest(tmp)['files'])} files, sha256 {sha[:16]}"
     return sha
 
 

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import List, Sequence
 
+from policy_bundle.bundle.layout import ARTIFACT_DIRS, BundleLayout
 from policy_bundle.bundle.manifest import read_manifest
-from policy_bundle.bundle.store import GOLDEN
 from policy_bundle.quantize.fidelity import GateThresholds, GoldenItem
 
 
@@ -50,7 +50,7 @@ class BundleInfo:
         known = {f.name for f in fields(GateThresholds)}
         thresholds = GateThresholds(**{k: v for k, v in (serving.get("thresholds") or {}).items() if k in known})
         ctx = int(serving["max_seq_len"])
-        for sub in ("int8", "int8-vllm", "fp16"):
+        for sub in ARTIFACT_DIRS:
             conf = root / sub / "config.json"
             if conf.is_file():
                 ctx = min(ctx, int(json.loads(conf.read_text()).get("max_position_embeddings", ctx)))
@@ -58,7 +58,7 @@ class BundleInfo:
                    str(m.get("format", "")), bool(serving.get("batch_rows", True)))
 
     def golden(self) -> List[GoldenItem]:
-        path = self.root / GOLDEN
+        path = BundleLayout(self.root).golden
         return read_golden_jsonl(path) if path.is_file() else []
 
 

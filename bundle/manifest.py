@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
-MANIFEST = "bundle.json"
+from policy_bundle.bundle.layout import MANIFEST
+
+FORMAT = "policy-bundle/1"  # the manifest's ``format``: what this project's build writes
 
 
 class BundleVerificationError(RuntimeError):

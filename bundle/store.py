@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_bundle.bundle.manifest import MANIFEST, BundleVerificationError, read_manifest, sha256_file, verify_files
+from policy_bundle.bundle.layout import FP16_DIR, GOLDEN, INT8_DIR, INT8_VLLM_DIR, MANIFEST
+from policy_bundle.bundle.manifest import BundleVerificationError, read_manifest, sha256_file, verify_files
 
 INT8_MODEL, FP16_MODEL = "policy-int8", "policy-fp16"
-GOLDEN = "golden.jsonl"
 SHARED_FILES = (MANIFEST, GOLDEN)  # copied at each entry's root beside its artifact directory
-INT8_VLLM_DIR = "int8-vllm"
-ENTRY_DIRS = {INT8_MODEL: ("int8", INT8_VLLM_DIR), FP16_MODEL: ("fp16",)}
+ENTRY_DIRS = {INT8_MODEL: (INT8_DIR, INT8_VLLM_DIR), FP16_MODEL: (FP16_DIR,)}
 
 
 def entry_dirs(sub: str) -> tuple:

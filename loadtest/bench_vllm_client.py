@@ -36,6 +36,7 @@ from typing import Dict, List
 import httpx
 
 from policy_bundle.bundle.info import BundleInfo
+from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.bundle.manifest import manifest_hash
 from policy_bundle.loadtest.servers import ROOT, Server
 
@@ -54,7 +55,7 @@ def store_version(bundle: Path) -> str:
 
     from policy_bundle.build.store import register_bundle
 
-    name = json.loads((bundle / "bundle.json").read_text())["config"]["name"]
+    name = json.loads(BundleLayout(bundle).manifest.read_text())["config"]["name"]
     sha = manifest_hash(bundle)
     version = f"{name}-{sha[:12]}"
     try:
@@ -137,6 +138,7 @@ def bench_router(bundle: Path, a, levels: List[int], tmp: Path, variants: List[s
     t0 = time.monotonic()
     server = Server(env, tmp / "router.log").wait_ready(600)
     out: Dict[str, list] = {}
+    tokenizer_dir = BundleLayout(bundle).fp16_dir
     try:
         status = httpx.get(f"{server.url}/status", timeout=30).json()
         engines = {v: status["variants"][v]["engine"] for v in ("int8", "fp16")}
@@ -146,7 +148,7 @@ def bench_router(bundle: Path, a, levels: List[int], tmp: Path, variants: List[s
             before = served_by_variant(server.url)
             rows = []
             for c in levels:
-                rows.append(run_client(server.port, bundle / "fp16", c, a, tmp / "results", f"{variant}-c{c}",
+                rows.append(run_client(server.port, tokenizer_dir, c, a, tmp / "results", f"{variant}-c{c}",
                                        {"x-policy-variant": variant, "x-admin-token": TOKEN}, tmp / "client.log"))
                 print(f"  {variant:11s} c={c:<3d} done ({rows[-1]['completed']}/{a.num_prompts} ok)", flush=True)
             after = served_by_variant(server.url)
@@ -164,12 +166,13 @@ def bench_router(bundle: Path, a, levels: List[int], tmp: Path, variants: List[s
 
 def bench_direct(bundle: Path, a, levels: List[int], tmp: Path, context: int) -> list:
     t0 = time.monotonic()
-    server = VllmServer(bundle / "fp16", context, tmp / "vllm-serve.log").wait_ready(600)
+    fp16_dir = BundleLayout(bundle).fp16_dir
+    server = VllmServer(fp16_dir, context, tmp / "vllm-serve.log").wait_ready(600)
     try:
         print(f"vllm serve up in {time.monotonic() - t0:.0f} s", flush=True)
         rows = []
         for c in levels:
-            rows.append(run_client(server.port, bundle / "fp16", c, a, tmp / "results", f"vllm-direct-c{c}", {},
+            rows.append(run_client(server.port, fp16_dir, c, a, tmp / "results", f"vllm-direct-c{c}", {},
                                    tmp / "client.log"))
             rows[-1]["engine"] = "vllm serve"
             print(f"  vllm-direct c={c:<3d} done ({rows[-1]['completed']}/{a.num_prompts} ok)", flush=True)

@@ -14,6 +14,7 @@ from typing import List, Optional
 import httpx
 import yaml
 
+from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.loadtest.load import ADMIN, TOKEN, DrillRun
 from policy_bundle.loadtest.servers import ROOT, Server
 
@@ -43,7 +44,7 @@ def build_bundle(home: Path, out: Path, broken: bool) -> str:
 
     cache.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache.with_name(f"{name}.lock"))):  # drills in other processes wait for this build
-        if not (cache / "bundle.json").is_file():
+        if not BundleLayout(cache).manifest.is_file():
             version = _build(home, out, broken)
             tmp = cache.with_name(f".{name}.{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)

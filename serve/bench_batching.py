@@ -24,6 +24,7 @@ from typing import List
 
 import torch
 
+from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.serve.batching import BatchedEngine
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
 
@@ -59,9 +60,14 @@ async def level(engine, prompts: List[List[int]], clients: int, seconds: float, 
             "itl_p50_ms": 1000 * statistics.median(itl), "itl_p99_ms": 1000 * p99(itl)}
 
 
+def artifact_path(args) -> Path:
+    """``--artifact``, or the INT8 TorchScript of ``--bundle``."""
+    return args.artifact or BundleLayout(args.bundle).int8_torchscript
+
+
 def measure(args) -> List[dict]:
     """One engine's levels, in this process."""
-    artifact = args.artifact or args.bundle / "int8" / "policy.ts"
+    artifact = artifact_path(args)
     cfg = json.loads((artifact.parent / "config.json").read_text())
     ctx = args.prompt_len + args.new_tokens
     module = torch.jit.load(str(artifact))
@@ -92,7 +98,7 @@ def main() -> None:
         out = subprocess.run([sys.executable, "-m", "policy_bundle.serve.bench_batching", *sys.argv[1:],
                               "--engine", name], capture_output=True, text=True, check=True).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
-    artifact = args.artifact or args.bundle / "int8" / "policy.ts"
+    artifact = artifact_path(args)
     print(f"{artifact}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.seconds:.0f} s per level")
     print(f"\n{'clients':>8s} | {'sequential tok/s':>16s} {'ITL p50/p99 ms':>15s} | {'batched tok/s':>13s} "
           f"{'ITL p50/p99 ms':>15s} | {'batched/seq':>11s}")

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.info import BundleInfo, load_tokenizer
+from policy_bundle.bundle.layout import INT8_DIR
 from policy_bundle.serve import admin
 from policy_bundle.serve.canary import LiveCanary
 from policy_bundle.serve.http import (ApiKeyGuard, ReleasingStream, error_response, read_json, require_admin,
@@ -68,7 +69,7 @@ class PolicyRouter:
 
     def __init__(self) -> None:
         self.settings = SETTINGS
-        artifact = verified_artifact(self.int8_model, "int8")
+        artifact = verified_artifact(self.int8_model, INT8_DIR)
         self.info = BundleInfo.read(artifact.parent)
         self.tok = load_tokenizer(artifact)
         self.metrics = Metrics()

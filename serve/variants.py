@@ -19,7 +19,7 @@ from bentoml.exceptions import InvalidArgument, NotFound
 
 from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
-from policy_bundle.bundle.store import INT8_VLLM_DIR
+from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_VLLM_DIR, BundleLayout
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine, vllm_available
 from policy_bundle.serve.http import patch_bentoml_timeout
@@ -47,7 +47,7 @@ def _require_what_the_settings_need() -> None:
         entry = bentoml.models.get(f"policy-int8:{VERSION}")
     except NotFound:
         return  # the service's own model reference reports it
-    if not (Path(entry.path) / INT8_VLLM_DIR).is_dir():
+    if not BundleLayout(entry.path).int8_vllm_dir.is_dir():
         refuse(f"int8_engine: vllm, but {entry.tag} has no {INT8_VLLM_DIR}/ (build the bundle with "
                "export.int8_vllm: true, or serve with int8_engine: torchscript)")
     if not vllm_available():
@@ -173,18 +173,19 @@ class Int8Policy:
     def __init__(self) -> None:
         import torch
 
-        path = verified_artifact(self.model, "int8")
+        path = verified_artifact(self.model, INT8_DIR)
+        entry = BundleLayout(path.parent)
         self.manifest = manifest_sha(self.model)
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         if settings_or_exit().int8_engine == "vllm":
-            self.engine, self.ready = int8_vllm_engine(path.parent / INT8_VLLM_DIR, self.max_seq_len), False
-            log.info("INT8 W8A8 loaded in vLLM from %s (verified)", path.parent / INT8_VLLM_DIR)
+            self.engine, self.ready = int8_vllm_engine(entry.int8_vllm_dir, self.max_seq_len), False
+            log.info("INT8 W8A8 loaded in vLLM from %s (verified)", entry.int8_vllm_dir)
             return
         batching = batching_settings()
         if not BundleInfo.read(path.parent).batch_rows:  # per-tensor dynamic activations: rows see each other
             log.info("INT8 recipe quantizes activations per tensor at run time: one request per decode step")
             batching["max_batch"] = 1
-        self.engine = policy_engine(torch.jit.load(str(path / "policy.ts")), self.max_seq_len, "int8-torchscript",
+        self.engine = policy_engine(torch.jit.load(str(entry.int8_torchscript)), self.max_seq_len, "int8-torchscript",
                                     **batching)
         self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
         self.ready = True
@@ -230,7 +231,7 @@ class Fp16Policy:
     model = bentoml.models.BentoModel(f"policy-fp16:{VERSION}")
 
     def __init__(self) -> None:
-        path = verified_artifact(self.model, "fp16")
+        path = verified_artifact(self.model, FP16_DIR)
         self.manifest = manifest_sha(self.model)
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         require = settings_or_exit().require_vllm
