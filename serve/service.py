@@ -3,8 +3,7 @@ weighted/sticky routing, shadow traffic, a canaried rollout and an authenticated
 
 Serve: ``bentoml serve policy_bundle.serve.service:PolicyRouter`` (after ``policy-bundle build``). The parts:
 ``openai_api`` (formats), ``pool`` (health, fail-over, admission), ``canary`` (window, shadow, golden,
-analysis loops), ``admin`` (commands), ``rollout`` (state machine + SQLite), ``http`` (bodies, auth).
-"""
+analysis loops), ``admin`` (commands), ``rollout`` (state machine + SQLite), ``http`` (bodies, auth)."""
 
 from __future__ import annotations
 
