@@ -22,7 +22,7 @@ def _quiet_runtime() -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from policy_bundle.build.config import load_config
+    from policy_bundle.build.config.build_config import load_config
     from policy_bundle.build.pipeline import run_build
 
     cfg = load_config(Path(args.config) if args.config else None, tuple(args.set or ()))
@@ -56,7 +56,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_check_fp16(args: argparse.Namespace) -> int:
-    from policy_bundle.build.fp16check import check_fp16
+    from policy_bundle.build.artifacts.fp16check import check_fp16
 
     res = check_fp16(Path(args.bundle), args.engine)
     ok = res.greedy_agreement >= args.min_agreement
@@ -66,10 +66,10 @@ def cmd_check_fp16(args: argparse.Namespace) -> int:
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
-    from policy_bundle.build.artifact_fidelity import fidelity_kwargs
-    from policy_bundle.build.canary import metrics_table
-    from policy_bundle.build.config import config_from_dict
-    from policy_bundle.build.data import load_tokenizer, read_golden_jsonl
+    from policy_bundle.build.config.build_config import config_from_dict
+    from policy_bundle.build.gate.canary_report import metrics_table
+    from policy_bundle.build.gate.measure import fidelity_kwargs
+    from policy_bundle.bundle.info import load_tokenizer, read_golden_jsonl
     from policy_bundle.bundle.layout import BundleLayout
     from policy_bundle.bundle.manifest import read_manifest, verified_artifact, verify_bundle
     from policy_bundle.quantize.fidelity import evaluate_gate, measure_fidelity
@@ -100,7 +100,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from policy_bundle.build.watch import WatchOptions, watch
+    from policy_bundle.build.watch.monitor import WatchOptions, watch
 
     bundle = Path(args.bundle)
     return watch(WatchOptions(bundle=bundle, checkpoints=Path(args.checkpoints),

@@ -45,6 +45,18 @@ class CanaryGateError(BuildError, RuntimeError):
     """The INT8 candidate failed the accuracy gate even after layer fallback."""
 
 
+class ContainerizeError(BuildError, RuntimeError):
+    """A ``policy-bundle containerize`` step failed; the message names the tool or input and what to do."""
+
+
+class ToolMissingError(ContainerizeError):
+    """A program the step runs (podman, mmdebstrap) is not on PATH."""
+
+    def __init__(self, tool: str, package: str, purpose: str):
+        super().__init__(f"{tool}: not found on PATH ({purpose}); install it, e.g. `apt-get install -y {package}`")
+        self.tool = tool
+
+
 def expected_errors() -> tuple[type[BaseException], ...]:
     """``BuildError`` and the expected failures of the libraries the build calls (imported here, not at
     module load, so the CLI starts without torch)."""

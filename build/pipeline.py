@@ -1,11 +1,11 @@
 """The build: FP32 policy -> calibrated INT8 (TorchScript + ONNX) + FP16 HF dir, manifest, model store.
 
-Stages follow ../shared/DESIGN.md, one function each (load, rollouts, prepare, calibrate, quantize + gate,
-export, fidelity, manifest, register); the recipe choice lives in recipe_choice.py, the manifest's body
-in manifest_body.py. Everything is written into a partial directory next to the
-output and renamed into place at the very end (build/output_dir.py), then registered in the model store,
-so a failed or interrupted build leaves nothing where the next step would look, and the next build to
-the same parent removes what a killed one left.
+Stages follow ../shared/DESIGN.md, one function each, and each stage's code lives in one sub-package:
+load (source/), rollouts, prepare and calibrate (calibrate/), convert + accuracy canary (gate/), export,
+fidelity, manifest and register (artifacts/); the build config is config/. Everything is written into a
+partial directory next to the output and renamed into place at the very end (artifacts/output_dir.py),
+then registered in the model store, so a failed or interrupted build leaves nothing where the next step
+would look, and the next build to the same parent removes what a killed one left.
 """
 
 from __future__ import annotations
@@ -20,26 +20,30 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from policy_bundle.build import data
-from policy_bundle.build.artifact_fidelity import gate_artifacts, quick_fidelity
-from policy_bundle.build.calibrated import CalibratedModels
-from policy_bundle.build.canary import add_artifact_comparison
-from policy_bundle.build.config import BuildConfig
-from policy_bundle.build.drift import write_drift_report
+from policy_bundle.build.artifacts.artifact_fidelity import gate_artifacts, quick_fidelity
+from policy_bundle.build.artifacts.int8_vllm import Int8Vllm, check_int8_vllm, export_int8_vllm, planned
+from policy_bundle.build.artifacts.manifest_body import calibration_section, manifest_body, write_drift_report
+from policy_bundle.build.artifacts.output_dir import (check_output, move_into_place, new_partial_dir,
+                                                     remove_stale_work_dirs)
+from policy_bundle.build.calibrate.calibrated import CalibratedModels
+from policy_bundle.build.calibrate.prompt_split import GoldenSplit, golden_items, split_golden, split_prompts
+from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_rollouts, read_rollouts_jsonl,
+                                                    screen_odd_samples, vllm_rollouts)
+from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import RegistrationError
-from policy_bundle.build.int8_vllm import Int8Vllm, check_int8_vllm, export_int8_vllm, planned
-from policy_bundle.build.manifest_body import calibration_section, manifest_body
-from policy_bundle.build.output_dir import check_output, move_into_place, new_partial_dir, remove_stale_work_dirs
+from policy_bundle.build.gate.canary_report import add_artifact_comparison
+from policy_bundle.build.gate.recipe_choice import ChosenRecipe, choose_recipe
 from policy_bundle.build.progress import Stages, Throttled, bar, heartbeat, log
-from policy_bundle.build.recipe_choice import ChosenRecipe, choose_recipe
+from policy_bundle.build.source.policy_source import resolve_policy_dir
 from policy_bundle.bundle.faults import active_fault, apply_onnx_fault
+from policy_bundle.bundle.info import encode_prompt, load_tokenizer, write_golden_jsonl
 from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.manifest import manifest_hash, read_manifest, write_manifest
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
 from policy_bundle.quantize.fidelity import GoldenItem
-from policy_bundle.quantize.model import Policy
 from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
+from policy_bundle.quantize.model import Policy
 
 
 @dataclass
@@ -61,7 +65,7 @@ class Loaded:
 @dataclass
 class Rollouts:
     seqs: List[List[int]]  # calibration sequences (prompt + completion ids)
-    golden: data.GoldenSplit  # search part and held-out gate part
+    golden: GoldenSplit  # search part and held-out gate part
     batches: List[Tensor]  # the calibration batches cut from ``seqs``
     odd: dict  # odd samples found (and maybe dropped) before calibration
 
@@ -98,7 +102,7 @@ def optional_mesh(cfg: BuildConfig, policy_dir: Path) -> Iterator[Any]:
     if cfg.calibration.procs == 0:
         yield None
         return
-    from policy_bundle.build.mesh import calibration_mesh
+    from policy_bundle.build.calibrate.mesh import calibration_mesh
 
     with calibration_mesh(cfg, policy_dir) as mesh:
         yield mesh
@@ -128,9 +132,9 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
 
 def load_stage(cfg: BuildConfig, stages: Stages) -> Loaded:
     with stages.run("load policy") as s:
-        policy_dir = data.resolve_policy_dir(cfg, log=log)
+        policy_dir = resolve_policy_dir(cfg, log=log)
         policy = load_policy(policy_dir, max_seq_len=cfg.policy.max_seq_len)
-        tok = data.load_tokenizer(policy_dir)
+        tok = load_tokenizer(policy_dir)
         s.detail = f"{policy_dir}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params"
     return Loaded(policy_dir, policy, tok)
 
@@ -140,22 +144,22 @@ def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golde
     (``golden_set=False``: calibration only, as the drift monitor needs)."""
     tok = loaded.tok
     with stages.run("rollouts") as s:
-        prompts = data.split_prompts(cfg)
-        cal_ids = [data.encode_prompt(tok, p) for p in prompts.calibration]
-        gold_ids = [data.encode_prompt(tok, p) for p in prompts.golden]
+        prompts = split_prompts(cfg)
+        cal_ids = [encode_prompt(tok, p) for p in prompts.calibration]
+        gold_ids = [encode_prompt(tok, p) for p in prompts.golden]
         t0 = time.monotonic()
         if cfg.rollouts.jsonl:
-            seqs = data.read_rollouts_jsonl(Path(cfg.rollouts.jsonl), tok)[: cfg.calibration.samples]
+            seqs = read_rollouts_jsonl(Path(cfg.rollouts.jsonl), tok)[: cfg.calibration.samples]
             source = f"jsonl {cfg.rollouts.jsonl}"
         else:
             completions = make_rollouts(cfg, mesh, loaded.policy_dir, loaded.policy, tok, cal_ids)
             seqs = [p + c for p, c in zip(cal_ids, completions)]
             source = f"{cfg.rollouts.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
-        golden = data.split_golden(data.golden_items(prompts, gold_ids, logged_local_rollouts(
+        golden = split_golden(golden_items(prompts, gold_ids, logged_local_rollouts(
             loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id, "golden rollouts")) if golden_set else [])
         rate = len(seqs) / max(1e-9, time.monotonic() - t0)
-        seqs, odd = data.screen_odd_samples(cfg, loaded.policy, seqs, tok, log=log)
-        batches = data.calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)
+        seqs, odd = screen_odd_samples(cfg, loaded.policy, seqs, tok, log=log)
+        batches = calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)
         s.detail = (f"{len(seqs)} calibration sequences from {source}, golden items: {len(golden.search)} to search "
                     f"float layers on, {len(golden.gate)} held out for the gate, {rate:.1f} seq/s"
                     + (f", {len(odd['samples'])} odd sample(s)" + (" dropped" if odd["dropped"] else " kept")
@@ -167,11 +171,11 @@ def make_rollouts(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok,
     """Completions for calibration prompts: on the Monarch mesh, or in-process (vLLM or local generate)."""
     max_new = cfg.prompts.max_new_tokens
     if mesh is not None:
-        from policy_bundle.build.mesh import mesh_rollouts
+        from policy_bundle.build.calibrate.mesh import mesh_rollouts
 
         return mesh_rollouts(mesh, prompt_ids, tok.eos_token_id)
     if cfg.rollouts.engine == "vllm":
-        return data.vllm_rollouts(policy_dir, prompt_ids, max_new, tok.eos_token_id)
+        return vllm_rollouts(policy_dir, prompt_ids, max_new, tok.eos_token_id)
     return logged_local_rollouts(policy, prompt_ids, max_new, tok.eos_token_id, "rollouts")
 
 
@@ -183,7 +187,7 @@ def logged_local_rollouts(policy, prompt_ids, max_new: int, eos, what: str) -> L
         b.update(1)
         every(b.n, len(prompt_ids), f"[{what}] sequences done")
 
-    outs = data.local_rollouts(policy, prompt_ids, max_new, eos, tick=tick)
+    outs = local_rollouts(policy, prompt_ids, max_new, eos, tick=tick)
     b.close()
     return outs
 
@@ -221,7 +225,7 @@ def calibrate_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedMode
 
 
 def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, calibrated: CalibratedModels,
-                            candidates: List[Tuple[str, recipes.RecipeConfig]], golden: data.GoldenSplit, tmp: Path,
+                            candidates: List[Tuple[str, recipes.RecipeConfig]], golden: GoldenSplit, tmp: Path,
                             final: Path) -> ChosenRecipe:
     with stages.run("convert + accuracy canary") as s:
         chosen = choose_recipe(cfg, loaded.policy, calibrated, candidates, loaded.tok, golden, tmp, final)
@@ -257,7 +261,7 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
             check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm)
         if int8_vllm.fidelity:
             fidelity["int8_vllm"] = int8_vllm.fidelity
-        data.write_golden_jsonl(golden, BundleLayout(tmp).golden)
+        write_golden_jsonl(golden, BundleLayout(tmp).golden)
         add_artifact_comparison(tmp, fidelity)
         ts, f16 = fidelity["int8_torchscript"], fidelity["fp16_hf"]
         s.detail = (f"INT8 top-1 agreement {ts['top1_agreement']:.3f}, KL mean {ts['kl_mean']:.4f}; FP16 weights "
@@ -285,7 +289,7 @@ def register_stage(cfg: BuildConfig, stages: Stages, bundle: Path, sha: str) -> 
         if not cfg.register.bentoml:
             s.detail = "skipped (register.bentoml: false)"
             return None, None
-        from policy_bundle.build.store import register_bundle
+        from policy_bundle.build.artifacts.model_store import register_bundle
 
         try:
             reg = register_bundle(bundle, version=f"{cfg.name}-{sha[:12]}", manifest_sha=manifest_hash(bundle))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from policy_bundle.build.config import load_config
-from policy_bundle.build.mesh import calibration_mesh, mesh_calibrate, mesh_rollouts
+from policy_bundle.build.calibrate.mesh import calibration_mesh, mesh_calibrate, mesh_rollouts
+from policy_bundle.build.config.build_config import load_config
 from policy_bundle.loadtest.bench_models import bench_models
 
 warnings.filterwarnings("ignore")

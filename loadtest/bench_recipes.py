@@ -17,14 +17,16 @@ from dataclasses import replace
 
 import torch
 
-from policy_bundle.build import data
-from policy_bundle.build.config import load_config
-from policy_bundle.build.w8a8 import collect_stats, make_plan, sensitivity_probe
+from policy_bundle.build.calibrate.prompt_split import split_prompts
+from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
+from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan, sensitivity_probe
+from policy_bundle.build.config.build_config import load_config
+from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.loadtest.real_lm import smollm2_dir
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
 from policy_bundle.quantize.decode import decode_tokens_per_s, greedy_generate
 from policy_bundle.quantize.export import script_int8
+from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
 from policy_bundle.quantize.w8a8_plan import layer_sensitivity
@@ -70,16 +72,16 @@ def main() -> None:
     path = smollm2_dir()
     cfg = load_config("build/configs/smollm2.yaml", ("calibration.procs=0",) + (
         ("calibration.samples=24", "calibration.golden=10") if args.quick else ()))
-    policy, tok = load_policy(path, max_seq_len=256), data.load_tokenizer(path)
-    split = data.split_prompts(cfg)
-    cal_ids = [data.encode_prompt(tok, p) for p in split.calibration]
-    gold_ids = [data.encode_prompt(tok, p) for p in split.golden]
+    policy, tok = load_policy(path, max_seq_len=256), load_tokenizer(path)
+    split = split_prompts(cfg)
+    cal_ids = [encode_prompt(tok, p) for p in split.calibration]
+    gold_ids = [encode_prompt(tok, p) for p in split.golden]
     t0 = time.monotonic()
     print(f"[bench] FP32 rollouts for {len(cal_ids)} calibration + {len(gold_ids)} golden prompts ...", flush=True)
-    cal = data.local_rollouts(policy, cal_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
-    gold = data.local_rollouts(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
+    cal = local_rollouts(policy, cal_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
+    gold = local_rollouts(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
     golden = [GoldenItem(p, i, c) for p, i, c in zip(split.golden, gold_ids, gold)]
-    batches = data.calibration_batches([a + b for a, b in zip(cal_ids, cal)], cfg.calibration.batch_size, 256)
+    batches = calibration_batches([a + b for a, b in zip(cal_ids, cal)], cfg.calibration.batch_size, 256)
     greedy_prompts = gold_ids[:10]
     ref48 = [greedy_generate(policy, p, 48, tok.eos_token_id) for p in greedy_prompts]
     print(f"[bench] data ready in {time.monotonic() - t0:.0f}s", flush=True)

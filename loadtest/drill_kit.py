@@ -22,7 +22,8 @@ SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16"
          "--set", "calibration.procs=0", "--set", "export.onnx=false",
          "--set", "export.int8_vllm=false"]  # the drills serve INT8 as TorchScript: no vLLM load to gate int8-vllm/
 BUILD_TIMEOUT_S = 900
-REGISTER = ("import sys; from pathlib import Path; from policy_bundle.build.store import register_bundle; "
+REGISTER = ("import sys; from pathlib import Path; "
+            "from policy_bundle.build.artifacts.model_store import register_bundle; "
             "register_bundle(Path(sys.argv[1]), sys.argv[2], sys.argv[3])")
 
 

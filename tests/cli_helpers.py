@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "policy_bundle.build.cli"]
+EXAMPLES = ROOT / "docs" / "examples"  # scripts, not part of the package
 SMALL = ("--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64",
          "--set", "export.int8_vllm=false")  # int8-vllm/ (a vLLM load) only where a test asks for it
 WITH_INT8_VLLM = ("--set", "export.int8_vllm=auto")
@@ -24,3 +26,13 @@ def shared_tmp(tmp_path_factory) -> Path:
     """A folder every xdist worker of this run sees (the run's base temp; the worker's own without xdist)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def load_example(name: str):
+    """``docs/examples/<name>.py`` as a module, loaded by its path and left out of ``sys.modules``: the examples
+    are scripts outside the package, so Monarch ships the actor classes they define by value, as it does when
+    the script runs as ``__main__``."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -56,8 +56,8 @@ def test_the_gate_judges_on_golden_prompts_the_float_layer_search_never_saw(faul
 def test_a_candidate_the_search_passes_is_rejected_when_the_held_out_prompts_fail_it():
     from torch import nn
 
-    from policy_bundle.build.canary import CanaryOutcome
-    from policy_bundle.build.recipe_choice import held_out_verdict
+    from policy_bundle.build.gate.canary_report import CanaryOutcome
+    from policy_bundle.build.gate.recipe_choice import held_out_verdict
     from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict
 
     gate = GateThresholds(min_top1_agreement=0.9)
@@ -74,8 +74,8 @@ def prompts_file(path, n: int):
 
 
 def test_the_golden_set_is_exactly_the_size_asked_for(tmp_path):
-    from policy_bundle.build.config import load_config
-    from policy_bundle.build.data import split_prompts
+    from policy_bundle.build.calibrate.prompt_split import split_prompts
+    from policy_bundle.build.config.build_config import load_config
 
     sets = (f"prompts.file={prompts_file(tmp_path / 'p.txt', 9)}", "calibration.golden=8", "calibration.samples=16",
             "calibration.batch_size=4")

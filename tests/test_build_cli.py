@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from cli_helpers import SMALL, run_cli
+from cli_helpers import EXAMPLES, SMALL, run_cli
 from policy_bundle.quantize import recipes, task
 
 FRESH_TORCHSCRIPT = """
@@ -71,7 +71,7 @@ def test_onnx_int8_runs_in_onnxruntime_within_two_points_of_torch_int8(small_bun
 
 
 def test_fp16_directory_reloads_in_transformers_with_fp32_greedy_outputs(small_bundle):
-    from policy_bundle.build.fp16check import check_fp16
+    from policy_bundle.build.artifacts.fp16check import check_fp16
 
     assert check_fp16(small_bundle, "transformers").greedy_agreement >= 0.95
 
@@ -181,7 +181,7 @@ def test_failing_build_leaves_nothing_behind(tmp_path, bentoml_home):
 
 
 def test_torchforge_example_calibrates_on_its_own_mesh_and_its_jsonl_builds(tmp_path, bentoml_home, reference_dir):
-    res = subprocess.run([sys.executable, "-m", "policy_bundle.build.torchforge_example", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, str(EXAMPLES / "torchforge_app.py"), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert torch.jit.load(str(tmp_path / "policy-int8.ts")) is not None

@@ -113,7 +113,7 @@ def crafted_bundle(root, reference_dir, artifact: str):
     from pathlib import Path
 
     from cli_helpers import ROOT
-    from policy_bundle.build.config import load_config
+    from policy_bundle.build.config.build_config import load_config
     from policy_bundle.bundle.manifest import write_manifest
 
     bundle = root / "bundle"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from policy_bundle.build.config import ConfigError, config_from_dict, load_config
+from policy_bundle.build.config.build_config import ConfigError, config_from_dict, load_config
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.recipes import RecipeConfig
 

@@ -6,7 +6,7 @@ from contextlib import redirect_stderr
 
 import torch
 
-from policy_bundle.build.fallback import FallbackSearch, search_fallback
+from policy_bundle.build.gate.fallback import FallbackSearch, search_fallback
 from policy_bundle.build.progress import heartbeat, set_status
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds
 
@@ -116,7 +116,7 @@ def test_a_candidate_passing_the_search_with_nothing_in_float_is_ranked_when_hel
 
 
 def test_the_torch_ao_walk_goes_on_one_layer_at_a_time_after_a_held_out_failure():
-    from policy_bundle.build.fallback import walk_fallback
+    from policy_bundle.build.gate.fallback import walk_fallback
 
     search, _ = search_over(lambda k: 0.5 if k < 2 else 0.05)
     judged = []

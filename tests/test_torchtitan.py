@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import run_cli
+from cli_helpers import load_example, run_cli
 
 STEPS = 60
 SAVE_EVERY = 20  # the trainer also leaves step-20 and step-40 behind, for the drift monitor
@@ -23,9 +23,8 @@ FAST = ("--set", "register.bentoml=false", "--set", "export.onnx=false")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(step directory, trainer actor): torchtitan training in a real Monarch process, still alive."""
-    from policy_bundle.build.torchtitan_example import train_on_mesh
-
-    result, trainer, procs = train_on_mesh(tmp_path_factory.mktemp("titan"), STEPS, save_every=SAVE_EVERY)
+    example = load_example("torchtitan_trainer")
+    result, trainer, procs = example.train_on_mesh(tmp_path_factory.mktemp("titan"), STEPS, save_every=SAVE_EVERY)
     yield Path(result["checkpoint"]), trainer
     procs.stop().get(timeout=30)
 
@@ -35,7 +34,7 @@ def model_only_checkpoint(tmp_path_factory) -> Path:
     """A model-only DCP checkpoint of the reference flavor, as torchtitan's last-step save writes it."""
     import torch.distributed.checkpoint as dcp
 
-    from policy_bundle.build.torchtitan_checkpoint import REFERENCE_FLAVOR, model_spec
+    from policy_bundle.build.source.torchtitan_checkpoint import REFERENCE_FLAVOR, model_spec
 
     spec = model_spec("llama3", REFERENCE_FLAVOR)
     with torch.device("meta"):
@@ -54,11 +53,11 @@ def build_titan(step: Path, tmp_path: Path, *args: str):
 
 @pytest.mark.slow
 def test_converted_policy_logits_equal_torchtitans_forward(trained, tmp_path):
-    from policy_bundle.build.config import TorchtitanSection
-    from policy_bundle.build.torchtitan_checkpoint import REFERENCE_FLAVOR, resolve_torchtitan_source
+    from policy_bundle.build.config.build_config import TorchtitanSection
+    from policy_bundle.build.source.torchtitan_checkpoint import REFERENCE_FLAVOR, resolve_torchtitan_source
     from policy_bundle.quantize import task
-    from policy_bundle.quantize.model import full_logits
     from policy_bundle.quantize.hf_weights import load_policy
+    from policy_bundle.quantize.model import full_logits
 
     step, trainer = trained
     src = TorchtitanSection(model="llama3", flavor=REFERENCE_FLAVOR, tokenizer="reference")
@@ -113,11 +112,11 @@ def test_stock_debugmodel_checkpoints_convert_to_torchtitans_logits(model, tmp_p
     import torch.distributed.checkpoint as dcp
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
-    from policy_bundle.build.config import TorchtitanSection
-    from policy_bundle.build.torchtitan_checkpoint import model_spec, resolve_torchtitan_source
+    from policy_bundle.build.config.build_config import TorchtitanSection
+    from policy_bundle.build.source.torchtitan_checkpoint import model_spec, resolve_torchtitan_source
     from policy_bundle.quantize import task
-    from policy_bundle.quantize.model import full_logits
     from policy_bundle.quantize.hf_weights import load_policy
+    from policy_bundle.quantize.model import full_logits
 
     spec = model_spec(model, "debugmodel")
     for layer in spec.model.layers:  # the stock FlexAttention forward compiles on CPU; same weights, causal SDPA

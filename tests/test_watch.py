@@ -219,7 +219,7 @@ def test_odd_samples_are_found_against_the_others_and_dropped_on_request(referen
 def test_drift_is_the_scale_change_or_zero_point_shift_of_the_shipped_observer():
     from torch.ao.quantization.observer import MinMaxObserver
 
-    from policy_bundle.build.drift import activation_qparams, calibration_drift
+    from policy_bundle.build.watch.drift import activation_qparams, calibration_drift
 
     obs = MinMaxObserver(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=True)
     obs(torch.tensor([-1.5, 4.0]))
@@ -240,7 +240,7 @@ def test_drift_is_the_scale_change_or_zero_point_shift_of_the_shipped_observer()
 
 
 def test_w8a8_drift_compares_outlier_thresholds_and_channel_maxima():
-    from policy_bundle.build.drift import calibration_drift
+    from policy_bundle.build.watch.drift import calibration_drift
 
     old = {"groups": {"layers.0.attn_in": {"outlier_threshold": 10.0, "channel_absmax_max": 4.0},
                       "layers.0.down_in": {"outlier_threshold": 100.0, "channel_absmax_max": None}}}

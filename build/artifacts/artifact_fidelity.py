@@ -1,5 +1,5 @@
 """Fidelity of what the build ships: the exported artifacts, loaded back the way their consumers load
-them, against the FP32 policy on the golden set (and the keyword arguments every fidelity run shares),
+them, against the FP32 policy on the golden set (with the gate's measurement arguments, ``gate/measure.py``),
 and the gate on each: an INT8 artifact that misses it is left out of the bundle with the reason in the
 manifest (ONNX here, ``int8-vllm/`` in int8_vllm.py), or fails the build when it is the one every
 consumer needs (the TorchScript)."""
@@ -11,21 +11,14 @@ from typing import Optional
 
 import torch
 
-from policy_bundle.build import data
-from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import CanaryGateError
+from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log
 from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
-from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, measure_fidelity
-from policy_bundle.quantize.model import CastPolicy, Policy
 from policy_bundle.quantize.hf_weights import load_policy
-
-
-def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
-    reward = task.reward if data.is_task_policy(cfg) else None
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
+from policy_bundle.quantize.model import CastPolicy, Policy
 
 
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:

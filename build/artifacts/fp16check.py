@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import torch
 
-from policy_bundle.build.data import read_golden_jsonl
+from policy_bundle.bundle.info import read_golden_jsonl
 from policy_bundle.bundle.layout import FP16_DIR, BundleLayout
 from policy_bundle.bundle.manifest import read_manifest, verify_files
 

@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
-from policy_bundle.build.artifact_fidelity import fidelity_kwargs
-from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.artifacts.fp16check import trim_at_eos
+from policy_bundle.build.artifacts.vllm_golden import VllmGoldenRequest, VllmGoldenResult, VllmRunError, run_vllm_golden
+from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import BuildError, CanaryGateError, ConfigError
-from policy_bundle.build.fp16check import trim_at_eos
+from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log
-from policy_bundle.build.vllm_golden import VllmGoldenRequest, VllmGoldenResult, VllmRunError, run_vllm_golden
 from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
-from policy_bundle.quantize.model import Policy, full_logits
 from policy_bundle.quantize.hf_weights import load_hf_config
+from policy_bundle.quantize.model import Policy, full_logits
 from policy_bundle.quantize.recipes import selected_linears
 from policy_bundle.quantize.smooth import apply_smoothing
 from policy_bundle.quantize.w8a8 import quantize_weight

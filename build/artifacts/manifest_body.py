@@ -2,7 +2,8 @@
 calibration), what the gate decided, where each artifact is and how faithful it is, how to serve it.
 
 bundle/manifest.py owns the format floor (hashing the files, writing, verifying); this module only
-gathers the build's facts into that body.
+gathers the build's facts into that body, and writes the drift report a rebuild by ``policy-bundle watch``
+keeps beside it.
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
-from policy_bundle.build import data
-from policy_bundle.build.config import BuildConfig
-from policy_bundle.build.torchtitan_checkpoint import provenance
-from policy_bundle.build.w8a8 import onnx_recipe_note, w8a8_summary
+from policy_bundle.build.calibrate.w8a8_statistics import onnx_recipe_note, w8a8_summary
+from policy_bundle.build.config.build_config import BuildConfig
+from policy_bundle.build.source.policy_source import is_task_policy
+from policy_bundle.build.source.torchtitan_checkpoint import provenance
 from policy_bundle.bundle.faults import fault_spec
 from policy_bundle.bundle.info import serving_section
-from policy_bundle.bundle.layout import CANARY_REPORT, FP16_DIR, GOLDEN, INT8_ONNX, INT8_TORCHSCRIPT
+from policy_bundle.bundle.layout import (CANARY_REPORT, DRIFT_REPORT, FP16_DIR, GOLDEN, INT8_ONNX, INT8_TORCHSCRIPT,
+                                         BundleLayout)
 from policy_bundle.bundle.manifest import FORMAT
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.model import Policy
 
 if TYPE_CHECKING:
-    from policy_bundle.build.int8_vllm import Int8Vllm
-    from policy_bundle.build.recipe_choice import ChosenRecipe
+    from policy_bundle.build.artifacts.int8_vllm import Int8Vllm
+    from policy_bundle.build.gate.recipe_choice import ChosenRecipe
 
 
 def versions() -> dict:
@@ -97,7 +99,17 @@ def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: Ch
         "calibration": calibration,
         "artifacts": artifacts_section(cfg, chosen.recipe, int8_vllm, onnx_skipped),
         "fidelity": fidelity,
-        "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, data.is_task_policy(cfg),
+        "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, is_task_policy(cfg),
                                    cfg.canary.gate, chosen.recipe.rows_independent),
         "test_fault": fault_spec(),
     }
+
+
+DRIFT_SUMMARY = ("step", "checkpoint", "previous_bundle", "previous_manifest_sha256", "previous_step", "threshold",
+                 "max_drift", "drifted_layers")
+
+
+def write_drift_report(bundle: Path, drift: dict) -> dict:
+    """Write the whole drift report into the bundle; returns the manifest's ``drift`` section (its summary)."""
+    BundleLayout(bundle).drift_report.write_text(json.dumps(drift, indent=2) + "\n")
+    return {"report": DRIFT_REPORT, **{k: drift[k] for k in DRIFT_SUMMARY if k in drift}}

@@ -1,6 +1,6 @@
 """vLLM on an HF directory over the golden set, in a process of its own (JSON request in, JSON result out).
 
-    python -m policy_bundle.build.vllm_golden REQUEST.json RESULT.json
+    python -m policy_bundle.build.artifacts.vllm_golden REQUEST.json RESULT.json
 
 Greedy completions of the golden prompts, and the teacher-forced top-k prompt logprobs of each
 prompt + reference completion (what the gate's top-1 and KL are computed from). A process of its
@@ -74,7 +74,7 @@ def run_vllm_golden(req: VllmGoldenRequest, timeout_s: float = 900.0) -> VllmGol
     with tempfile.TemporaryDirectory(prefix="vllm-golden-") as tmp:
         req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(asdict(req)))
-        cmd = [sys.executable, "-m", "policy_bundle.build.vllm_golden", str(req_path), str(out_path)]
+        cmd = [sys.executable, "-m", "policy_bundle.build.artifacts.vllm_golden", str(req_path), str(out_path)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:

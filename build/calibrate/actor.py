@@ -58,7 +58,7 @@ class CalibrationActor(Actor):
         from policy_bundle.quantize.decode import greedy_generate_batch
 
         if engine == "vllm":  # one engine per actor, on this actor's share of the prompts
-            from policy_bundle.build.data import vllm_rollouts
+            from policy_bundle.build.calibrate.rollouts import vllm_rollouts
 
             self._maybe_fail(shard, 0)
             return vllm_rollouts(self.policy_dir, prompt_ids, max_new_tokens, eos)

@@ -6,7 +6,7 @@ On the Monarch mesh when the build has one, else in this process.
 
 from __future__ import annotations
 
-from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.progress import bar
 from policy_bundle.bundle.faults import apply_scale_fault
 from policy_bundle.quantize import observers, recipes
@@ -16,7 +16,7 @@ from policy_bundle.quantize.model import Policy
 def calibrate_observers(mesh, prepared, batches) -> observers.ObserverState:
     """Observer state over all calibration batches: sharded over the Monarch mesh or in-process."""
     if mesh is not None:
-        from policy_bundle.build.mesh import mesh_calibrate
+        from policy_bundle.build.calibrate.mesh import mesh_calibrate
 
         return mesh_calibrate(mesh, batches)
     b = bar(len(batches), "calibrate", "batch")
@@ -38,7 +38,7 @@ class CalibratedModels:
         self.plans: dict = {}  # w8a8: plan per (smooth, rounding, ...)
 
     def linear_stats(self, recipe: recipes.RecipeConfig):
-        from policy_bundle.build.w8a8 import collect_stats
+        from policy_bundle.build.calibrate.w8a8_statistics import collect_stats
 
         key = (recipe.rounding == "gptq", recipe.outlier_ratio)
         if (True, recipe.outlier_ratio) in self.stats:  # statistics with Hessians serve nearest rounding too
@@ -48,7 +48,7 @@ class CalibratedModels:
         return self.stats[key]
 
     def plan(self, recipe: recipes.RecipeConfig):
-        from policy_bundle.build.w8a8 import make_plan
+        from policy_bundle.build.calibrate.w8a8_statistics import make_plan
 
         key = plan_key(recipe)
         if key not in self.plans:
@@ -58,7 +58,7 @@ class CalibratedModels:
     def summary(self, recipe: recipes.RecipeConfig) -> dict:
         """The manifest's calibration section for the recipe that shipped."""
         if recipe.base_mode == "w8a8":
-            from policy_bundle.build.w8a8 import stats_summary
+            from policy_bundle.build.calibrate.w8a8_statistics import stats_summary
 
             return {"statistics": "per input group: row max |x|, channel max |x|, Hessian (gptq), row sample",
                     "groups": stats_summary(self.linear_stats(recipe))}
@@ -70,7 +70,7 @@ class CalibratedModels:
         from policy_bundle.quantize.smooth import collect_channel_absmax, smoothing_scales
 
         if self.mesh is not None:
-            from policy_bundle.build.mesh import mesh_channel_stats
+            from policy_bundle.build.calibrate.mesh import mesh_channel_stats
 
             stats = mesh_channel_stats(self.mesh, self.batches)
         else:
@@ -86,7 +86,7 @@ class CalibratedModels:
             base = apply_smoothing(self.policy, self.scales) if smooth else self.policy
             prepared = recipes.prepare(base, self.cfg.recipe_config())
             if smooth and self.mesh is not None:
-                from policy_bundle.build.mesh import mesh_apply_smoothing
+                from policy_bundle.build.calibrate.mesh import mesh_apply_smoothing
 
                 mesh_apply_smoothing(self.mesh, self.scales)
             state = apply_scale_fault(calibrate_observers(self.mesh, prepared, self.batches))

@@ -22,7 +22,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 from torch import Tensor
 
-from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import ConfigError, MeshError
 
 from policy_bundle.build.progress import log
@@ -106,7 +106,7 @@ class CalibrationMesh:
 
     def _spawn_workers(self, spawn: Spawn) -> List[Worker]:
         """One ``CalibrationActor`` per process of ``spawn`` (every host's), set up and smoothed."""
-        from policy_bundle.build.actor import CalibrationActor
+        from policy_bundle.build.calibrate.actor import CalibrationActor
 
         meshes = [p.spawn(f"calibration{self.generation}", CalibrationActor).flatten("rank") for p in spawn.procs]
         actors = [(h, m.slice(rank=i)) for h, m in enumerate(meshes) for i in range(m.size("rank"))]

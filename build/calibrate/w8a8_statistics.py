@@ -32,7 +32,7 @@ def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: Re
         token_absmax = ls.collect_token_absmax(policy, batches)
         thresholds = ls.outlier_thresholds(token_absmax, recipe.outlier_ratio)
         return ls.collect_group_stats(policy, batches, thresholds, hessians=hessians)
-    from policy_bundle.build.mesh import shard
+    from policy_bundle.build.calibrate.mesh import shard
 
     shards = shard(batches, len(mesh.workers))
     sizes = [sum(len(b) for b in s) for s in shards]

@@ -8,8 +8,8 @@ from typing import Dict, List, Optional, Tuple
 
 import yaml
 
-from policy_bundle.build.candidates import parse_candidate
-from policy_bundle.build.config_fields import as_mapping, build_section, candidate_field, inline
+from policy_bundle.build.config.candidates import parse_candidate
+from policy_bundle.build.config.config_fields import as_mapping, build_section, candidate_field, inline
 from policy_bundle.build.errors import ConfigError
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.recipes import RecipeConfig
@@ -65,7 +65,7 @@ class RecipeSection:
 
     Two keys are written differently from the library and are this section's own: ``scheme`` may also
     be ``auto`` (gate every ``auto_candidates`` entry, ship the fastest that passes; an entry is a
-    scheme, optionally with recipe fields of its own: ``build/candidates.py``), and ``overrides`` is a
+    scheme, optionally with recipe fields of its own: ``build/config/candidates.py``), and ``overrides`` is a
     mapping (layer pattern -> mode) rather than pairs.
     """
 

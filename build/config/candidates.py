@@ -19,7 +19,7 @@ from policy_bundle.build.errors import ConfigError
 from policy_bundle.quantize.recipes import SCHEMES
 
 # The recipe fields a w8a8 candidate may set: each candidate gets its own plan from statistics shared
-# by all (build/calibrated.py). torch.ao candidates share one calibration per smoothing choice, so their
+# by all (build/calibrate/calibrated.py). torch.ao candidates share one calibration per smoothing choice, so their
 # fields (backend, reduce_range, smooth_alpha, skip) stay section-wide, as do overrides and fp32_layers.
 CANDIDATE_FIELDS = ("skip", "outlier_ratio", "smooth_alphas", "rounding", "gptq_damp", "lm_head_topk",
                     "rotation_block")

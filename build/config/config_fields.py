@@ -1,6 +1,6 @@
 """The machinery under the build config: YAML values checked against the dataclasses' type hints, each
 field's limit (``RANGES``, ``CHOICES``) and library dataclasses whose fields a section inlines as its own keys.
-Nothing here names a section class: ``build/config.py`` defines them and calls ``build_section``."""
+Nothing here names a section class: ``build/config/build_config.py`` defines them and calls ``build_section``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typing
 from dataclasses import field
 from typing import Any, Dict, Optional, Tuple
 
-from policy_bundle.build.candidates import parse_candidate
+from policy_bundle.build.config.candidates import parse_candidate
 from policy_bundle.build.errors import ConfigError
 from policy_bundle.quantize.fidelity import THRESHOLD_RANGES
 from policy_bundle.quantize.recipes import BACKENDS, MODES, ROUNDINGS, SCHEMES, RecipeConfig, RecipeError

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import yaml
 
-from policy_bundle.build.containerize.errors import ContainerizeError
+from policy_bundle.build.errors import ContainerizeError
 
 TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
 EXCLUDES = ("torchvision", "torchaudio", "torchcodec")  # the same list as setup.sh's

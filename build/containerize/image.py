@@ -19,8 +19,8 @@ import yaml
 
 from policy_bundle.build.containerize.base_image import BASE_IMAGE, ensure_base_image
 from policy_bundle.build.containerize.bentofile import container_bentofile, system_packages
-from policy_bundle.build.containerize.errors import ContainerizeError
 from policy_bundle.build.containerize.run import require_tool, run_step
+from policy_bundle.build.errors import ContainerizeError
 from policy_bundle.build.progress import Stages, log
 
 BENTOML = [sys.executable, "-m", "bentoml"]

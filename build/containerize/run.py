@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from policy_bundle.build.containerize.errors import ContainerizeError, ToolMissingError
+from policy_bundle.build.errors import ContainerizeError, ToolMissingError
 from policy_bundle.build.progress import heartbeat, log
 
 TAIL_LINES = 30  # what a failed step's error shows of its output

@@ -1,23 +1,18 @@
-"""The accuracy canary at build time: what a gate attempt is, the torch.ao layer sensitivity, the report.
-
-As Intel Neural Compressor does: when the candidate misses a threshold, rank the quantized layers
-by sensitivity (KL(FP32 || model with only that layer quantized)) and keep the most sensitive in
-floating point until the gate passes or ``canary.max_fp_layers`` is reached (the search itself:
-``build/fallback.py``).
+"""The accuracy canary's outcome and its report: what a gate attempt is, what the gate decided, and
+canary_report.md / .json with its plots (the search that produces the outcome: ``build/gate/fallback.py``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from policy_bundle.bundle.layout import BundleLayout
-from policy_bundle.quantize import recipes
-from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits, policy_logits_fn, teacher_forced_logits)
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict
 
 
 @dataclass
@@ -39,34 +34,6 @@ class CanaryOutcome:
     reasons: dict = field(default_factory=dict)  # layer kept in float -> why
     rejected: str = ""  # why the fallback search gave up early, or why the held-out gate prompts failed it
     search_metrics: Optional[dict] = None  # the final candidate on the search prompts (``report``: held out)
-
-
-def layer_sensitivity(policy: nn.Module, prepared: nn.Module, recipe: recipes.RecipeConfig,
-                      golden: Sequence[GoldenItem]) -> List[Tuple[str, float]]:
-    """Per quantized layer: KL mean of the model with only that layer quantized, most sensitive first.
-
-    Two conversions in all (every layer quantized, none quantized); each layer's converted module
-    is then swapped into the float model for one teacher-forced pass. (One conversion per layer took
-    over 25 minutes on a 135M LM.)
-    """
-    from policy_bundle.build.progress import Throttled
-
-    layers = recipes.selected_linears(prepared, recipe)
-    quantized = recipes.convert(prepared, recipe)
-    model = recipes.convert(prepared, replace(recipe, fp32_layers=recipe.fp32_layers + tuple(layers)))
-    ref = teacher_forced_logits(policy_logits_fn(policy), golden)
-    tick = Throttled()
-    scores = []
-    for i, name in enumerate(layers):
-        parent, _, child = name.rpartition(".")
-        holder = model.get_submodule(parent) if parent else model
-        float_module = getattr(holder, child)
-        setattr(holder, child, quantized.get_submodule(name))
-        _, kl = compare_logits(ref, teacher_forced_logits(policy_logits_fn(model), golden))
-        setattr(holder, child, float_module)
-        scores.append((name, float(kl.mean())))
-        tick(i + 1, len(layers), f"[canary] sensitivity: {name} KL {scores[-1][1]:.3g}")
-    return sorted(scores, key=lambda s: -s[1])
 
 
 # ---- the report ------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Quantize + gate: every recipe candidate is converted and gated in order (with the layer-fallback
-search of build/fallback.py, which rejects a candidate early when its fallback budget cannot make it
+search of build/gate/fallback.py, which rejects a candidate early when its fallback budget cannot make it
 pass); the fastest one that passes ships. Progress: a status line (candidate, step, layers done /
 total, best so far) for the build's heartbeat, and one line per candidate. A rejected build raises with its report written next to the output directory."""
 
@@ -10,20 +10,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-
-from policy_bundle.build.artifact_fidelity import fidelity_kwargs
-from policy_bundle.build.calibrated import CalibratedModels, plan_key
-from policy_bundle.build.canary import CanaryOutcome, write_report
-from policy_bundle.build.config import BuildConfig
+from policy_bundle.build.calibrate.calibrated import CalibratedModels, plan_key
+from policy_bundle.build.calibrate.prompt_split import GoldenSplit
+from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import CanaryGateError
-from policy_bundle.build.fallback import gate_torch_ao, gate_w8a8
+from policy_bundle.build.gate.canary_report import CanaryOutcome, write_report
+from policy_bundle.build.gate.fallback import gate_torch_ao, gate_w8a8
+from policy_bundle.build.gate.measure import fidelity_kwargs, whole_gate
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import script_int8
-from policy_bundle.build.data import GoldenSplit
-from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, evaluate_gate,
-                                             measure_fidelity, policy_logits_fn, teacher_forced_logits)
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, GoldenItem, evaluate_gate
 from policy_bundle.quantize.model import Policy
 
 
@@ -69,16 +67,6 @@ def best_so_far(trials: Sequence[Trial]) -> str:
         return max(passing, key=lambda t: t.decode_tok_s or 0.0).line()
     return "none passed yet" + (f" (closest: {max(trials, key=lambda t: t.outcome.report.top1_agreement).line()})"
                                 if trials else "")
-
-
-def whole_gate(policy: Policy, golden: List[GoldenItem], kw: dict, generate: bool = True) -> Callable:
-    """The gate's measurement of a model on ``golden`` (FP32 outputs and logits computed once)."""
-    ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
-    ref_logits = teacher_forced_logits(policy_logits_fn(policy), golden)  # once for every gate attempt
-    if not generate:
-        return lambda m: measure_fidelity(policy, m, golden, generate=False, reference_logits=ref_logits, **kw)
-    return lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs, reference_logits=ref_logits,
-                                      **kw)
 
 
 def held_out_verdict(outcome: CanaryOutcome, report: FidelityReport, thresholds: GateThresholds) -> CanaryOutcome:
@@ -157,7 +145,7 @@ def gate_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModel
 
 def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure,
                         measure_logits, name: str, status: Callable[[str], str], confirm=None) -> CanaryOutcome:
-    from policy_bundle.build.w8a8 import rank_sensitivity, sensitivity_probe
+    from policy_bundle.build.calibrate.w8a8_statistics import rank_sensitivity, sensitivity_probe
 
     set_status(status("quantization plan (smoothing search, weight rounding)"))
     plan = calibrated.plan(recipe)

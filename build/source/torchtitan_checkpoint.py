@@ -4,7 +4,7 @@
 (``llama3`` or ``qwen3``), its flavor and the tokenizer. The model is built on the meta device from
 torchtitan's flavor registry, so its state dict names the tensors to read and their shapes; the model
 tensors are read with ``torch.distributed.checkpoint`` (no process group; its ``.metadata`` pickle with
-DCP's own classes only, build/dcp_metadata.py), converted to HF names by the
+DCP's own classes only, build/source/dcp_metadata.py), converted to HF names by the
 model's ``StateDictAdapter.to_hf`` and written, with a config.json derived from the flavor, into the
 build cache. The rest of the build treats that directory like any HF policy.
 """
@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from policy_bundle.build.config import TorchtitanSection
+from policy_bundle.build.config.build_config import TorchtitanSection
 from policy_bundle.build.errors import CheckpointError, ConfigError, UnsupportedPolicyError
 from policy_bundle.quantize import task
 from policy_bundle.quantize.model import PolicyConfig
@@ -114,7 +114,7 @@ def read_model_state(step_dir: Path, spec) -> Dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from policy_bundle.build.dcp_metadata import VettedFileSystemReader
+    from policy_bundle.build.source.dcp_metadata import VettedFileSystemReader
 
     if not (step_dir / ".metadata").is_file():
         raise CheckpointError(f"policy.source: {step_dir} is not a DCP checkpoint (no .metadata file)")

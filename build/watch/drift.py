@@ -14,14 +14,10 @@ What is compared is what the shipped recipe calibrated (the manifest's ``calibra
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
-
-from policy_bundle.bundle.layout import DRIFT_REPORT, BundleLayout
 
 
 @dataclass(frozen=True)
@@ -94,13 +90,3 @@ def calibration_drift(deployed: dict, fresh: dict, reduce_range: bool,
         raise ValueError("the deployed bundle and the fresh calibration record different statistics "
                          f"({sorted(deployed)} vs {sorted(fresh)})")
     return what, sorted(drifts, key=lambda d: -d.drift)
-
-
-DRIFT_SUMMARY = ("step", "checkpoint", "previous_bundle", "previous_manifest_sha256", "previous_step", "threshold",
-                 "max_drift", "drifted_layers")
-
-
-def write_drift_report(bundle: Path, drift: dict) -> dict:
-    """Write the whole drift report into the bundle; returns the manifest's ``drift`` section (its summary)."""
-    BundleLayout(bundle).drift_report.write_text(json.dumps(drift, indent=2) + "\n")
-    return {"report": DRIFT_REPORT, **{k: drift[k] for k in DRIFT_SUMMARY if k in drift}}

@@ -4,7 +4,7 @@ A trainer (TorchForge / torchtitan, or anything that saves ``step-N`` directorie
 checkpoints; a deployed bundle was calibrated on an older policy. The monitor waits until a checkpoint
 ``every_steps`` training steps past the last one it checked appears, generates fresh rollouts from it
 with the deployed bundle's own build config (same prompts, engine, mesh and recipe), computes the
-statistics the shipped recipe calibrates (``build/drift.py``), and compares them with the deployed
+statistics the shipped recipe calibrates (``build/watch/drift.py``), and compares them with the deployed
 bundle's manifest. When any layer drifts by more than ``threshold`` it builds a new bundle from that
 checkpoint (``<out_root>/<name>-step-N``), registers it in the BentoML model store as a new version,
 and keeps the drift report inside it (``drift_report.json``, summarised in its manifest); the new
@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from policy_bundle.build.config import BuildConfig, config_from_dict
-from policy_bundle.build.drift import calibration_drift
+from policy_bundle.build.config.build_config import BuildConfig, config_from_dict
 from policy_bundle.build.errors import BuildError
 from policy_bundle.build.progress import Stages, heartbeat, log
+from policy_bundle.build.watch.drift import calibration_drift
 from policy_bundle.bundle.manifest import manifest_hash, read_manifest, verify_bundle
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -170,7 +170,7 @@ def shipped_recipe(cfg: BuildConfig, manifest: dict):
 
 def fresh_statistics(cfg: BuildConfig, manifest: dict) -> dict:
     """The calibration section the shipped recipe would record for the checkpoint in ``cfg``."""
-    from policy_bundle.build.calibrated import CalibratedModels
+    from policy_bundle.build.calibrate.calibrated import CalibratedModels
     from policy_bundle.build.pipeline import load_stage, optional_mesh, rollouts_stage
 
     stages = Stages(3)

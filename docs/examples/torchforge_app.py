@@ -8,7 +8,7 @@ such an app can spawn next to its generator and trainer. Two routes:
 2. File-based: dump the rollouts as ``{"prompt", "completion"}`` JSONL and point a build config's
    ``rollouts.jsonl`` at it (``policy-bundle build --set rollouts.jsonl=rollouts.jsonl ...``).
 
-Run: ``.venv/bin/python -m policy_bundle.build.torchforge_example --out /tmp/forge`` (uses the reference policy).
+Run: ``.venv/bin/python docs/examples/torchforge_app.py --out /tmp/forge`` (uses the reference policy).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from policy_bundle.build.actor import CalibrationActor
-from policy_bundle.build.data import calibration_batches, encode_prompt, load_tokenizer, local_rollouts
-from policy_bundle.build.mesh import _import_monarch, shard
+from policy_bundle.build.calibrate.actor import CalibrationActor
+from policy_bundle.build.calibrate.mesh import _import_monarch, shard
+from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
+from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.quantize import observers, recipes, task
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.reference import ensure_reference_policy

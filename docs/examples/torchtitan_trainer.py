@@ -12,7 +12,7 @@ to ``"cuda"`` and ``Trainer.__init__`` calls ``torch.cuda.set_device`` (Attribut
 varlen (CUDA). So the actor runs torchtitan's model, optimizer, scheduler, loss and checkpointer in a
 small loop of its own, with torchtitan's causal SDPA attention.
 
-Run: ``.venv/bin/python -m policy_bundle.build.torchtitan_example --out /tmp/titan --steps 60``, then
+Run: ``.venv/bin/python docs/examples/torchtitan_trainer.py --out /tmp/titan --steps 60``, then
 ``.venv/bin/policy-bundle build --config build/configs/torchtitan.yaml --set policy.source=<printed step dir>
 --out bundles/titan``.
 """
@@ -46,7 +46,7 @@ class TorchtitanTrainerActor(Actor):
         from torchtitan.components.loss import CrossEntropyLoss
         from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
-        from policy_bundle.build.torchtitan_checkpoint import REFERENCE_FLAVOR, model_spec
+        from policy_bundle.build.source.torchtitan_checkpoint import REFERENCE_FLAVOR, model_spec
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -106,7 +106,7 @@ def task_batch(rng: random.Random, batch_size: int) -> tuple[torch.Tensor, torch
 
 def train_on_mesh(out: Path, steps: int, save_every: int = 0) -> tuple[Dict[str, Any], Any, Any]:
     """Spawn one trainer process, train; returns (the train result, the actor, the proc mesh to stop)."""
-    from policy_bundle.build.mesh import _import_monarch
+    from policy_bundle.build.calibrate.mesh import _import_monarch
 
     procs = _import_monarch().this_host().spawn_procs(per_host={"procs": 1})
     trainer = procs.spawn("torchtitan_trainer", TorchtitanTrainerActor)

@@ -1,0 +1,103 @@
+"""Disjoint prompt sets: the calibration prompts and the golden prompts (task prompts, a user file or the
+shipped general set), the golden items with their FP32 completions, and the golden set's split into the
+float-layer search part and the part held out for the gate."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from policy_bundle.build.config.build_config import BuildConfig
+from policy_bundle.build.errors import ConfigError
+from policy_bundle.build.source.policy_source import is_task_policy
+from policy_bundle.quantize import task
+from policy_bundle.quantize.fidelity import GoldenItem
+
+GENERAL_PROMPTS = Path(__file__).parents[1] / "prompts" / "general.txt"
+DEFAULT_TASK_GOLDEN = 128  # calibration.golden unset, task prompts
+TASK_GOLDEN_POOL = 1000  # the golden prompts task.rollout_prompts keeps out of every rollout (golden_set(1000))
+
+
+def read_prompts_file(path: Path) -> List[str]:
+    """JSONL records with a ``prompt`` field, or plain text with one prompt per line."""
+    if not path.is_file():
+        raise ConfigError(f"prompts.file: {str(path)!r} does not exist")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("{"):
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError):
+                raise ConfigError(f"prompts.file: {path}:{n} is not a JSON record with a 'prompt' field") from None
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ConfigError(f"prompts.file: {path} holds no prompts")
+    return prompts
+
+
+@dataclass
+class PromptSplit:
+    calibration: List[str]
+    golden: List[str]
+    golden_answers: Optional[List[str]]  # None when the policy has no task
+
+
+def split_prompts(cfg: BuildConfig) -> PromptSplit:
+    """Disjoint calibration and golden prompts (task prompts, a user file, or the shipped set)."""
+    n_cal, n_gold = cfg.calibration.samples, cfg.calibration.golden
+    if is_task_policy(cfg):
+        # the task has prompts to spare: the gate gets all n_gold (its granularity as asked) and the float-layer
+        # search as many more of its own (split_golden alternates them)
+        n_gold = DEFAULT_TASK_GOLDEN if n_gold is None else n_gold
+        if 2 * n_gold > TASK_GOLDEN_POOL:
+            raise ConfigError(f"calibration.golden: {n_gold} exceeds {TASK_GOLDEN_POOL // 2} (the gate's items and as "
+                              f"many for the float-layer search come from the {TASK_GOLDEN_POOL} task prompts held out "
+                              "of every rollout)")
+        gold = task.golden_set(2 * n_gold)
+        return PromptSplit(task.rollout_prompts(n_cal), [g.prompt for g in gold], [g.answer for g in gold])
+    path = Path(cfg.prompts.file) if cfg.prompts.file else GENERAL_PROMPTS
+    prompts = read_prompts_file(path)
+    if len(prompts) < 3:
+        raise ConfigError(f"prompts.file: {path} needs at least 3 prompts (calibration and a golden set of 2)")
+    # The golden set takes the tail, exactly as many as asked; calibration cycles over the rest.
+    n_gold = max(2, len(prompts) // 4) if n_gold is None else n_gold
+    if n_gold > len(prompts) - 1:
+        raise ConfigError(f"calibration.golden: {n_gold} exceeds {len(prompts) - 1}, the most {path} can give "
+                          f"({len(prompts)} prompts, one at least kept for calibration); lower it or add prompts")
+    cal_pool = prompts[:-n_gold]
+    cal = [cal_pool[i % len(cal_pool)] for i in range(n_cal)]
+    return PromptSplit(cal, prompts[-n_gold:], None)
+
+
+def golden_items(prompts: PromptSplit, prompt_ids: List[List[int]], completions: List[List[int]]) -> List[GoldenItem]:
+    answers = prompts.golden_answers or [None] * len(prompts.golden)
+    return [
+        GoldenItem(prompt=p, prompt_ids=list(ids), completion_ids=list(c), answer=a)
+        for p, ids, c, a in zip(prompts.golden, prompt_ids, completions, answers)
+    ]
+
+
+GOLDEN_SPLIT_RULE = ("golden items alternate: the 1st, 3rd, 5th, ... are held out for the gate (its verdict, the "
+                     "reported fidelity, golden.jsonl); the 2nd, 4th, ... are what the float-layer search ranks and "
+                     "bisects on")
+
+
+@dataclass
+class GoldenSplit:
+    """The golden set in two disjoint parts, so the gate never judges on prompts the search was tuned on."""
+
+    search: List[GoldenItem]  # the float-layer search's ranking and bisection
+    gate: List[GoldenItem]  # held out: the final verdict, every reported fidelity, golden.jsonl
+
+    def summary(self) -> dict:
+        return {"search": len(self.search), "gate": len(self.gate), "rule": GOLDEN_SPLIT_RULE}
+
+
+def split_golden(golden: Sequence[GoldenItem]) -> GoldenSplit:
+    return GoldenSplit(search=list(golden[1::2]), gate=list(golden[::2]))

@@ -1,0 +1,29 @@
+"""How the build measures fidelity: the keyword arguments every measurement shares (the gate, the exported
+artifacts' checks, ``policy-bundle canary``) and the whole gate's measurement of a model on a golden set."""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+from policy_bundle.build.config.build_config import BuildConfig
+from policy_bundle.build.source.policy_source import is_task_policy
+from policy_bundle.quantize import task
+from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity, policy_logits_fn, teacher_forced_logits
+from policy_bundle.quantize.model import Policy
+
+
+def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
+    """Completion length, EOS, the ids-to-text decode and the task reward (None without a task)."""
+    reward = task.reward if is_task_policy(cfg) else None
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
+
+
+def whole_gate(policy: Policy, golden: List[GoldenItem], kw: dict, generate: bool = True) -> Callable:
+    """The gate's measurement of a model on ``golden`` (FP32 outputs and logits computed once)."""
+    ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
+    ref_logits = teacher_forced_logits(policy_logits_fn(policy), golden)  # once for every gate attempt
+    if not generate:
+        return lambda m: measure_fidelity(policy, m, golden, generate=False, reference_logits=ref_logits, **kw)
+    return lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs, reference_logits=ref_logits,
+                                      **kw)
