@@ -1,8 +1,12 @@
-"""The floors (imports only point down) and the one installed namespace.
+"""The floors (imports only point down), inside build/ too, no two modules of one name, and the one
+installed namespace.
 
     quantize  <-  bundle  <-  build
                     ^
                     +------  serve          loadtest talks to serve over HTTP
+
+    build/:  config <- source <- calibrate <- gate <- artifacts <- pipeline <- watch <- cli
+             (errors and progress below all of them; containerize beside config, for the CLI)
 """
 
 import ast
@@ -25,6 +29,24 @@ ALLOWED = {
     "loadtest": {"quantize", "bundle", "build"},
 }
 GENERIC = {"build", "serve", "quantize", "loadtest", "bundle"}
+EXAMPLES = "docs/examples"  # scripts outside the package; they may import what loadtest may
+# inside build/: what each unit (a stage sub-package, or a top-level module) may import of build/ (itself always)
+BASE = {"errors", "progress"}
+BUILD_ALLOWED = {
+    "__init__": set(),
+    "errors": set(),
+    "progress": set(),
+    "config": BASE,
+    "containerize": BASE,
+    "source": BASE | {"config"},
+    "calibrate": BASE | {"config", "source"},
+    "gate": BASE | {"config", "source", "calibrate"},
+    "artifacts": BASE | {"config", "source", "calibrate", "gate"},
+    "pipeline": BASE | {"config", "source", "calibrate", "gate", "artifacts"},
+    "watch": BASE | {"config", "source", "calibrate", "gate", "artifacts", "containerize", "pipeline"},
+    "cli": BASE | {"config", "source", "calibrate", "gate", "artifacts", "containerize", "pipeline", "watch"},
+}
+NAMED_ONCE = ("quantize", "bundle", "build", "serve")  # no two modules of these share a file name
 
 
 def project_imports(path: Path):
@@ -43,23 +65,167 @@ def project_imports(path: Path):
                 yield node.lineno, f"top-level {parts[0]}"
 
 
+def build_imports(path: Path):
+    """(line, unit of build/ imported) for every import of ``policy_bundle.build.<unit>...`` in a file (a
+    unit: a stage sub-package or a top-level module; ``from policy_bundle.build import x`` names ``x``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module] if node.module != "policy_bundle.build" else \
+                [f"policy_bundle.build.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in modules:
+            parts = name.split(".")
+            if parts[:2] == ["policy_bundle", "build"] and len(parts) > 2:
+                yield node.lineno, parts[2]
+
+
+def build_unit(path: Path) -> str:
+    """The unit of build/ a file belongs to: its stage sub-package, or its own name at build/'s top."""
+    rel = path.relative_to(ROOT / "build")
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def build_floor_problems(path: Path, unit: str) -> list:
+    """What ``path``, a file of ``unit``, imports of build/ that its floor does not allow."""
+    if unit not in BUILD_ALLOWED:
+        return [f"{path.name}: build/{unit} is not in BUILD_ALLOWED (give the new unit its floor)"]
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return [f"{shown}:{line} imports build.{target} (build/{unit} may import "
+            f"{sorted(BUILD_ALLOWED[unit]) or 'nothing of build/'})"
+            for line, target in build_imports(path) if target != unit and target not in BUILD_ALLOWED[unit]]
+
+
+def same_named_modules(folders) -> dict:
+    """File name -> the modules of that name under ``folders`` (``__init__.py`` aside), for names used twice."""
+    seen: dict = {}
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.py")):
+            if path.name != "__init__.py" and "__pycache__" not in path.parts:
+                seen.setdefault(path.name, []).append(path)
+    return {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
 def test_every_import_points_down_and_through_the_namespace():
     problems = []
-    for folder in FOLDERS:
+    checked = {**ALLOWED, EXAMPLES: ALLOWED["loadtest"]}
+    for folder, allowed in checked.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
             for line, target in project_imports(path):
                 if target.startswith("top-level"):
                     problems.append(f"{path.relative_to(ROOT)}:{line} imports {target} (use policy_bundle.*)")
-                elif target != folder and target not in ALLOWED[folder]:
+                elif target != folder and target not in allowed:
                     problems.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({folder} may import "
-                                    f"{sorted(ALLOWED[folder]) or 'nothing of ours'})")
+                                    f"{sorted(allowed) or 'nothing of ours'})")
     assert not problems, "\n".join(problems)
 
 
 def test_the_floor_check_catches_an_import_that_runs_backwards(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from policy_bundle.build.data import load_tokenizer\nimport serve.service\n")
+    bad.write_text("from policy_bundle.build.calibrate.rollouts import local_rollouts\nimport serve.service\n")
     assert [t for _, t in project_imports(bad)] == ["build", "top-level serve"]
+
+
+def test_inside_build_every_import_points_down_the_stages():
+    """config <- source <- calibrate <- gate <- artifacts <- pipeline <- watch <- cli; no stage sub-package
+    imports build.pipeline or build.cli (watch drives the pipeline and may import it)."""
+    paths = sorted((ROOT / "build").rglob("*.py"))
+    assert {build_unit(p) for p in paths} >= {"config", "source", "calibrate", "gate", "artifacts", "watch"}
+    problems = [msg for path in paths for msg in build_floor_problems(path, build_unit(path))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_build_floor_check_catches_a_stage_that_imports_a_later_one(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from policy_bundle.build.calibrate.mesh import shard\n"
+                   "from policy_bundle.build import gate\n")
+    assert [t for _, t in build_imports(bad)] == ["calibrate", "gate"]
+    assert len(build_floor_problems(bad, "config")) == 2  # config sits below both
+    assert len(build_floor_problems(bad, "source")) == 2
+    assert len(build_floor_problems(bad, "calibrate")) == 1  # its own unit is allowed, gate is not
+    assert build_floor_problems(bad, "artifacts") == []
+
+
+def test_the_build_floor_check_catches_a_stage_that_imports_the_pipeline_or_the_cli(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def later():\n    from policy_bundle.build.pipeline import run_build\n")
+    for unit in ("config", "source", "calibrate", "gate", "artifacts", "containerize"):
+        assert len(build_floor_problems(bad, unit)) == 1, unit
+    assert build_floor_problems(bad, "watch") == []
+    bad.write_text("import policy_bundle.build.cli\n")
+    assert len(build_floor_problems(bad, "watch")) == 1 and build_floor_problems(bad, "cli") == []
+    assert "not in BUILD_ALLOWED" in build_floor_problems(bad, "newstage")[0]
+
+
+def module_graph(folder: Path, package: str) -> dict:
+    """Module -> the modules of ``package`` (the folder ``folder``) it imports, wherever the import stands
+    (module level, inside a function, under TYPE_CHECKING)."""
+    modules = {package + "." + ".".join(p.relative_to(folder).with_suffix("").parts): p
+               for p in folder.rglob("*.py") if p.name != "__init__.py"}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = sorted(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def import_cycle(graph: dict) -> list:
+    """One cycle of ``graph`` as [a, b, ..., a], or [] when it has none."""
+    state: dict = {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in graph[node]:
+            if state.get(nxt) == "open":
+                return trail[trail.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, trail + [nxt])):
+                return found
+        state[node] = "done"
+        return []
+
+    return next((c for n in sorted(graph) if n not in state and (c := visit(n, [n]))), [])
+
+
+def test_build_and_bundle_have_no_import_cycle():
+    for folder in ("build", "bundle"):
+        cycle = import_cycle(module_graph(ROOT / folder, f"policy_bundle.{folder}"))
+        assert not cycle, " -> ".join(cycle)
+
+
+def test_the_cycle_check_catches_two_modules_that_import_each_other(tmp_path):
+    (tmp_path / "a.py").write_text("from policy_bundle.pkg.b import later\n")
+    (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from policy_bundle.pkg import c\n")
+    (tmp_path / "c.py").write_text("def f():\n    from policy_bundle.pkg.a import g\n")
+    graph = module_graph(tmp_path, "policy_bundle.pkg")
+    assert graph["policy_bundle.pkg.b"] == ["policy_bundle.pkg.c"]
+    assert import_cycle(graph) == ["policy_bundle.pkg.a", "policy_bundle.pkg.b", "policy_bundle.pkg.c",
+                                   "policy_bundle.pkg.a"]
+    (tmp_path / "c.py").write_text("")
+    assert import_cycle(module_graph(tmp_path, "policy_bundle.pkg")) == []
+
+
+def test_no_two_modules_share_a_file_name():
+    """``canary.py`` in two packages reads as one module; each name says where it stands."""
+    twice = same_named_modules([ROOT / f for f in NAMED_ONCE])
+    assert not twice, "\n".join(f"{name}: {', '.join(str(p.relative_to(ROOT)) for p in paths)}"
+                                 for name, paths in twice.items())
+
+
+def test_the_name_check_catches_two_modules_of_one_name(tmp_path):
+    for folder in ("serve", "build/gate"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "canary.py").write_text("")
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "serve" / "router.py").write_text("")
+    twice = same_named_modules([tmp_path / "serve", tmp_path / "build"])
+    assert list(twice) == ["canary.py"] and len(twice["canary.py"]) == 2
 
 
 def test_the_wheel_installs_one_namespace(tmp_path):
@@ -76,6 +242,9 @@ def test_the_wheel_installs_one_namespace(tmp_path):
     assert tops == {"policy_bundle"}
     for folder in FOLDERS:
         assert f"policy_bundle/{folder}/__init__.py" in names
+    for sub in sorted(p.parent for p in (ROOT / "build").glob("*/__init__.py")):  # build's stage sub-packages
+        assert f"policy_bundle/build/{sub.name}/__init__.py" in names
+    assert not [n for n in names if "example" in n.split("/")[-1]]  # the examples stay out of the wheel
     assert "policy_bundle/serve/service.py" in names and "policy_bundle/build/configs/reference.yaml" in names
 
 
