@@ -78,10 +78,9 @@ class Attention(nn.Module):
         if self.n_kv_heads != self.n_heads:
             # Grouped-query attention without copying the cache per query head: the ``rep`` query heads
             # of one kv head attend as ``rep * t`` rows of that head (head h reads kv head h // rep).
+            # ``mask`` is [rep * t, S] here (``Policy.forward`` repeats it once per forward, not once per layer).
             rep = self.n_heads // self.n_kv_heads
             q = q.reshape(b, self.n_kv_heads, rep * t, self.head_dim)
-            if mask.dim() == 2:  # [t, S]: the same mask for each of the rep heads' rows
-                mask = mask.repeat(rep, 1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             out = out.reshape(b, self.n_heads, t, self.head_dim)
         else:
@@ -156,6 +155,7 @@ class Policy(nn.Module):
         super().__init__()
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.max_seq_len = cfg.max_seq_len
+        self.gqa_rep = cfg.n_heads // cfg.n_kv_heads
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -183,6 +183,8 @@ class Policy(nn.Module):
         # Query i (absolute position start_pos+i) sees cache slots 0..start_pos+i.
         q_pos = torch.arange(t).unsqueeze(1) + start_pos
         mask = torch.arange(cache_len).unsqueeze(0) <= q_pos
+        if self.gqa_rep > 1:  # the same [t, S] mask for each of a kv head's query heads (``Attention._attend``)
+            mask = mask.repeat(self.gqa_rep, 1)
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, start_pos, k_cache[i], v_cache[i])
