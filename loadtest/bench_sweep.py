@@ -29,6 +29,7 @@ from policy_bundle.loadtest.load import tree_rss_mb
 from policy_bundle.loadtest.servers import Server
 from policy_bundle.loadtest.stats import pct
 from policy_bundle.quantize.task import rollout_prompts
+from policy_bundle.quantize.vllm_launch import vllm_env
 
 TOKEN = "bench-admin-token"
 LEVELS = (1, 2, 4, 8, 16, 32)
@@ -96,8 +97,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
-    env = {"POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = vllm_env(POLICY_BUNDLE_ADMIN_TOKEN=TOKEN, POLICY_BUNDLE_STATE_DIR=str(tmp / "state"))
     (tmp / "router.yaml").write_text(json.dumps({"max_inflight": 64}))  # the sweep goes past the default cap
     env["POLICY_ROUTER_CONFIG"] = str(tmp / "router.yaml")
     server = Server(env, tmp / "server.log").wait_ready(600)

@@ -39,13 +39,13 @@ from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.bundle.manifest import manifest_hash
 from policy_bundle.loadtest.servers import ROOT, Server
+from policy_bundle.quantize.vllm_launch import serve_cli_args, vllm_env
 
 TOKEN = "bench-admin-token"
 MODEL = "policy"  # the router's served model name (serve/settings.py); vllm-direct serves the same name
 TARGETS = ("int8", "fp16", "vllm-direct")
 FIELDS = {"req_s": "request_throughput", "out_tok_s": "output_throughput", "ttft_p50_ms": "median_ttft_ms",
           "ttft_p99_ms": "p99_ttft_ms", "itl_p50_ms": "median_itl_ms", "itl_p99_ms": "p99_itl_ms"}
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def store_version(bundle: Path) -> str:
@@ -120,12 +120,12 @@ class VllmServer(Server):
 
     def __init__(self, model_dir: Path, context: int, log: Path):
         self.model_dir, self.context = model_dir, context
-        super().__init__(VLLM_ENV, log)
+        super().__init__(vllm_env(), log)
 
     def command(self, target: str) -> list:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--served-model-name", MODEL, "--dtype", "float16", "--max-model-len", str(self.context),
-                "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port)]
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                *serve_cli_args(self.model_dir, "float16", self.context), "--served-model-name", MODEL,
+                "--host", "127.0.0.1", "--port", str(self.port)]
 
 
 def bench_router(bundle: Path, a, levels: List[int], tmp: Path, variants: List[str]) -> Dict[str, list]:
@@ -134,7 +134,7 @@ def bench_router(bundle: Path, a, levels: List[int], tmp: Path, variants: List[s
         "max_inflight": max(levels) + 4,  # the client's concurrency + the background slots
         "rollout": {"golden_interval_s": 36000, "analysis_interval_s": 36000, "shadow_fraction": 0.0}}))
     env = {"POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
-           "POLICY_ROUTER_CONFIG": str(tmp / "router.yaml"), "POLICY_BUNDLE_VERSION": version, **VLLM_ENV}
+           "POLICY_ROUTER_CONFIG": str(tmp / "router.yaml"), "POLICY_BUNDLE_VERSION": version, **vllm_env()}
     t0 = time.monotonic()
     server = Server(env, tmp / "router.log").wait_ready(600)
     out: Dict[str, list] = {}
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
                  f"({context} tokens)")
     tmp = a.workdir or Path(tempfile.mkdtemp(prefix="bench-vllm-client-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    os.environ.update(VLLM_ENV)
+    os.environ.update(vllm_env())
     print(f"bundle {bundle} (context {context}); {a.num_prompts} random prompts of {a.input_len} tokens, "
           f"{a.output_len} new tokens each (ignore_eos, greedy), concurrency {levels}; "
           f"{os.cpu_count()} cores; logs in {tmp}", flush=True)

@@ -17,6 +17,7 @@ import yaml
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.loadtest.load import ADMIN, TOKEN, DrillRun
 from policy_bundle.loadtest.servers import ROOT, Server
+from policy_bundle.quantize.vllm_launch import vllm_env
 
 SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64",
          "--set", "calibration.procs=0", "--set", "export.onnx=false",
@@ -96,8 +97,7 @@ def start_server(run: DrillRun, home: Path, version: str, log_name: str, interva
                                                "max_p99_latency_ratio": 10.0}}))
     env = {"BENTOML_HOME": str(home), "POLICY_BUNDLE_VERSION": version, "POLICY_BUNDLE_ADMIN_TOKEN": TOKEN,
            "POLICY_BUNDLE_STATE_DIR": str(run.out / "state"), "POLICY_ROUTER_CONFIG": str(cfg),
-           "POLICY_BUNDLE_DISABLE_VLLM": "0" if run.fp16_engine == "vllm" else "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "POLICY_BUNDLE_DISABLE_VLLM": "0" if run.fp16_engine == "vllm" else "1", **vllm_env(),
            **({"POLICY_BUNDLE_TEST_FAULT": fault} if fault else {})}
     server = Server(env, run.out / log_name).wait_ready(600 if run.fp16_engine == "vllm" else 300)
     check_fp16_engine(run, server)

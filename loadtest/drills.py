@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import shutil
 import sys
 import time
@@ -27,6 +26,7 @@ from policy_bundle.loadtest.servers import ROOT
 from policy_bundle.loadtest.drill_faults import (BACKGROUND, LOAD_CAP, drill_bad_input, drill_crash, drill_overload,
                                                   drill_soak, pin_weight)
 from policy_bundle.loadtest.drill_kit import all_answered, build_bundle, history, start_server
+from policy_bundle.quantize.vllm_launch import vllm_available
 
 
 # ---- the drills ------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ DRILLS = {"promote": drill_promote, "bad-build": drill_bad_build, "restart": dri
 
 
 def default_fp16_engine() -> str:
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "fallback"
+    return "vllm" if vllm_available(honour_switch=False) else "fallback"
 
 
 def main(argv: Optional[List[str]] = None) -> int:

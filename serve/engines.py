@@ -19,6 +19,7 @@ from torch import Tensor
 
 from policy_bundle.quantize.decode import decode_steps
 from policy_bundle.quantize.model import full_logits
+from policy_bundle.quantize.vllm_launch import async_llm_engine
 from policy_bundle.serve.schemas import MIN_TEMPERATURE
 
 
@@ -105,14 +106,8 @@ class VllmEngine:
     INT8 W8A8 one (vLLM reads its ``quantization_config``; ``dtype`` is then the dtype of what stays float)."""
 
     def __init__(self, model_dir: Path, max_seq_len: int, dtype: str = "float16", name: str = "vllm"):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        from vllm import AsyncEngineArgs, AsyncLLMEngine
-
         self.name = name
-        args = AsyncEngineArgs(model=str(model_dir), dtype=dtype, enforce_eager=True,
-                               max_model_len=max_seq_len, seed=0)
-        self.engine = AsyncLLMEngine.from_engine_args(args)
+        self.engine = async_llm_engine(model_dir, dtype, max_seq_len)
         self.max_seq_len = max_seq_len
         self._n = 0
 
@@ -134,14 +129,3 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-def vllm_available(importable_only: bool = False) -> bool:
-    """vLLM is importable here and (unless ``importable_only``) not switched off by POLICY_BUNDLE_DISABLE_VLLM."""
-    if not importable_only and os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "") not in ("", "0"):
-        return False
-    try:
-        import vllm  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        return False
-    return True

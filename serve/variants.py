@@ -20,8 +20,9 @@ from bentoml.exceptions import InvalidArgument, NotFound
 from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_VLLM_DIR, BundleLayout
+from policy_bundle.quantize.vllm_launch import vllm_available
 from policy_bundle.serve.batching import policy_engine
-from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine, vllm_available
+from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
 from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact
@@ -31,7 +32,8 @@ VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
 
 
 def _vllm_missing() -> str:
-    return "switched off (POLICY_BUNDLE_DISABLE_VLLM)" if vllm_available(importable_only=True) else "not importable"
+    importable = vllm_available(honour_switch=False, load=True)
+    return "switched off (POLICY_BUNDLE_DISABLE_VLLM)" if importable else "not importable"
 
 
 def _require_what_the_settings_need() -> None:
@@ -39,7 +41,7 @@ def _require_what_the_settings_need() -> None:
     in the store entry): stop ``bentoml serve`` itself (this runs where the service graph is imported), one
     line, before any worker starts."""
     settings = settings_or_exit()
-    if settings.require_vllm and not vllm_available():
+    if settings.require_vllm and not vllm_available(load=True):
         refuse(f"require_vllm: vLLM is {_vllm_missing()}")
     if settings.int8_engine != "vllm":
         return
@@ -50,7 +52,7 @@ def _require_what_the_settings_need() -> None:
     if not BundleLayout(entry.path).int8_vllm_dir.is_dir():
         refuse(f"int8_engine: vllm, but {entry.tag} has no {INT8_VLLM_DIR}/ (build the bundle with "
                "export.int8_vllm: true, or serve with int8_engine: torchscript)")
-    if not vllm_available():
+    if not vllm_available(load=True):
         refuse(f"int8_engine: vllm, but vLLM is {_vllm_missing()}")
 
 
@@ -236,14 +238,14 @@ class Fp16Policy:
         self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         require = settings_or_exit().require_vllm
         # vLLM is expected where it is installed and not switched off (POLICY_BUNDLE_DISABLE_VLLM), or required
-        self.vllm_expected = require or vllm_available()
+        self.vllm_expected = require or vllm_available(load=True)
         self.fallback_reason = None
         try:
             if active_fault("novllm"):
                 raise RuntimeError("injected fault: vLLM failed to load")
-            if not vllm_available():
+            if not vllm_available(load=True):
                 raise ImportError("vllm is switched off (POLICY_BUNDLE_DISABLE_VLLM)" if
-                                  vllm_available(importable_only=True) else "vllm is not importable here")
+                                  vllm_available(honour_switch=False, load=True) else "vllm is not importable here")
             self.engine = VllmEngine(path, self.max_seq_len)
         except Exception as exc:  # noqa: BLE001 - the fallback serves; readiness says whether that was the plan
             if require:

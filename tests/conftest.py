@@ -78,7 +78,7 @@ def postgres():
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under CI (``POLICY_BUNDLE_CI=1``) every skip is a failure: an ``importorskip("vllm")`` that would pass
+    """Under CI (``POLICY_BUNDLE_CI=1``) every skip is a failure: a ``needs_vllm`` skip that would pass
     silently on a machine without vLLM fails there instead."""
     outcome = yield
     report = outcome.get_result()

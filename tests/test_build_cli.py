@@ -1,6 +1,5 @@
 """End to end: the real CLI builds a bundle whose every artifact loads the way its consumer loads it."""
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -9,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from cli_helpers import EXAMPLES, SMALL, run_cli
+from cli_helpers import EXAMPLES, SMALL, needs_vllm, run_cli
 from policy_bundle.quantize import recipes, task
+from policy_bundle.quantize.vllm_launch import vllm_env
 
 FRESH_TORCHSCRIPT = """
 import sys, torch
@@ -76,10 +76,9 @@ def test_fp16_directory_reloads_in_transformers_with_fp32_greedy_outputs(small_b
     assert check_fp16(small_bundle, "transformers").greedy_agreement >= 0.95
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed on this machine")
+@needs_vllm
 def test_fp16_directory_serves_in_vllm_with_fp32_greedy_outputs(small_bundle):
-    res = run_cli("check-fp16", str(small_bundle), "--engine", "vllm",
-                  env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    res = run_cli("check-fp16", str(small_bundle), "--engine", "vllm", env=vllm_env())
     assert res.returncode == 0, res.stdout + res.stderr[-2000:]
     assert "ok: FP16 via vllm" in res.stdout
 

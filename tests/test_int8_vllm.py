@@ -4,15 +4,14 @@ it, records it in the manifest and registers it inside the policy-int8 store ent
 import json
 import math
 
-import pytest
 import torch
 
-from cli_helpers import SMALL, run_cli
+from cli_helpers import SMALL, needs_vllm, run_cli
 from serve_helpers import bundle_version
 
 
+@needs_vllm
 def test_reference_bundle_ships_a_w8a8_dir_that_vllm_runs_and_passes_the_gate(small_bundle):
-    pytest.importorskip("vllm")
     m = json.loads((small_bundle / "bundle.json").read_text())
     art, fid = m["artifacts"], m["fidelity"]["int8_vllm"]
     assert art["int8_vllm"] == "int8-vllm" and art["int8_vllm_skipped"] is None
@@ -24,8 +23,8 @@ def test_reference_bundle_ships_a_w8a8_dir_that_vllm_runs_and_passes_the_gate(sm
     assert run_cli("verify", str(small_bundle)).returncode == 0
 
 
+@needs_vllm
 def test_the_int8_store_entry_holds_the_w8a8_dir_verified(small_bundle):
-    pytest.importorskip("vllm")
     from policy_bundle.bundle.store import verified_store_path
 
     path = verified_store_path(f"policy-int8:{bundle_version(small_bundle)}", "int8-vllm")

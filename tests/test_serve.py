@@ -9,7 +9,8 @@ import httpx
 import pytest
 import yaml
 
-from cli_helpers import shared_tmp
+from cli_helpers import needs_vllm, shared_tmp
+from policy_bundle.quantize.vllm_launch import vllm_available, vllm_env
 from serve_helpers import Server, bundle_version
 
 ADMIN = {"Authorization": "Bearer test-admin-token"}
@@ -27,8 +28,7 @@ def router_config(tmp_path, name, **overrides):
 
 def env_for(tmp_path, name, version, admin=True, vllm=True, **cfg):
     env = {"POLICY_ROUTER_CONFIG": str(router_config(tmp_path, name, **cfg)),
-           "POLICY_BUNDLE_STATE_DIR": str(tmp_path / f"{name}-state"), "POLICY_BUNDLE_VERSION": version,
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+           "POLICY_BUNDLE_STATE_DIR": str(tmp_path / f"{name}-state"), "POLICY_BUNDLE_VERSION": version, **vllm_env()}
     if admin:
         env["POLICY_BUNDLE_ADMIN_TOKEN"] = "test-admin-token"
     if not vllm:
@@ -117,10 +117,8 @@ def test_forced_variant_needs_the_admin_token(good):
 
 
 def test_fp16_variant_runs_on_vllm_when_installed(good):
-    import importlib.util
-
     status = httpx.get(f"{good.url}/status", timeout=30).json()
-    expected = "vllm" if importlib.util.find_spec("vllm") else "policy-module-fp32"
+    expected = "vllm" if vllm_available(honour_switch=False) else "policy-module-fp32"
     assert status["variants"]["fp16"]["engine"] == expected and status["ready"]
 
 
@@ -441,8 +439,8 @@ def test_fp16_fallback_is_reported_without_vllm(locked):
                      re.M)
 
 
+@needs_vllm
 def test_int8_served_by_vllm_on_the_w8a8_dir_reports_its_engine(small_bundle, state):
-    pytest.importorskip("vllm")
     server = Server(env_for(state, "int8vllm", bundle_version(small_bundle), int8_engine="vllm"),
                     state / "int8vllm.log").wait_ready(600)
     try:

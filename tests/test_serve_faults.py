@@ -9,6 +9,7 @@ import httpx
 import pytest
 import yaml
 
+from cli_helpers import needs_vllm
 from serve_helpers import Server, bundle_version, metric, sse_events
 
 ADMIN = {"Authorization": "Bearer t"}
@@ -109,8 +110,8 @@ def test_status_serves_the_cached_health_without_probing(faulty):
     assert httpx.get(f"{faulty.url}/admin/rollout/history", headers=ADMIN).json()["total"] <= events + 2
 
 
+@needs_vllm
 def test_vllm_expected_but_the_fallback_loaded_is_not_ready(tmp_path, small_bundle):
-    pytest.importorskip("vllm")
     server = start(tmp_path, small_bundle, "novllm", "novllm", wait=False, POLICY_BUNDLE_DISABLE_VLLM="0")
     try:
         deadline, status = time.monotonic() + 240, {}

@@ -6,7 +6,6 @@ golden.jsonl at build time); the bundle is fit to serve when they agree on >= ``
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -16,6 +15,7 @@ import torch
 from policy_bundle.bundle.info import read_golden_jsonl
 from policy_bundle.bundle.layout import FP16_DIR, BundleLayout
 from policy_bundle.bundle.manifest import read_manifest, verify_files
+from policy_bundle.quantize.vllm_launch import offline_llm
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,9 @@ def transformers_completions(fp16_dir: Path, prompts: List[List[int]], max_new: 
 
 
 def vllm_completions(fp16_dir: Path, prompts: List[List[int]], max_new: int, eos: Optional[int]) -> List[List[int]]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import LLM, SamplingParams
+    llm = offline_llm(fp16_dir, "float16")  # the environment defaults set, vllm imported
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(fp16_dir), dtype="float16", enforce_eager=True, seed=0, max_model_len=None)
     params = SamplingParams(temperature=0.0, max_tokens=max_new)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [trim_at_eos(list(o.outputs[0].token_ids), eos) for o in outs]

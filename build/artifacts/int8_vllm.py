@@ -13,9 +13,7 @@ the golden set is ``fidelity.int8_vllm``, gated with the build's thresholds.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ from policy_bundle.quantize.hf_weights import load_hf_config
 from policy_bundle.quantize.model import Policy, full_logits
 from policy_bundle.quantize.recipes import selected_linears
 from policy_bundle.quantize.smooth import apply_smoothing
+from policy_bundle.quantize.vllm_launch import vllm_available
 from policy_bundle.quantize.w8a8 import quantize_weight
 from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint
 from torch import Tensor
@@ -58,19 +57,12 @@ class Int8Vllm:
                 "int8_vllm_skipped": self.skipped}
 
 
-def vllm_installed() -> bool:
-    """vLLM is installed here and not switched off (POLICY_BUNDLE_DISABLE_VLLM)."""
-    if os.environ.get("POLICY_BUNDLE_DISABLE_VLLM", "") not in ("", "0"):
-        return False
-    return importlib.util.find_spec("vllm") is not None
-
-
 def planned(cfg: BuildConfig) -> Int8Vllm:
     """Whether the build writes int8-vllm/; ``export.int8_vllm: true`` without vLLM is a ConfigError (at once)."""
     mode = cfg.export.int8_vllm
     if mode == "false":
         return Int8Vllm(skipped="export.int8_vllm: false")
-    if vllm_installed():
+    if vllm_available():  # installed and not switched off (POLICY_BUNDLE_DISABLE_VLLM)
         return Int8Vllm()
     if mode == "true":
         raise ConfigError("export.int8_vllm: true, but vLLM is not installed here (or POLICY_BUNDLE_DISABLE_VLLM "

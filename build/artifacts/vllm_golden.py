@@ -11,7 +11,6 @@ last line, not a crashed build.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,12 @@ class VllmRunError(RuntimeError):
 
 
 def run_in_process(req: VllmGoldenRequest) -> VllmGoldenResult:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    apply_vllm_env_defaults()
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     t0 = time.monotonic()
-    llm = LLM(model=req.model, dtype=req.dtype, enforce_eager=True, seed=0, max_model_len=req.max_model_len,
-              max_logprobs=req.top_k)
+    llm = offline_llm(req.model, req.dtype, req.max_model_len, max_logprobs=req.top_k)
     load_s = time.monotonic() - t0
     greedy = llm.generate([{"prompt_token_ids": p} for p in req.prompts],
                           SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens), use_tqdm=False)

@@ -4,7 +4,6 @@ a rollout dump; the odd-sample screen; the calibration batches."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
@@ -16,6 +15,7 @@ from policy_bundle.build.errors import ConfigError
 from policy_bundle.build.progress import Throttled
 from policy_bundle.bundle.info import encode_prompt
 from policy_bundle.quantize.decode import greedy_generate_batch
+from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm
 
 
 @torch.no_grad()
@@ -31,13 +31,12 @@ def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tok
                   eos: Optional[int]) -> List[List[int]]:
     """Greedy completions from a vLLM engine (the CPU build here, CUDA vLLM on GPUs), token ids only; like
     ``local_rollouts`` they stop after ``eos`` (kept) or ``max_new_tokens``, and never stop with ``eos`` None."""
+    apply_vllm_env_defaults()
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
     except ImportError as exc:
         raise ConfigError(f"rollouts.engine: 'vllm' but vllm cannot be imported ({exc})") from None
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    llm = LLM(model=str(policy_dir), dtype="float32", enforce_eager=True, seed=0)
+    llm = offline_llm(policy_dir, "float32")
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False, ignore_eos=eos is None,
                             stop_token_ids=None if eos is None else [eos])
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)

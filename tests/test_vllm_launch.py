@@ -1,0 +1,48 @@
+"""The one vLLM launcher: the environment every vLLM process gets, the availability check, the engine arguments."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import yaml
+
+from policy_bundle.quantize.vllm_launch import (VLLM_ENV_DEFAULTS, apply_vllm_env_defaults, engine_args,
+                                                serve_cli_args, vllm_available, vllm_env)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_server_environment_is_the_defaults_then_the_callers_variables():
+    env = vllm_env(POLICY_BUNDLE_VERSION="v1", VLLM_CPU_KVCACHE_SPACE="4")
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "POLICY_BUNDLE_VERSION": "v1"}
+    assert dict(VLLM_ENV_DEFAULTS) == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def test_defaults_in_this_process_leave_what_the_environment_already_sets(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    apply_vllm_env_defaults(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "8"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_the_switch_turns_vllm_off_unless_the_caller_ignores_it(monkeypatch):
+    installed = importlib.util.find_spec("vllm") is not None
+    monkeypatch.setenv("POLICY_BUNDLE_DISABLE_VLLM", "1")
+    assert vllm_available() is False and vllm_available(honour_switch=False) is installed
+    monkeypatch.setenv("POLICY_BUNDLE_DISABLE_VLLM", "0")
+    assert vllm_available() is installed
+
+
+def test_every_engine_is_eager_with_seed_0_and_the_cli_flags_say_the_same():
+    assert engine_args("/m", "float16", max_logprobs=20) == {"model": "/m", "dtype": "float16", "enforce_eager": True,
+                                                             "seed": 0, "max_model_len": None, "max_logprobs": 20}
+    assert serve_cli_args("/m", "float16", 256) == ["--model", "/m", "--dtype", "float16", "--enforce-eager",
+                                                    "--seed", "0", "--max-model-len", "256"]
+    assert "--max-model-len" not in serve_cli_args("/m", "float16")  # None: the model's own context
+
+
+def test_the_bento_image_runs_vllm_with_the_same_defaults():
+    env = yaml.safe_load((ROOT / "bentofile.yaml").read_text())["docker"]["env"]
+    assert {k: str(env.get(k)) for k in VLLM_ENV_DEFAULTS} == dict(VLLM_ENV_DEFAULTS)
