@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from policy_bundle.loadtest.servers import Server
-from policy_bundle.loadtest.stats import pct
+from policy_bundle.quantize.percentile import percentile
 from policy_bundle.quantize.vllm_launch import vllm_env
 
 TOKEN = "bench-admin-token"
@@ -70,7 +70,7 @@ def main() -> None:
             hdr = {"x-policy-variant": v, "x-admin-token": TOKEN}
             d, _ = asyncio.run(timed_posts(f"{servers[v].url}/generate", direct, {}, args.requests, 1))
             r, _ = asyncio.run(timed_posts(f"{servers['router'].url}/v1/completions", body, hdr, args.requests, 1))
-            d50, r50, d99, r99 = (pct(d, 0.5) * 1e3, pct(r, 0.5) * 1e3, pct(d, 0.99) * 1e3, pct(r, 0.99) * 1e3)
+            d50, r50, d99, r99 = (percentile(x, q) * 1e3 for q in (0.5, 0.99) for x in (d, r))
             print(f"{v:8s} {d50:11.1f} {r50:11.1f} {r50 - d50:10.1f} {d99:11.1f} {r99:11.1f} {r99 - d99:10.1f}")
         print("\n== requests/s through the router (6 new tokens per request)")
         print(f"{'variant':8s} " + " ".join(f"{f'c={c}':>12s}" for c in (1, 8, 32)) + "   p99 ms at c=32")
@@ -82,7 +82,7 @@ def main() -> None:
                                                     max(60, 4 * c), c))
                 row.append(len(lat) / wall)
                 last = lat
-            print(f"{v:8s} " + " ".join(f"{x:12.1f}" for x in row) + f"   {pct(last, 0.99) * 1e3:.0f}")
+            print(f"{v:8s} " + " ".join(f"{x:12.1f}" for x in row) + f"   {percentile(last, 0.99) * 1e3:.0f}")
         print(f"\nmachine: {os.cpu_count()} cores. Logs: {tmp}")
     finally:
         for s in servers.values():

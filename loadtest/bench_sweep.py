@@ -27,7 +27,7 @@ import httpx
 
 from policy_bundle.loadtest.load import tree_rss_mb
 from policy_bundle.loadtest.servers import Server
-from policy_bundle.loadtest.stats import pct
+from policy_bundle.quantize.percentile import percentile
 from policy_bundle.quantize.task import rollout_prompts
 from policy_bundle.quantize.vllm_launch import vllm_env
 
@@ -80,7 +80,7 @@ async def level(url: str, variant: str, clients: int, seconds: float, max_tokens
         await asyncio.gather(sample(), *[user(i) for i in range(clients)])
         wall = time.perf_counter() - t0
     return {"clients": clients, "requests": len(lat), "rps": len(lat) / wall, "tok_s": tokens / wall,
-            "p50_ms": 1000 * pct(lat, 0.5), "p99_ms": 1000 * pct(lat, 0.99), "peak_rss_mb": peak}
+            "p50_ms": 1000 * percentile(lat, 0.5), "p99_ms": 1000 * percentile(lat, 0.99), "peak_rss_mb": peak}
 
 
 def knee(rows: List[dict]) -> dict:

@@ -19,8 +19,8 @@ from policy_bundle.loadtest.load import (ADMIN, TOKEN, DrillRun, closed_loop, dr
 from policy_bundle.loadtest.procs import server_processes
 from policy_bundle.loadtest.servers import Server
 from policy_bundle.loadtest.soak import memory_growth, sample_memory_every
-from policy_bundle.loadtest.stats import pct
 from policy_bundle.loadtest.drill_kit import all_answered, build_bundle, history, start_server
+from policy_bundle.quantize.percentile import percentile
 
 
 def int8_worker_pids(server: Server) -> List[int]:
@@ -141,9 +141,10 @@ def drill_overload(run: DrillRun, home: Path, seconds: float) -> None:
     run.figures.update({
         "capacity_rps": f["capacity"], "offered_rps": len(over) / arrivals_s,
         "admitted_rps": len(admitted) / arrivals_s, "rejected": len(rejected), "overload_requests": len(over),
-        "p50_at_capacity_ms": 1000 * pct(base_lat, 0.5), "p99_at_capacity_ms": 1000 * pct(base_lat, 0.99),
-        "p50_admitted_ms": 1000 * pct(admitted, 0.5), "p99_admitted_ms": 1000 * pct(admitted, 0.99),
-        "p50_recovery_ms": 1000 * pct([r["latency"] for r in rec if r["status"] == 200], 0.5),
+        "p50_at_capacity_ms": 1000 * percentile(base_lat, 0.5),
+        "p99_at_capacity_ms": 1000 * percentile(base_lat, 0.99),
+        "p50_admitted_ms": 1000 * percentile(admitted, 0.5), "p99_admitted_ms": 1000 * percentile(admitted, 0.99),
+        "p50_recovery_ms": 1000 * percentile([r["latency"] for r in rec if r["status"] == 200], 0.5),
         "rss_before_mb": f["rss_before"], "rss_peak_overload_mb": max(over_rss), "rss_bound_mb": rss_bound,
         "inflight_after_overload": f["inflight_after"]})
     fig = run.figures

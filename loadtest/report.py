@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from policy_bundle.loadtest.soak import WARM_UP  # noqa: E402
+from policy_bundle.quantize.percentile import percentile  # noqa: E402
 
 
 def _buckets(run):
@@ -57,7 +58,7 @@ def plot_latency(run, path: Path) -> None:
                 lat = [r["latency"] for r in run.requests if r["variant"] == variant and lo <= r["t"] < hi]
                 if lat:
                     xs.append(lo)
-                    ys.append(1000 * np.percentile(lat, q))
+                    ys.append(1000 * percentile(lat, q / 100, method="linear"))
             ax.plot(xs, ys, style, color=color, label=f"{variant} p{q}")
     ax.set_xlabel("seconds")
     ax.set_ylabel("latency (ms)")
@@ -159,7 +160,7 @@ def write_report(run) -> Path:
     lat = {v: [r["latency"] for r in run.requests if r["variant"] == v and r["status"] == 200] for v in ("int8", "fp16")}
     figures = {"drill": run.name, "passed": run.passed, "checks": run.checks, "requests": len(run.requests),
                "ok": ok, "by_variant": by_variant,
-               "latency_ms": {v: {f"p{q}": 1000 * float(np.percentile(x, q)) for q in (50, 95, 99)}
+               "latency_ms": {v: {f"p{q}": 1000 * percentile(x, q / 100, method="linear") for q in (50, 95, 99)}
                               for v, x in lat.items() if x},
                "failures": [r for r in run.requests if r["status"] != 200],
                "figures": run.figures, "history": run.history, "states": run.states, "rss": run.rss,

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from policy_bundle.quantize.decode import greedy_generate
 from policy_bundle.quantize.model import full_logits
+from policy_bundle.quantize.percentile import percentile
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,6 @@ def kl_per_token(ref_logits: Tensor, cand_logits: Tensor) -> Tensor:
 
 def top1_agreement(ref_logits: Tensor, cand_logits: Tensor) -> float:
     return float((ref_logits.argmax(-1) == cand_logits.argmax(-1)).double().mean())
-
-
-def p99(values: Tensor) -> float:
-    return float(torch.quantile(values.double(), 0.99)) if values.numel() else 0.0
 
 
 LogitsFn = Callable[[Tensor], Tensor]
@@ -146,7 +143,7 @@ def measure_fidelity(
     agree, kl = compare_logits(ref_l, cand_l)
     report = FidelityReport(
         items=len(items), tokens=int(kl.numel()), top1_agreement=agree, kl_mean=float(kl.mean()),
-        kl_p99=p99(kl), kl_per_token=[float(v) for v in kl],
+        kl_p99=percentile(kl, 0.99, method="linear", empty=0.0), kl_per_token=[float(v) for v in kl],
     )
     if not generate:
         report.notes.append("logit metrics only: this variant has no KV-cache decode")

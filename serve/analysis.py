@@ -9,6 +9,7 @@ from statistics import NormalDist
 from typing import List, Optional, Tuple
 
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
+from policy_bundle.quantize.percentile import percentile
 from policy_bundle.serve.rollout_types import RolloutConfig
 
 
@@ -36,13 +37,6 @@ class Window:
                       {v: (lat + later.latencies[v])[-LATENCY_SAMPLES:] for v, lat in self.latencies.items()},
                       self.shadow_pairs + later.shadow_pairs, self.shadow_same + later.shadow_same,
                       later.golden or self.golden)
-
-
-def p99(values: List[float]) -> Optional[float]:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
 def wilson_interval(failures: int, n: int, confidence: float) -> Tuple[float, float]:
@@ -77,7 +71,7 @@ def analyse(window: Window, cfg: RolloutConfig, bundle_thresholds: GateThreshold
     config sets its own."""
     n_int8 = window.requests["int8"]
     err = window.errors["int8"] / n_int8 if n_int8 else 0.0
-    lat_i, lat_f = p99(window.latencies["int8"]), p99(window.latencies["fp16"])
+    lat_i, lat_f = (percentile(window.latencies[v], 0.99, empty=None) for v in ("int8", "fp16"))
     ratio = lat_i / lat_f if lat_i and lat_f else None
     shadow = window.shadow_same / window.shadow_pairs if window.shadow_pairs else None
     metrics = {"int8_requests": n_int8, "fp16_requests": window.requests["fp16"], "int8_error_rate": err,

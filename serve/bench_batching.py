@@ -25,13 +25,9 @@ from typing import List
 import torch
 
 from policy_bundle.bundle.layout import BundleLayout
+from policy_bundle.quantize.percentile import percentile
 from policy_bundle.serve.batching import BatchedEngine
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
-
-
-def p99(values: List[float]) -> float:
-    s = sorted(values)
-    return float(s[min(len(s) - 1, int(0.99 * len(s)))]) if s else float("nan")
 
 
 async def level(engine, prompts: List[List[int]], clients: int, seconds: float, new_tokens: int) -> dict:
@@ -57,7 +53,7 @@ async def level(engine, prompts: List[List[int]], clients: int, seconds: float, 
     await asyncio.gather(*[user(i) for i in range(clients)])
     wall = time.perf_counter() - t0
     return {"clients": clients, "tok_s": tokens / wall, "req_s": requests / wall,
-            "itl_p50_ms": 1000 * statistics.median(itl), "itl_p99_ms": 1000 * p99(itl)}
+            "itl_p50_ms": 1000 * statistics.median(itl), "itl_p99_ms": 1000 * percentile(itl, 0.99)}
 
 
 def artifact_path(args) -> Path:

@@ -13,6 +13,7 @@ from torch import nn
 
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict
+from policy_bundle.quantize.percentile import percentile
 
 
 @dataclass
@@ -139,7 +140,7 @@ def _plots(layout: BundleLayout, outcome: CanaryOutcome) -> List[Path]:
         ax.hist(np.log10(kl), bins=40, color="tab:purple")
         ax.set_xlabel("log10 KL(FP32 || INT8) per token")
         ax.set_ylabel("tokens")
-        ax.set_title(f"mean {np.mean(kl):.3g}, p99 {np.quantile(kl, 0.99):.3g}, {len(kl)} tokens")
+        ax.set_title(f"mean {np.mean(kl):.3g}, p99 {percentile(kl, 0.99, method='linear'):.3g}, {len(kl)} tokens")
         fig.tight_layout()
         paths.append(layout.kl_plot)
         fig.savefig(paths[-1], dpi=90)
