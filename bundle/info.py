@@ -89,11 +89,6 @@ def encode_text(tok, text: str) -> List[int]:
     return tok(text)["input_ids"]
 
 
-def decode(tok, ids: Sequence[int]) -> str:
-    """The one decode every path uses (streamed or not), so their texts agree."""
-    return tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
 def write_golden_jsonl(items: Sequence[GoldenItem], path: Path) -> None:
     with Path(path).open("w") as f:
         for it in items:

@@ -28,6 +28,7 @@ from policy_bundle.quantize import task
 from policy_bundle.quantize.decode import greedy_generate
 from policy_bundle.quantize.model import Policy, PolicyConfig, full_logits
 from policy_bundle.quantize.hf_weights import save_hf_weights
+from policy_bundle.quantize.text import ids_to_text
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def evaluate_accuracy(policy, tok, items: List[task.TaskItem], max_new_tokens: i
     total = 0.0
     for it in items:
         out = greedy_generate(policy, tok(it.prompt)["input_ids"], max_new_tokens, tok.eos_token_id)
-        total += task.reward(it.prompt, tok.decode(out, skip_special_tokens=True))
+        total += task.reward(it.prompt, ids_to_text(tok, out))
     return total / len(items)
 
 

@@ -9,7 +9,8 @@ import logging
 import random
 from typing import Awaitable, Callable, Dict, List
 
-from policy_bundle.bundle.info import BundleInfo, decode
+from policy_bundle.bundle.info import BundleInfo
+from policy_bundle.quantize.text import ids_to_text
 from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, other_variant
 from policy_bundle.serve.analysis import LATENCY_SAMPLES, Window, analyse
 from policy_bundle.serve.rollout import RolloutController
@@ -91,7 +92,7 @@ class LiveCanary:
         ref = [it.completion_ids for it in items]
         nan = float("nan")
         summaries = {name: completion_metrics(FidelityReport(n, 0, nan, nan, nan), items, ref, outs[name],
-                                              lambda ids: decode(self.tok, ids), reward).summary() for name in VARIANTS}
+                                              lambda ids: ids_to_text(self.tok, ids), reward).summary() for name in VARIANTS}
         int8, fp16 = summaries["int8"], summaries["fp16"]
         out = {"items": n, "greedy_agreement": int8["greedy_agreement"],
                "fp16_greedy_agreement": fp16["greedy_agreement"],

@@ -11,7 +11,8 @@ from typing import List, Optional
 from jinja2 import TemplateError
 
 from policy_bundle.bundle.faults import active_fault
-from policy_bundle.bundle.info import BundleInfo, decode, encode_chat, encode_text
+from policy_bundle.bundle.info import BundleInfo, encode_chat, encode_text
+from policy_bundle.quantize.text import ids_to_text
 from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest
 
 
@@ -34,7 +35,7 @@ class TextStream:
         return "" if self.stopped else self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        text = decode(self.tok, self.ids)
+        text = ids_to_text(self.tok, self.ids)
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             text, final, self.stopped = text[:cut], True, True
@@ -133,12 +134,12 @@ class Adapter:
                     break
             stream.finish()
         else:
-            stream.ids, stream.text = list(result["token_ids"]), decode(self.tok, result["token_ids"])
+            stream.ids, stream.text = list(result["token_ids"]), ids_to_text(self.tok, result["token_ids"])
         n = len(stream.ids)
         finish = finish_reason(stream, n, p.max_tokens, p.stop_id(self.tok.eos_token_id))
         usage = p.usage(n)
         wanted = p.req.logprobs is not None and p.req.logprobs is not False
-        tokens = [decode(self.tok, [t]) for t in stream.ids] if wanted else []
+        tokens = [ids_to_text(self.tok, [t]) for t in stream.ids] if wanted else []
         return {**self._base(p, variant), "usage": usage,
                 "choices": [self.choice(p, stream.text, finish, tokens, result["logprobs"][:n])]}
 

@@ -113,7 +113,7 @@ def byte_level_tokenizer():
 
 @pytest.mark.parametrize("stop", [[], ["caf"], ["é"], ["🙂 ok"]])
 def test_text_stream_equals_one_decode_for_split_utf8(stop):
-    from policy_bundle.bundle.info import decode
+    from policy_bundle.quantize.text import ids_to_text
     from policy_bundle.serve.openai_api import TextStream
 
     tok = byte_level_tokenizer()
@@ -127,6 +127,20 @@ def test_text_stream_equals_one_decode_for_split_utf8(stop):
         if stream.stopped:
             break
     pieces.append(stream.finish())
-    whole = decode(tok, ids)
+    whole = ids_to_text(tok, ids)
     expected = whole[:min([whole.find(s) for s in stop if s in whole] or [len(whole)])]
     assert "".join(pieces) == expected and all("\ufffd" not in p for p in pieces)
+
+
+def test_the_build_gate_scores_the_text_the_service_returns():
+    from policy_bundle.build.config.build_config import load_config
+    from policy_bundle.build.gate.measure import fidelity_kwargs
+    from policy_bundle.quantize.text import ids_to_text
+
+    tok = byte_level_tokenizer()
+    # a tokenizer whose own decode drops the space before "." (a BPE one only with the second switch)
+    tok.clean_up_tokenization_spaces = True
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tok("words . and spaces")["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=True) == "words. and spaces"  # what the gate once scored
+    assert fidelity_kwargs(load_config(None), tok)["decode"](ids) == ids_to_text(tok, ids) == "words . and spaces"

@@ -10,12 +10,13 @@ from policy_bundle.build.source.policy_source import is_task_policy
 from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity, policy_logits_fn, teacher_forced_logits
 from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.text import ids_to_text
 
 
 def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
     """Completion length, EOS, the ids-to-text decode and the task reward (None without a task)."""
     reward = task.reward if is_task_policy(cfg) else None
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = lambda ids: ids_to_text(tok, ids)  # noqa: E731 - the text the service returns
     return dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
 
 
