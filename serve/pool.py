@@ -8,12 +8,13 @@ import asyncio
 import json
 import logging
 import time
-from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from policy_bundle.serve.schemas import ApiError
 
 log = logging.getLogger("policy_bundle.router")
 VARIANTS = ("int8", "fp16")
+T = TypeVar("T")
 
 
 def other_variant(name: str) -> str:
@@ -202,11 +203,13 @@ class VariantPool:
             return [other, preferred]
         return [preferred, other]
 
-    async def generate(self, preferred: str, forced: bool, kwargs: dict) -> Tuple[str, dict]:
+    async def _fail_over(self, preferred: str, forced: bool, attempt: Callable[[str], Awaitable[T]]) -> Tuple[str, T]:
+        """``attempt(name)`` on each variant in ``order`` until one answers. A variant's 4xx is the client's
+        error, raised at once; any other failure is reported (``on_error``) and the next variant tried."""
         last: Optional[BaseException] = None
         for name in self.order(preferred, forced):
             try:
-                return name, await self.call(name, **kwargs)
+                return name, await attempt(name)
             except Exception as exc:  # noqa: BLE001 - any variant failure is retried on the other
                 refused = client_error(exc)
                 if refused is not None:
@@ -215,31 +218,24 @@ class VariantPool:
                 self.on_error(name, exc)
         raise _unavailable(last)
 
+    async def generate(self, preferred: str, forced: bool, kwargs: dict) -> Tuple[str, dict]:
+        return await self._fail_over(preferred, forced, lambda name: self.call(name, **kwargs))
+
     async def open_stream(self, preferred: str, forced: bool, kwargs: dict) -> Tuple[str, Optional[dict], AsyncIterator[dict]]:
         """The first step of a stream from the first variant that gives one (fail-over before any token is
         sent, with the same down check, timeout and dropped-connection retry as plain calls); then the rest."""
-        import aiohttp
+        name, (first, steps) = await self._fail_over(
+            preferred, forced, lambda name: self._retry_dropped(lambda: self._first_step(name, kwargs)))
+        return name, first, steps
 
-        last: Optional[BaseException] = None
-        for name in self.order(preferred, forced):
-            for attempt in (0, 1):
-                steps = self._steps(name, kwargs)
-                try:
-                    return name, await self.next_step(name, steps), steps
-                except aiohttp.ClientConnectionError as exc:
-                    await close_streams(steps)
-                    last = exc
-                    if attempt == 0:
-                        continue
-                except Exception as exc:  # noqa: BLE001 - nothing was sent (a timeout too): try the other variant
-                    await close_streams(steps)
-                    refused = client_error(exc)
-                    if refused is not None:
-                        raise refused from None
-                    last = exc
-                self.on_error(name, last)
-                break
-        raise _unavailable(last)
+    async def _first_step(self, name: str, kwargs: dict) -> Tuple[Optional[dict], AsyncIterator[dict]]:
+        """A new stream from ``name`` and its first step; the stream is closed if that fails (nothing was sent)."""
+        steps = self._steps(name, kwargs)
+        try:
+            return await self.next_step(name, steps), steps
+        except Exception:
+            await close_streams(steps)
+            raise
 
     async def _steps(self, name: str, kwargs: dict) -> AsyncIterator[dict]:
         """A variant's stream as steps; its in-band error line, or an end without the end marker (a worker
