@@ -37,25 +37,32 @@ class OddSample:
 
 @torch.no_grad()
 def sample_absmax(policy: nn.Module, sequences: Sequence[Sequence[int]], layers: Sequence[str],
-                  done: Callable[[int], None] = lambda n: None) -> Tensor:
-    """``[n_samples, n_layers]``: each sequence's max |x| at the input of each named linear, one
-    teacher-forced forward per sequence (no padding reaches the statistics); ``done(i)`` after each."""
+                  done: Callable[[int], None] = lambda n: None, rows: int = 8) -> Tensor:
+    """``[n_samples, n_layers]``: each sequence's max |x| at the input of each named linear, teacher-forced in
+    right-padded batches of ``rows`` (causal attention: a pad after a sequence never reaches its positions, and
+    the pads' own rows are masked out of the max); ``done(n)`` after each batch."""
     out = torch.zeros(len(sequences), len(layers))
-    row = [0]
+    batch = {"first": 0, "valid": torch.ones(1, 1, 1, dtype=torch.bool)}
     hooks = []
     mods = dict(policy.named_modules())
     for j, name in enumerate(layers):
         def hook(_m, args, j=j):
-            out[row[0], j] = args[0].detach().abs().max()
+            x = args[0].detach().abs().masked_fill(~batch["valid"], 0.0)
+            first = batch["first"]
+            out[first:first + x.shape[0], j] = x.amax(dim=(1, 2))
 
         hooks.append(mods[name].register_forward_pre_hook(hook))
 
     def batches():
-        for i, seq in enumerate(sequences):
-            if i:
-                done(i)
-            row[0] = i
-            yield torch.tensor([list(seq)], dtype=torch.long)
+        for first in range(0, len(sequences), rows):
+            if first:
+                done(first)
+            part = [list(s) for s in sequences[first:first + rows]]
+            lengths = torch.tensor([len(s) for s in part])
+            width = int(lengths.max())
+            batch["first"] = first
+            batch["valid"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).unsqueeze(2)
+            yield torch.tensor([s + [0] * (width - len(s)) for s in part], dtype=torch.long)
 
     run_with_hooks(policy, batches(), hooks)
     done(len(sequences))
