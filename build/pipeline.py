@@ -3,9 +3,8 @@
 Stages follow ../shared/DESIGN.md, one function each, and each stage's code lives in one sub-package:
 load (source/), rollouts, prepare and calibrate (calibrate/), convert + accuracy canary (gate/), export,
 fidelity, manifest and register (artifacts/); the build config is config/. Everything is written into a
-partial directory next to the output and renamed into place at the very end (artifacts/output_dir.py),
-then registered in the model store, so a failed or interrupted build leaves nothing where the next step
-would look, and the next build to the same parent removes what a killed one left.
+partial directory next to the output, renamed into place at the very end (artifacts/output_dir.py), then
+registered in the model store: a failed or interrupted build leaves nothing where the next step would look.
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ from policy_bundle.build.artifacts.manifest_body import calibration_section, man
 from policy_bundle.build.artifacts.output_dir import (check_output, move_into_place, new_partial_dir,
                                                      remove_stale_work_dirs)
 from policy_bundle.build.calibrate.calibrated import CalibratedModels
-from policy_bundle.build.calibrate.prompt_split import GoldenSplit, golden_items, split_golden, split_prompts
+from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, resolve_defaults, split_golden,
+                                                       split_prompts)
 from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_rollouts, read_rollouts_jsonl,
                                                     screen_odd_samples, vllm_rollouts)
 from policy_bundle.build.config.build_config import BuildConfig
@@ -73,8 +73,8 @@ class Rollouts:
 def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[dict] = None) -> BuildResult:
     """Build the bundle at ``out``. ``drift``: the drift monitor's report that triggered this build, kept in
     the bundle (``drift_report.json``) and summarised in the manifest. The bundle is registered in the
-    model store only once it is in place at ``out``."""
-    out = Path(out)
+    model store only once it is in place at ``out``. Unset config fields take this policy's defaults first."""
+    out, cfg = Path(out), resolve_defaults(cfg)
     check_output(out, force)
     torch.manual_seed(cfg.seed)
     int8_vllm = planned(cfg)  # export.int8_vllm: true without vLLM fails here, before any work
@@ -241,7 +241,7 @@ def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: Chose
         export_torchscript(chosen.outcome.int8, out.int8_torchscript)
         shutil.copy(policy_dir / "config.json", out.int8_dir / "config.json")
         copy_tokenizer_files(policy_dir, out.int8_dir)
-        if cfg.export.onnx:
+        if cfg.onnx_export():
             apply_onnx_fault(export_onnx_int8(policy, out.int8_dir, batches,
                                               keep_float=list(recipe.skip + recipe.fp32_layers)))
         export_fp16_hf(policy, load_hf_config(policy_dir), policy_dir, out.fp16_dir)
@@ -271,7 +271,7 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
         ) + (f"; {INT8_VLLM_DIR}: skipped ({int8_vllm.skipped})" if int8_vllm.skipped else
              f"; {INT8_VLLM_DIR} in vLLM: greedy {int8_vllm.fidelity['greedy_agreement']:.3f}, "
              f"KL mean {int8_vllm.fidelity['kl_mean']:.4f}") + (
-            f"; ONNX left out ({onnx_skipped})" if onnx_skipped and cfg.export.onnx else "")
+            f"; ONNX left out ({onnx_skipped})" if onnx_skipped and cfg.onnx_export() else "")
     return fidelity, onnx_skipped
 
 

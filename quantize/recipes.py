@@ -107,6 +107,11 @@ class RecipeConfig:
         return self.scheme.removeprefix("smooth-")
 
     @property
+    def per_token(self) -> bool:
+        """The w8a8 family: per-token int8 activations at run time (``quantize.w8a8``), not torch.ao's."""
+        return self.base_mode == "w8a8"
+
+    @property
     def rows_independent(self) -> bool:
         """Each sequence's logits do not depend on the others in its batch: false when a layer quantizes its
         activations dynamically with one scale over the whole input (torch.ao ``dynamic``), so a batched

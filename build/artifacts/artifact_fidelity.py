@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from policy_bundle.build.config.build_config import BuildConfig
+from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, BuildConfig
 from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log
@@ -34,7 +34,7 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) 
     fp16 = CastPolicy(load_policy(layout.fp16_dir, max_seq_len=cfg.policy.max_seq_len), torch.float16)
     out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, reference_outputs=ref_outputs, **kw).summary(),
                       "computed_as": "float16 weights and compute (torch, CPU)"}
-    if cfg.export.onnx:
+    if cfg.onnx_export():
         out["int8_onnx"] = gated(onnx_fidelity(policy, layout.int8_onnx, golden, kw), cfg.canary.gate)
     return out
 
@@ -47,8 +47,8 @@ def gated(report: FidelityReport, thresholds: GateThresholds) -> dict:
 def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[str]:
     """With the canary on: the TorchScript as loaded back must pass the gate (else the build fails); an
     ONNX model that misses it is removed from ``bundle``. Returns why ONNX is not shipped (None: it is)."""
-    if not cfg.export.onnx:
-        return "export.onnx: false"
+    if not cfg.onnx_export():
+        return "export.onnx: false" if cfg.export.onnx is False else ONNX_AUTO_OFF
     if not cfg.canary.enabled:
         return None
     ts = fidelity["int8_torchscript"]

@@ -72,7 +72,7 @@ def artifacts_section(cfg: BuildConfig, recipe: recipes.RecipeConfig, int8_vllm:
                       onnx_skipped: Optional[str]) -> dict:
     """Where each artifact is; one that was not built or missed the gate is None, with ``*_skipped`` saying why."""
     return {"int8_torchscript": INT8_TORCHSCRIPT, "int8_onnx": None if onnx_skipped else INT8_ONNX,
-            "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.export.onnx else None, "int8_onnx_skipped": onnx_skipped,
+            "int8_onnx_recipe": onnx_recipe_note(recipe) if cfg.onnx_export() else None, "int8_onnx_skipped": onnx_skipped,
             **int8_vllm.artifacts_section(), "fp16_hf": FP16_DIR, "golden": GOLDEN}
 
 

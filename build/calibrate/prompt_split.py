@@ -5,11 +5,11 @@ float-layer search part and the part held out for the gate."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from policy_bundle.build.config.build_config import BuildConfig
+from policy_bundle.build.config.build_config import BuildConfig, check_batch_size
 from policy_bundle.build.errors import ConfigError
 from policy_bundle.build.source.policy_source import is_task_policy
 from policy_bundle.quantize import task
@@ -18,6 +18,11 @@ from policy_bundle.quantize.fidelity import GoldenItem
 GENERAL_PROMPTS = Path(__file__).parents[1] / "prompts" / "general.txt"
 DEFAULT_TASK_GOLDEN = 128  # calibration.golden unset, task prompts
 TASK_GOLDEN_POOL = 1000  # the golden prompts task.rollout_prompts keeps out of every rollout (golden_set(1000))
+# Defaults of the fields a config leaves unset (None), by policy kind (``resolve_defaults``):
+TASK_NEW_TOKENS = 8  # a task answer is a few tokens (the reference task's sums)
+GENERAL_NEW_TOKENS = 32  # a general LM: enough tokens per golden item for top-1, KL and greedy to mean something
+GENERAL_GOLDEN = 40  # golden items from a prompts file: 20 held out for the gate, 20 for the float-layer search
+DEFAULT_SAMPLES = 256  # calibration samples (task prompts and rollout dumps; a prompts file: each prompt once)
 
 
 def read_prompts_file(path: Path) -> List[str]:
@@ -48,8 +53,35 @@ class PromptSplit:
     golden_answers: Optional[List[str]]  # None when the policy has no task
 
 
+def resolve_defaults(cfg: BuildConfig) -> BuildConfig:
+    """The config with the fields it leaves unset (None) filled in for this policy, as the manifest records them.
+
+    A task policy: ``prompts.max_new_tokens`` 8, ``calibration.samples`` 256 (``calibration.golden``: see
+    ``split_prompts``). A general LM on a prompts file (the shipped general set by default): 32 new tokens per
+    item, ``min(40, half the file)`` golden items, and every other prompt once as calibration (at most 256: a
+    repeated prompt's greedy rollout is the same sequence again, work that adds nothing). Set fields are kept.
+    """
+    p, c = cfg.prompts, cfg.calibration
+    task = is_task_policy(cfg)
+    if p.max_new_tokens is None:
+        p = replace(p, max_new_tokens=TASK_NEW_TOKENS if task else GENERAL_NEW_TOKENS)
+    if not task and (c.golden is None or (c.samples is None and not cfg.rollouts.jsonl)):
+        n = len(read_prompts_file(_prompts_path(cfg)))
+        c = replace(c, golden=min(GENERAL_GOLDEN, max(2, n // 2)) if c.golden is None else c.golden)
+        if c.samples is None and not cfg.rollouts.jsonl:
+            c = replace(c, samples=min(DEFAULT_SAMPLES, max(1, n - c.golden)))
+    if c.samples is None:
+        c = replace(c, samples=DEFAULT_SAMPLES)
+    return check_batch_size(replace(cfg, prompts=p, calibration=c))
+
+
+def _prompts_path(cfg: BuildConfig) -> Path:
+    return Path(cfg.prompts.file) if cfg.prompts.file else GENERAL_PROMPTS
+
+
 def split_prompts(cfg: BuildConfig) -> PromptSplit:
     """Disjoint calibration and golden prompts (task prompts, a user file, or the shipped set)."""
+    cfg = resolve_defaults(cfg)
     n_cal, n_gold = cfg.calibration.samples, cfg.calibration.golden
     if is_task_policy(cfg):
         # the task has prompts to spare: the gate gets all n_gold (its granularity as asked) and the float-layer
@@ -61,12 +93,11 @@ def split_prompts(cfg: BuildConfig) -> PromptSplit:
                               "of every rollout)")
         gold = task.golden_set(2 * n_gold)
         return PromptSplit(task.rollout_prompts(n_cal), [g.prompt for g in gold], [g.answer for g in gold])
-    path = Path(cfg.prompts.file) if cfg.prompts.file else GENERAL_PROMPTS
+    path = _prompts_path(cfg)
     prompts = read_prompts_file(path)
     if len(prompts) < 3:
         raise ConfigError(f"prompts.file: {path} needs at least 3 prompts (calibration and a golden set of 2)")
     # The golden set takes the tail, exactly as many as asked; calibration cycles over the rest.
-    n_gold = max(2, len(prompts) // 4) if n_gold is None else n_gold
     if n_gold > len(prompts) - 1:
         raise ConfigError(f"calibration.golden: {n_gold} exceeds {len(prompts) - 1}, the most {path} can give "
                           f"({len(prompts)} prompts, one at least kept for calibration); lower it or add prompts")

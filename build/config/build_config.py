@@ -34,7 +34,7 @@ class PolicySection:
 @dataclass(frozen=True)
 class PromptsSection:
     file: Optional[str] = None  # JSONL ({"prompt": ...}) or one prompt per line; None: task prompts
-    max_new_tokens: int = 8
+    max_new_tokens: Optional[int] = None  # None: 8 for a task policy, 32 for a general LM (prompt_split.resolve_defaults)
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,11 @@ class RolloutsSection:
 
 @dataclass(frozen=True)
 class CalibrationSection:
-    samples: int = 256
+    samples: Optional[int] = None  # None: 256, or for a prompts file each of its calibration prompts once (<= 256)
     batch_size: int = 32
     golden: Optional[int] = None  # a number: exactly that many golden items, or a one-line refusal; None: 128
-    # task prompts, a quarter of a prompts file. The task: N gate items + N for the float-layer search; a file:
-    # its N split in halves
+    # task prompts, min(40, half) of a prompts file. The task: N gate items + N for the float-layer search; a
+    # file: its N split in halves
     procs: int = 2  # calibration actors per host on the Monarch mesh; 0 = in this process, no mesh
     hosts: int = 0  # >0: a host mesh of this many hosts from ``launcher`` (see README)
     launcher: str = "process"  # "process" (local ProcessJob) or the path of a saved Monarch job
@@ -105,9 +105,13 @@ class CanarySection:
     gate: GateThresholds = inline(GateThresholds)
 
 
+ONNX_AUTO_OFF = ("export.onnx: auto, not built for per-token (w8a8) recipes: onnxruntime's static INT8 keeps one "
+                 "activation scale per tensor, which fails the gate on real LMs (set export.onnx: true to build it)")
+
+
 @dataclass(frozen=True)
 class ExportSection:
-    onnx: bool = True
+    onnx: Optional[bool] = None  # None (auto): built unless every recipe candidate is per-token (BuildConfig.onnx_export)
     int8_vllm: str = "auto"  # the compressed-tensors W8A8 dir vLLM serves: auto (when vLLM is here) | true | false
 
 
@@ -132,6 +136,13 @@ class BuildConfig:
     def to_dict(self) -> dict:
         """The YAML shape (library dataclasses flattened into their sections), as the manifest stores it."""
         return as_mapping(self)
+
+    def onnx_export(self) -> bool:
+        """``export.onnx``, with auto resolved: off when every candidate is a per-token (w8a8) recipe, whose
+        activations onnxruntime's static INT8 (one scale per tensor) cannot carry (``ONNX_AUTO_OFF``)."""
+        if self.export.onnx is not None:
+            return self.export.onnx
+        return not all(self.recipe_config(c).per_token for c in self.recipe.candidates())
 
     def recipe_config(self, candidate: Optional[str] = None) -> RecipeConfig:
         """The quantize-library recipe (``candidate``, a scheme or an auto entry, replaces the configured one)."""
@@ -173,7 +184,12 @@ def config_from_dict(data: dict, overrides: Tuple[str, ...] = ()) -> BuildConfig
     cfg = build_section(BuildConfig, data)
     if cfg.calibration.hosts and not cfg.calibration.procs:
         raise ConfigError("calibration.procs: 0 (in-process) cannot be combined with calibration.hosts > 0")
-    if cfg.calibration.batch_size > cfg.calibration.samples:
+    return check_batch_size(cfg)
+
+
+def check_batch_size(cfg: BuildConfig) -> BuildConfig:
+    """calibration.batch_size within calibration.samples (once samples is known: set, or resolved)."""
+    if cfg.calibration.samples is not None and cfg.calibration.batch_size > cfg.calibration.samples:
         raise ConfigError(
             f"calibration.batch_size: {cfg.calibration.batch_size} exceeds calibration.samples "
             f"({cfg.calibration.samples})"

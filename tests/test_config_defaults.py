@@ -1,0 +1,52 @@
+"""The fields a config leaves unset take the policy's defaults: a general LM gets golden items long and many
+enough to judge, each calibration prompt once, and no ONNX file its per-token recipe cannot pass with."""
+
+import pytest
+
+from policy_bundle.build.artifacts.artifact_fidelity import gate_artifacts
+from policy_bundle.build.calibrate.prompt_split import (GENERAL_PROMPTS, read_prompts_file, resolve_defaults,
+                                                         split_prompts)
+from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, ConfigError, load_config
+
+
+def general_lm(tmp_path, *sets):
+    """A config naming only an HF directory (not the task's reference policy) and ``sets``."""
+    (tmp_path / "lm").mkdir(exist_ok=True)
+    return load_config(None, (f"policy.source={tmp_path / 'lm'}", *sets))
+
+
+def test_a_general_lm_gets_32_tokens_40_golden_items_and_each_other_prompt_once(tmp_path):
+    cfg = resolve_defaults(general_lm(tmp_path))
+    n = len(read_prompts_file(GENERAL_PROMPTS))
+    assert cfg.prompts.max_new_tokens == 32 and cfg.calibration.golden == 40
+    assert cfg.calibration.samples == n - 40
+    split = split_prompts(cfg)
+    assert len(split.golden) == 40 and len(set(split.calibration)) == len(split.calibration) == n - 40
+    assert not set(split.golden) & set(split.calibration)
+
+
+def test_the_task_policy_keeps_its_defaults_and_set_fields_are_kept(tmp_path):
+    task = resolve_defaults(load_config(None))
+    assert (task.prompts.max_new_tokens, task.calibration.samples, task.calibration.golden) == (8, 256, None)
+    cfg = resolve_defaults(general_lm(tmp_path, "prompts.max_new_tokens=12", "calibration.samples=100",
+                                      "calibration.golden=10"))
+    assert (cfg.prompts.max_new_tokens, cfg.calibration.samples, cfg.calibration.golden) == (12, 100, 10)
+    assert resolve_defaults(cfg) == cfg  # idempotent: a manifest's resolved config resolves to itself
+
+
+def test_a_batch_larger_than_the_resolved_samples_is_one_line(tmp_path):
+    n = len(read_prompts_file(GENERAL_PROMPTS)) - 40
+    with pytest.raises(ConfigError, match=rf"calibration.batch_size: 64 exceeds calibration.samples \({n}\)"):
+        resolve_defaults(general_lm(tmp_path, "calibration.batch_size=64"))
+
+
+def test_onnx_is_left_out_with_its_reason_when_every_candidate_is_per_token(tmp_path):
+    auto = general_lm(tmp_path, "recipe.scheme=auto")  # the default candidates: smooth-w8a8, w8a8
+    assert not auto.onnx_export() and gate_artifacts(auto, {}, tmp_path) == ONNX_AUTO_OFF
+    # a torch.ao candidate (which onnxruntime's static recipe matches), or export.onnx set, builds it
+    assert general_lm(tmp_path, "recipe.scheme=auto", "recipe.auto_candidates=[static, w8a8]").onnx_export()
+    assert general_lm(tmp_path, "recipe.scheme=static").onnx_export()
+    forced = general_lm(tmp_path, "recipe.scheme=w8a8", "export.onnx=true")
+    assert forced.onnx_export()
+    off = general_lm(tmp_path, "recipe.scheme=static", "export.onnx=false")
+    assert not off.onnx_export() and gate_artifacts(off, {}, tmp_path) == "export.onnx: false"
