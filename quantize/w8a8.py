@@ -279,7 +279,7 @@ class Int8RescoredHead(nn.Module):
         super().__init__()
         self.int8 = int8
         self.register_buffer("float_weight", float_weight)
-        self.topk = int(topk)
+        self.topk = int(min(topk, int8.out_features))  # a vocabulary smaller than k: every row rescored
         self.in_features, self.out_features = int8.in_features, int8.out_features
 
     def forward(self, x: Tensor) -> Tensor:
