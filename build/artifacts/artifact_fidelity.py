@@ -57,8 +57,8 @@ def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[s
     onnx = fidelity["int8_onnx"]
     if onnx["gate"] == "pass":
         return None
-    onnx = BundleLayout(bundle).int8_onnx
-    for p in onnx.parent.glob(onnx.name + "*"):  # the model and any external data
+    path = BundleLayout(bundle).int8_onnx
+    for p in path.parent.glob(path.name + "*"):  # the model and any external data
         p.unlink()
     why = f"failed the accuracy gate in onnxruntime ({'; '.join(onnx['failures'])})"
     log(f"[fidelity] {INT8_ONNX} left out of the bundle: {why}")
