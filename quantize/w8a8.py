@@ -26,12 +26,14 @@ k columns, not the whole weight), the rest of the row is quantized as any other 
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from policy_bundle.quantize.rotation import (  # noqa: F401 (rotation_block, rotation_matrix: re-exported)
+    hadamard_parts, kron_factors, rotation_block, rotation_matrix)
 
 # TorchScript reads no module constants: the kernels below write fbgemm's two as literals, 255.0 (uint8
 # activation levels, no reduce_range) and 6.1e-5 (the smallest activation scale, quant_utils' SMALL_SCALE_THRESHOLD).
@@ -42,53 +44,6 @@ def quantize_weight(w: Tensor) -> Tuple[Tensor, Tensor]:
     """Per output channel symmetric int8 of a [out, in] weight: (int8 [out, in], scales [out])."""
     scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
     return torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8), scales
-
-
-def rotation_block(n: int, max_block: int) -> int:
-    """The Hadamard block for an ``n``-wide input: the largest power of two <= ``max_block`` dividing ``n``
-    (SmolLM2-135M: 64 for its 576-wide inputs, 512 for down_proj's 1536); 0 (no rotation) under 2."""
-    b = 1
-    while b * 2 <= max_block and n % (b * 2) == 0:
-        b *= 2
-    return b if b >= 2 else 0
-
-
-def hadamard(n: int) -> Tensor:
-    """The normalized Sylvester Hadamard matrix of a power-of-two size ``n``, one shared tensor per size (every
-    rotated linear's buffer is this same tensor: a TorchScript file stores it once)."""
-    if n not in _HADAMARD:
-        h = torch.ones(1, 1)
-        while h.shape[0] < n:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _HADAMARD[n] = h / math.sqrt(n)
-    return _HADAMARD[n]
-
-
-_HADAMARD: dict = {}
-KRON_INNER = 64  # a block above this is applied as H_outer (x) H_64: two small matmuls instead of one dense one
-
-
-def hadamard_parts(n: int, block: int) -> Tuple[Tensor, Tensor]:
-    """The orthogonal rotation ``R = diag(signs) @ blockdiag(H, ..., H)`` of an ``n``-wide input as (H [block,
-    block] normalized Sylvester Hadamard, signs [n] of +-1, seeded): ``x @ R`` spreads a few loud channels over
-    their block, so a per-token scale no longer rounds the quiet ones away; ``W @ R`` is the weight that meets it."""
-    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(n)).float() * 2 - 1
-    return hadamard(block), signs
-
-
-def kron_factors(block: int) -> Tuple[Tensor, Tensor]:
-    """(H_a, H_b) with ``H_block = H_a (x) H_b`` (Sylvester's construction is a Kronecker power), b = min(block,
-    64): a row block viewed as X [a, b] rotates as ``H_a @ X @ H_b``, (a + b) * block multiply-adds instead of
-    block**2 (SmolLM2's 512-wide down_proj input: 36 K instead of 262 K per block, 16 KB of matrices, not 1 MB)."""
-    b = min(block, KRON_INNER)
-    return hadamard(block // b), hadamard(b)
-
-
-def rotation_matrix(n: int, block: int) -> Tensor:
-    """``R`` of ``hadamard_parts`` as a dense [n, n] matrix (for weights and statistics; the kernel applies it
-    block by block)."""
-    h, signs = hadamard_parts(n, block)
-    return signs.unsqueeze(1) * torch.block_diag(*([h] * (n // block)))
 
 
 def row_qparams(flat: Tensor) -> Tuple[Tensor, Tensor]:
