@@ -19,6 +19,10 @@ def rotation_block(n: int, max_block: int) -> int:
     return b if b >= 2 else 0
 
 
+_HADAMARD: dict = {}  # size -> the normalized Sylvester matrix (``hadamard``)
+KRON_INNER = 64  # a block above this is applied as H_outer (x) H_64: two small matmuls instead of one dense one
+
+
 def hadamard(n: int) -> Tensor:
     """The normalized Sylvester Hadamard matrix of a power-of-two size ``n``, one shared tensor per size (every
     rotated linear's buffer is this same tensor: a TorchScript file stores it once)."""
@@ -30,16 +34,12 @@ def hadamard(n: int) -> Tensor:
     return _HADAMARD[n]
 
 
-_HADAMARD: dict = {}
-KRON_INNER = 64  # a block above this is applied as H_outer (x) H_64: two small matmuls instead of one dense one
 
-
-def hadamard_parts(n: int, block: int) -> Tuple[Tensor, Tensor]:
-    """The orthogonal rotation ``R = diag(signs) @ blockdiag(H, ..., H)`` of an ``n``-wide input as (H [block,
-    block] normalized Sylvester Hadamard, signs [n] of +-1, seeded): ``x @ R`` spreads a few loud channels over
-    their block, so a per-token scale no longer rounds the quiet ones away; ``W @ R`` is the weight that meets it."""
-    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(n)).float() * 2 - 1
-    return hadamard(block), signs
+def rotation_signs(n: int) -> Tensor:
+    """The seeded +-1 signs [n] of ``R = diag(signs) @ blockdiag(H, ..., H)``, the orthogonal rotation of an
+    ``n``-wide input: ``x @ R`` spreads a few loud channels over their block, so a per-token scale no longer
+    rounds the quiet ones away; ``W @ R`` is the weight that meets it."""
+    return torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(n)).float() * 2 - 1
 
 
 def kron_factors(block: int) -> Tuple[Tensor, Tensor]:
@@ -51,7 +51,6 @@ def kron_factors(block: int) -> Tuple[Tensor, Tensor]:
 
 
 def rotation_matrix(n: int, block: int) -> Tensor:
-    """``R`` of ``hadamard_parts`` as a dense [n, n] matrix (for weights and statistics; the kernel applies it
+    """``R`` (``rotation_signs``) as a dense [n, n] matrix (for weights and statistics; the kernel applies it
     block by block)."""
-    h, signs = hadamard_parts(n, block)
-    return signs.unsqueeze(1) * torch.block_diag(*([h] * (n // block)))
+    return rotation_signs(n).unsqueeze(1) * torch.block_diag(*([hadamard(block)] * (n // block)))

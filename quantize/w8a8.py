@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from policy_bundle.quantize.rotation import (  # noqa: F401 (rotation_block, rotation_matrix: re-exported)
-    hadamard_parts, kron_factors, rotation_block, rotation_matrix)
+    kron_factors, rotation_block, rotation_matrix, rotation_signs)
 
 # TorchScript reads no module constants: the kernels below write fbgemm's two as literals, 255.0 (uint8
 # activation levels, no reduce_range) and 6.1e-5 (the smallest activation scale, quant_utils' SMALL_SCALE_THRESHOLD).
@@ -125,14 +125,14 @@ class Int8TokenLinear(nn.Module):
     def __init__(self, weight_int8: Tensor, scales: Tensor, bias: Optional[Tensor], outlier_threshold: float,
                  outlier_channels: int = OUTLIER_CHANNELS, rot_block: int = 0):
         super().__init__()
-        # rot_block > 0: the input is rotated (``hadamard_parts``) before it is quantized, and ``weight_int8`` is
+        # rot_block > 0: the input is rotated (``quantize.rotation``) before it is quantized, and ``weight_int8`` is
         # the rotated weight W @ R; the output is unchanged (R is orthogonal), the quantization error smaller.
         self.rot_block = int(rot_block)
         # The block's Hadamard is applied as two Kronecker factors (``kron_factors``): rot_outer [a, a], rot_inner [b, b].
         outer, inner = kron_factors(self.rot_block) if rot_block else (torch.zeros(0, 0), torch.zeros(0, 0))
         self.register_buffer("rot_outer", outer)
         self.register_buffer("rot_inner", inner)
-        self.register_buffer("rot_signs", hadamard_parts(int(weight_int8.shape[1]), self.rot_block)[1]
+        self.register_buffer("rot_signs", rotation_signs(int(weight_int8.shape[1]))
                              if rot_block else torch.zeros(0))
         self.rot_a, self.rot_b = int(outer.shape[0]), int(inner.shape[0])
         # [out, in] contiguous, passed to _int_mm as its transposed view: measured faster on AVX2 than an
