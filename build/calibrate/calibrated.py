@@ -57,7 +57,7 @@ class CalibratedModels:
 
     def summary(self, recipe: recipes.RecipeConfig) -> dict:
         """The manifest's calibration section for the recipe that shipped."""
-        if recipe.base_mode == "w8a8":
+        if recipe.per_token:
             from policy_bundle.build.calibrate.w8a8_statistics import stats_summary
 
             return {"statistics": "per input group: row max |x|, channel max |x|, Hessian (gptq), row sample",

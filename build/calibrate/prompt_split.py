@@ -56,8 +56,9 @@ class PromptSplit:
 def resolve_defaults(cfg: BuildConfig) -> BuildConfig:
     """The config with the fields it leaves unset (None) filled in for this policy, as the manifest records them.
 
-    A task policy: ``prompts.max_new_tokens`` 8, ``calibration.samples`` 256 (``calibration.golden``: see
-    ``split_prompts``). A general LM on a prompts file (the shipped general set by default): 32 new tokens per
+    A task policy: ``prompts.max_new_tokens`` 8, ``calibration.samples`` 256, ``calibration.golden``
+    DEFAULT_TASK_GOLDEN (the gate's items; ``split_prompts`` gives the float-layer search as many more).
+    A general LM on a prompts file (the shipped general set by default): 32 new tokens per
     item, ``min(40, half the file)`` golden items, and every other prompt once as calibration (at most 256: a
     repeated prompt's greedy rollout is the same sequence again, work that adds nothing). Set fields are kept.
     """
@@ -65,6 +66,8 @@ def resolve_defaults(cfg: BuildConfig) -> BuildConfig:
     task = is_task_policy(cfg)
     if p.max_new_tokens is None:
         p = replace(p, max_new_tokens=TASK_NEW_TOKENS if task else GENERAL_NEW_TOKENS)
+    if task and c.golden is None:
+        c = replace(c, golden=DEFAULT_TASK_GOLDEN)
     if not task and (c.golden is None or (c.samples is None and not cfg.rollouts.jsonl)):
         n = len(read_prompts_file(_prompts_path(cfg)))
         c = replace(c, golden=min(GENERAL_GOLDEN, max(2, n // 2)) if c.golden is None else c.golden)
@@ -86,7 +89,6 @@ def split_prompts(cfg: BuildConfig) -> PromptSplit:
     if is_task_policy(cfg):
         # the task has prompts to spare: the gate gets all n_gold (its granularity as asked) and the float-layer
         # search as many more of its own (split_golden alternates them)
-        n_gold = DEFAULT_TASK_GOLDEN if n_gold is None else n_gold
         if 2 * n_gold > TASK_GOLDEN_POOL:
             raise ConfigError(f"calibration.golden: {n_gold} exceeds {TASK_GOLDEN_POOL // 2} (the gate's items and as "
                               f"many for the float-layer search come from the {TASK_GOLDEN_POOL} task prompts held out "

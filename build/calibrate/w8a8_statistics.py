@@ -115,7 +115,7 @@ def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
 
 def onnx_recipe_note(recipe: RecipeConfig) -> str:
     base = "onnxruntime static QDQ: per-tensor uint8 activations (MinMax), per-channel int8 weights"
-    if recipe.base_mode == "w8a8":
+    if recipe.per_token:
         return (base + "; a weaker recipe than the shipped TorchScript's (no per-token scales, smoothing or "
                 "GPTQ rounding), gated on its own: left out (artifacts.int8_onnx_skipped) when it misses the gate")
     return base + "; the same calibration set as the TorchScript artifact"

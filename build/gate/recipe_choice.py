@@ -133,7 +133,7 @@ def gate_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModel
     """Convert one candidate and gate it (with layer fallback, each passing prefix judged by ``confirm``);
     with the canary off, only measure it."""
     c = cfg.canary
-    if recipe.base_mode == "w8a8":
+    if recipe.per_token:
         return gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure, measure_logits, name, status, confirm)
     prepared, _ = calibrated.get(recipe.smooth)
     if not c.enabled:

@@ -182,7 +182,7 @@ def fresh_statistics(cfg: BuildConfig, manifest: dict) -> dict:
         rollouts = rollouts_stage(cfg, stages, mesh, loaded, golden_set=False)
         with stages.run("calibration statistics of the shipped recipe") as s:
             calibrated = CalibratedModels(cfg, mesh, loaded.policy, rollouts.batches)
-            if recipe.smooth and recipe.base_mode != "w8a8":
+            if recipe.smooth and not recipe.per_token:
                 calibrated.smoothing_scales(recipe.smooth_alpha)
             summary = calibrated.summary(recipe)
             s.detail = f"{recipe.scheme}, {len(rollouts.seqs)} samples"
