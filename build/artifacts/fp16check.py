@@ -15,7 +15,7 @@ import torch
 from policy_bundle.bundle.info import read_golden_jsonl
 from policy_bundle.bundle.layout import FP16_DIR, BundleLayout
 from policy_bundle.bundle.manifest import read_manifest, verify_files
-from policy_bundle.quantize.vllm_launch import offline_llm
+from policy_bundle.quantize.vllm_launch import offline_engine
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,11 @@ def transformers_completions(fp16_dir: Path, prompts: List[List[int]], max_new: 
 
 
 def vllm_completions(fp16_dir: Path, prompts: List[List[int]], max_new: int, eos: Optional[int]) -> List[List[int]]:
-    llm = offline_llm(fp16_dir, "float16")  # the environment defaults set, vllm imported
-    from vllm import SamplingParams
+    with offline_engine(fp16_dir, "float16") as llm:  # the environment defaults set, vllm imported
+        from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_new)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=max_new)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [trim_at_eos(list(o.outputs[0].token_ids), eos) for o in outs]
 
 

@@ -15,7 +15,7 @@ from policy_bundle.build.errors import ConfigError
 from policy_bundle.build.progress import Throttled
 from policy_bundle.bundle.info import encode_prompt
 from policy_bundle.quantize.decode import greedy_generate_batch
-from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm
+from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_engine
 
 
 @torch.no_grad()
@@ -36,10 +36,10 @@ def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tok
         from vllm import SamplingParams
     except ImportError as exc:
         raise ConfigError(f"rollouts.engine: 'vllm' but vllm cannot be imported ({exc})") from None
-    llm = offline_llm(policy_dir, "float32")
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False, ignore_eos=eos is None,
                             stop_token_ids=None if eos is None else [eos])
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
+    with offline_engine(policy_dir, "float32") as llm:
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
