@@ -54,9 +54,8 @@ def test_the_bento_image_runs_vllm_with_the_same_defaults():
     assert {k: str(env.get(k)) for k in VLLM_ENV_DEFAULTS} == dict(VLLM_ENV_DEFAULTS)
 
 
-
 RSS_SCRIPT = """
-import gc, sys
+import sys
 def rss_mb():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
 from policy_bundle.quantize.vllm_launch import offline_engine
