@@ -19,7 +19,7 @@ import torch
 
 from policy_bundle.build.calibrate.prompt_split import split_prompts
 from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
-from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan, sensitivity_probe
+from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.loadtest.real_lm import smollm2_dir
@@ -29,7 +29,8 @@ from policy_bundle.quantize.export import script_int8
 from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
-from policy_bundle.quantize.w8a8_plan import layer_sensitivity
+from policy_bundle.quantize.sensitivity import sensitivity_probe
+from policy_bundle.quantize.w8a8_plan import plan_sensitivity
 
 warnings.filterwarnings("ignore")
 
@@ -112,7 +113,7 @@ def main() -> None:
         plan = make_plan(policy, collect_stats(None, policy, batches, recipe), recipe)
         names = recipes.selected_linears(policy, recipe)
         report(f"{scheme} {rounding}", plan.convert(policy, names), "embed_tokens, lm_head")
-    sens = layer_sensitivity(policy, plan, names, sensitivity_probe(batches))
+    sens = plan_sensitivity(policy, plan, names, sensitivity_probe(batches))
     kept = {n for n, _ in sens[: args.float_layers]}
     report(f"smooth-w8a8 gptq, {args.float_layers} most sensitive in float (shipped)",
            plan.convert(policy, [n for n in names if n not in kept]), f"embed, lm_head + {args.float_layers}")

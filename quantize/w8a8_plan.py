@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from policy_bundle.quantize.gptq import gptq_quantize
 from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
-from policy_bundle.quantize.model import full_logits
+from policy_bundle.quantize.sensitivity import layer_sensitivity
 from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
 from policy_bundle.quantize.w8a8 import (Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight,
                                          rotation_block, rotation_matrix)
@@ -204,46 +203,8 @@ def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max:
     return best[1], best[2]
 
 
-class ProbeSensitivity:
-    """KL(float || only one linear in int8) of the final logits on ``probe`` tokens, one linear at a time.
-
-    The reference is the smoothed float model (the plan's scales, no linear in int8); one forward per
-    linear on a small probe: the local output error misses how an error grows through the layers
-    above (on SmolLM2-135M it ranked the one linear that mattered most 17th). ``score`` takes any plan
-    with the same scales (e.g. ``plan.subset(names)``, what a mesh actor receives).
-    """
-
-    @torch.no_grad()
-    def __init__(self, policy: nn.Module, plan: W8A8Plan, probe: Tensor):
-        self.probe = probe
-        self.model = plan.convert(policy, [])
-        self.ref = F.log_softmax(full_logits(self.model, probe).double(), dim=-1)
-
-    @torch.no_grad()
-    def score(self, plan: W8A8Plan, name: str) -> float:
-        parent, _, child = name.rpartition(".")
-        holder = self.model.get_submodule(parent) if parent else self.model
-        float_linear = getattr(holder, child)
-        setattr(holder, child, plan.quantized_module(name, float_linear))
-        try:
-            lp = F.log_softmax(full_logits(self.model, self.probe).double(), dim=-1)
-        finally:
-            setattr(holder, child, float_linear)
-        return float((self.ref.exp() * (self.ref - lp)).sum(-1).mean())
-
-
-def rank_by_sensitivity(scores: Sequence[Tuple[str, float]]) -> List[Tuple[str, float]]:
-    """Most sensitive first; ties keep model order (the same ranking however the scores were sharded)."""
-    return sorted(scores, key=lambda t: -t[1])
-
-
-def layer_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
-                      progress: Callable[[int, int, str, float], None] = lambda *_: None) -> List[Tuple[str, float]]:
-    """Every named linear's ``ProbeSensitivity`` score in this process, most sensitive first."""
-    probe_model = ProbeSensitivity(policy, plan, probe)
-    scores: List[Tuple[str, float]] = []
-    for i, name in enumerate(names):
-        scores.append((name, probe_model.score(plan, name)))
-        worst = max(scores, key=lambda t: t[1])
-        progress(i + 1, len(names), worst[0], worst[1])
-    return rank_by_sensitivity(scores)
+def plan_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
+                     progress: Callable[[int, int, str, float], None] = lambda *_: None) -> List[Tuple[str, float]]:
+    """The w8a8 ranking (``quantize.sensitivity``): the reference is the plan's float model (its smoothing
+    scales and rotations, no linear in int8), each linear swapped for ``plan.quantized_module``."""
+    return layer_sensitivity(plan.convert(policy, []), names, plan.quantized_module, probe, progress)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_broken_layer_is_fixed_by_fallback(tmp_path, reference_dir):
 
 def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones(small_bundle, tmp_path):
     """Half the reference bundle's KL (measured on its held-out gate prompts): the search on its own prompts
-    finds a few float layers that meet it there (2 on the shipped reference policy), but the held-out prompts
+    finds a few float layers that meet it there (3 on the shipped reference policy), but the held-out prompts
     judge the build, and on them those layers fall short; the walk keeps one more layer in float at a time
     (each prefix passing the search prompts first) up to the budget (4 here), falls short there too, and the
     build is refused with the held-out numbers, nothing ships. (Before the gate and the search used disjoint
@@ -87,13 +88,16 @@ def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST,
                   "--set", f"canary.max_kl_mean={plain * 0.5}", "--set", "canary.max_fp_layers=4")
     assert res.returncode == 2 and "Traceback" not in res.stderr and not out.exists(), res.stderr[-2000:]
-    assert "passes on the search prompts but fails on the held-out gate prompts" in res.stderr
-    assert "the held-out gate prompts ask for more than 2 layer(s) in float; trying 3" in res.stderr
+    found = re.search(r"passes on the search prompts but fails on the held-out gate prompts: .* \((\d+) layer\(s\) in "
+                      r"float\)$", res.stderr, re.M)
+    assert found and 0 < int(found[1]) < 4, res.stderr[-3000:]  # the search's count, below the budget
+    n = int(found[1])
+    assert f"the held-out gate prompts ask for more than {n} layer(s) in float; trying {n + 1}" in res.stderr
     report = json.loads((tmp_path / "strict.canary-rejected" / "canary_report.json").read_text())
     kept = [r["layer"] for r in report["fp32_layers"]]
     assert len(kept) == 4 and all("sensitivity rank" in r["reason"] for r in report["fp32_layers"])
     assert report["metrics"]["kl_mean"] > plain * 0.5  # the held-out verdict is the one reported
-    assert "walked up from 2; canary.max_fp_layers=4" in res.stderr
+    assert f"walked up from {n}; canary.max_fp_layers=4" in res.stderr
 
 
 def manifest_linears(bundle):

@@ -145,8 +145,8 @@ def test_w8a8_statistics_on_the_mesh_equal_one_process(setup, reference_dir):
 def test_w8a8_sensitivity_spread_over_the_mesh_equals_the_in_process_ranking(setup, reference_dir):
     """Each actor scores its shard of linears (the plan travels with only their int8 weights); the
     merged ranking is the one this process computes: same order, same KL values."""
-    from policy_bundle.build.calibrate.w8a8_statistics import (collect_stats, make_plan, rank_sensitivity,
-                                                               sensitivity_probe)
+    from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan, rank_sensitivity
+    from policy_bundle.quantize.sensitivity import sensitivity_probe
 
     policy, _, _, batches = setup
     recipe = config(0).recipe_config("smooth-w8a8")

@@ -24,7 +24,7 @@ class CalibrationActor(Actor):
         self.policy = self.prepared = self.tok = None
         self.fault: Optional[Fault] = None
         self.generation = 0
-        self.probe_scorer: Optional[Tuple[str, Any]] = None  # (ranking token, ProbeSensitivity)
+        self.probe_scorer: Optional[Tuple[str, Any]] = None  # (ranking token, SwapSensitivity)
 
     @endpoint
     def setup(self, rank: int, policy_dir: str, max_seq_len: int, recipe: Dict[str, Any], threads: int,
@@ -116,11 +116,11 @@ class CalibrationActor(Actor):
         """w8a8 fallback ranking for the named linears: probe KL with each one alone in int8. ``plan``
         holds only their int8 weights; the smoothed float model and its probe logits are kept per ``token``
         (one per ranking), so later shards of the same ranking skip them."""
-        from policy_bundle.quantize.w8a8_plan import ProbeSensitivity
+        from policy_bundle.quantize.sensitivity import SwapSensitivity
 
         self._maybe_fail(shard, 0)
         if self.probe_scorer is None or self.probe_scorer[0] != token:
             self.probe_scorer = None  # free the previous ranking's model first
-            self.probe_scorer = (token, ProbeSensitivity(self.policy, plan, probe))
+            self.probe_scorer = (token, SwapSensitivity(plan.convert(self.policy, []), probe))
         scorer = self.probe_scorer[1]
-        return [(name, scorer.score(plan, name)) for name in names]
+        return [(name, scorer.score(name, plan.quantized_module)) for name in names]

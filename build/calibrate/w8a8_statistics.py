@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import linear_stats as ls
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
-from policy_bundle.quantize.w8a8_plan import W8A8Plan, build_plan, layer_sensitivity, rank_by_sensitivity
+from policy_bundle.quantize.sensitivity import rank_by_sensitivity
+from policy_bundle.quantize.w8a8_plan import W8A8Plan, build_plan, plan_sensitivity
 
 LAYERS_PER_CALL = 4  # Hessians of 4 SmolLM2-135M layers are ~110 MB per shard
 LINEARS_PER_SENSITIVITY_CALL = 15  # a progress line per shard (SmolLM2-135M: 14 shards, ~5 s each)
@@ -70,7 +71,7 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
 
 def rank_sensitivity(mesh, policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
                      status: Callable[[str], str] = lambda s: s) -> List[Tuple[str, float]]:
-    """Every linear's probe KL alone in int8 (``w8a8_plan.ProbeSensitivity``), most sensitive first.
+    """Every linear's probe KL alone in int8 (``quantize.sensitivity``), most sensitive first.
 
     On the mesh, the linears are split into shards of ``LINEARS_PER_SENSITIVITY_CALL`` spread over the
     actors (each loads the policy from its path; a shard's message carries the plan with only its
@@ -83,19 +84,13 @@ def rank_sensitivity(mesh, policy: nn.Module, plan: W8A8Plan, names: Sequence[st
             set_status(status(f"sensitivity {done}/{total} linears, most sensitive so far {worst} (KL {kl:.3g})"))
             tick(done, total, f"[canary] sensitivity: linears done, most sensitive so far {worst} (KL {kl:.3g})")
 
-        return layer_sensitivity(policy, plan, names, probe, progress=progress)
+        return plan_sensitivity(policy, plan, names, probe, progress=progress)
     chunks = [list(names[i:i + LINEARS_PER_SENSITIVITY_CALL]) for i in range(0, len(names), LINEARS_PER_SENSITIVITY_CALL)]
     token = uuid.uuid4().hex
     set_status(status(f"sensitivity of {len(names)} linears in {len(chunks)} shards on {len(mesh.workers)} mesh actors"))
     parts = mesh.run_shards("sensitivity", [(token, plan.subset(c), c, probe) for c in chunks],
                             [len(c) for c in chunks], "linears")
     return rank_by_sensitivity([s for part in parts for s in part])
-
-
-def sensitivity_probe(batches: Sequence[Tensor], rows: int = 2, tokens: int = 64) -> Tensor:
-    """A few calibration sequences (the longest batch's first rows, at most ``tokens`` long)."""
-    longest = max(batches, key=lambda b: b.shape[1])
-    return longest[:rows, :tokens]
 
 
 def stats_summary(stats: ls.LinearStats) -> Dict[str, dict]:

@@ -27,13 +27,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from torch import nn
+from torch import Tensor, nn
 
 from policy_bundle.build.gate.canary_report import Attempt, CanaryOutcome
 from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, GateVerdict, GoldenItem, compare_logits,
-                                             evaluate_gate, policy_logits_fn, teacher_forced_logits)
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, evaluate_gate
+from policy_bundle.quantize.sensitivity import layer_sensitivity
 
 Measure = Callable[[nn.Module], FidelityReport]
 Confirm = Callable[[CanaryOutcome], CanaryOutcome]
@@ -186,44 +186,35 @@ def _rejected(search: FallbackSearch, hi: int) -> CanaryOutcome:
     return search.outcome(hi, why)
 
 
-def layer_sensitivity(policy: nn.Module, prepared: nn.Module, recipe: recipes.RecipeConfig,
-                      golden: Sequence[GoldenItem]) -> List[Tuple[str, float]]:
-    """Per quantized layer: KL mean of the model with only that layer quantized, most sensitive first (the
-    torch.ao recipes' ranking, as Intel Neural Compressor ranks layers for its fallback).
-
-    Two conversions in all (every layer quantized, none quantized); each layer's converted module
-    is then swapped into the float model for one teacher-forced pass. (One conversion per layer took
-    over 25 minutes on a 135M LM.)
-    """
+def torch_ao_sensitivity(prepared: nn.Module, recipe: recipes.RecipeConfig, probe: Tensor,
+                         progress: Callable[[int, int, str, float], None]) -> List[Tuple[str, float]]:
+    """The torch.ao ranking (``quantize.sensitivity``, the one the w8a8 recipes use too): two conversions
+    in all, every layer quantized and none quantized (the reference: the smoothed float model where the
+    recipe smooths); each layer's converted module is swapped into the float one for a probe forward.
+    (One conversion per layer took over 25 minutes on a 135M LM, a golden-set pass per layer 29.)"""
     layers = recipes.selected_linears(prepared, recipe)
     quantized = recipes.convert(prepared, recipe)
     model = recipes.convert(prepared, replace(recipe, fp32_layers=recipe.fp32_layers + tuple(layers)))
-    ref = teacher_forced_logits(policy_logits_fn(policy), golden)
-    tick = Throttled()
-    scores = []
-    for i, name in enumerate(layers):
-        parent, _, child = name.rpartition(".")
-        holder = model.get_submodule(parent) if parent else model
-        float_module = getattr(holder, child)
-        setattr(holder, child, quantized.get_submodule(name))
-        _, kl = compare_logits(ref, teacher_forced_logits(policy_logits_fn(model), golden))
-        setattr(holder, child, float_module)
-        scores.append((name, float(kl.mean())))
-        tick(i + 1, len(layers), f"[canary] sensitivity: {name} KL {scores[-1][1]:.3g}")
-    return sorted(scores, key=lambda s: -s[1])
+    return layer_sensitivity(model, layers, lambda name, _: quantized.get_submodule(name), probe, progress)
 
 
-def gate_torch_ao(policy: nn.Module, prepared: nn.Module, recipe: recipes.RecipeConfig, golden: Sequence[GoldenItem],
+def gate_torch_ao(prepared: nn.Module, recipe: recipes.RecipeConfig, probe: Tensor,
                   thresholds: GateThresholds, max_fp_layers: int, measure: Measure, measure_logits: Optional[Measure],
                   label: str, status: Callable[[str], str] = lambda s: s,
                   confirm: Optional[Confirm] = None) -> CanaryOutcome:
-    """A torch.ao recipe: layers ranked by golden-set KL with only that layer quantized, walked one by one."""
+    """A torch.ao recipe: layers ranked by probe KL with only that layer quantized, walked one by one."""
     def convert(kept: List[str]) -> nn.Module:
         return recipes.convert(prepared, replace(recipe, fp32_layers=recipe.fp32_layers + tuple(kept)))
 
     def rank() -> List[Tuple[str, float]]:
-        set_status(status("sensitivity: one golden-set pass per layer"))
-        return layer_sensitivity(policy, prepared, recipe, golden)
+        tick = Throttled()
+
+        def progress(done: int, total: int, worst: str, kl: float) -> None:
+            set_status(status(f"sensitivity {done}/{total} layers, most sensitive so far {worst} (KL {kl:.3g})"))
+            tick(done, total, f"[canary] sensitivity: layers done, most sensitive so far {worst} (KL {kl:.3g})")
+
+        set_status(status("sensitivity: one probe forward per layer"))
+        return torch_ao_sensitivity(prepared, recipe, probe, progress)
 
     search = FallbackSearch(f"INT8 candidate {label}", convert, thresholds, measure, measure_logits, status, confirm)
     return walk_fallback(search, rank, max_fp_layers)

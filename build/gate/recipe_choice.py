@@ -21,8 +21,9 @@ from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import script_int8
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, GoldenItem, evaluate_gate
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, evaluate_gate
 from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.sensitivity import sensitivity_probe
 
 
 @dataclass
@@ -104,8 +105,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
             return held_out_verdict(searched, judge(searched.int8), cfg.canary.gate)
 
         set_status(status("preparing"))
-        outcome = gate_candidate(cfg, policy, calibrated, recipe, golden.search, measure, logits_only, name, status,
-                                 confirm)
+        outcome = gate_candidate(cfg, policy, calibrated, recipe, measure, logits_only, name, status, confirm)
         speed = None
         if auto and outcome.verdict.passed:
             set_status(status("decode speed of the passing candidate (TorchScript)"))
@@ -128,7 +128,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
 
 
 def gate_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
-                   golden: List[GoldenItem], measure, measure_logits, name: str,
+                   measure, measure_logits, name: str,
                    status: Callable[[str], str], confirm=None) -> CanaryOutcome:
     """Convert one candidate and gate it (with layer fallback, each passing prefix judged by ``confirm``);
     with the canary off, only measure it."""
@@ -139,13 +139,13 @@ def gate_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModel
     if not c.enabled:
         int8 = recipes.convert(prepared, recipe)
         return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
-    return gate_torch_ao(policy, prepared, recipe, golden, c.gate, c.max_fp_layers, measure, measure_logits, name,
-                         status, confirm)
+    return gate_torch_ao(prepared, recipe, sensitivity_probe(calibrated.batches), c.gate, c.max_fp_layers, measure,
+                         measure_logits, name, status, confirm)
 
 
 def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure,
                         measure_logits, name: str, status: Callable[[str], str], confirm=None) -> CanaryOutcome:
-    from policy_bundle.build.calibrate.w8a8_statistics import rank_sensitivity, sensitivity_probe
+    from policy_bundle.build.calibrate.w8a8_statistics import rank_sensitivity
 
     set_status(status("quantization plan (smoothing search, weight rounding)"))
     plan = calibrated.plan(recipe)

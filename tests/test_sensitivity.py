@@ -1,0 +1,72 @@
+"""One layer-sensitivity implementation for both recipe families (quantize/sensitivity.py): a linear swapped for a
+broken copy is ranked first, an exact copy scores zero, the float module is back afterwards, and the torch.ao and
+w8a8 rankings score the same linears."""
+
+import copy
+
+import pytest
+import torch
+
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.hf_weights import load_policy
+from policy_bundle.quantize.sensitivity import SwapSensitivity, layer_sensitivity, sensitivity_probe
+
+BROKEN = "layers.0.mlp.down_proj"
+
+
+def probe_of(policy, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return sensitivity_probe([torch.randint(0, policy.embed_tokens.num_embeddings, (4, 24), generator=g)])
+
+
+def test_a_broken_linear_ranks_first_and_an_exact_copy_scores_zero(reference_dir):
+    policy = load_policy(reference_dir)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    names = recipes.selected_linears(policy, recipes.RecipeConfig())
+
+    def quantized(name, float_module):
+        twin = copy.deepcopy(float_module)
+        if name == BROKEN:  # the negative control: one scale x50, as the build's injected fault does
+            with torch.no_grad():
+                twin.weight.mul_(50.0)
+        return twin
+
+    ranking = layer_sensitivity(policy, names, quantized, probe_of(policy))
+    assert [n for n, _ in ranking][0] == BROKEN and ranking[0][1] > 0.01
+    assert sorted(n for n, _ in ranking) == sorted(names)
+    assert all(kl < 1e-9 for n, kl in ranking if n != BROKEN)  # an exact copy moves nothing
+    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items())  # float modules back in place
+
+
+def test_the_float_module_is_restored_when_a_swapped_forward_fails(reference_dir):
+    policy = load_policy(reference_dir)
+    scorer = SwapSensitivity(policy, probe_of(policy))
+    original = policy.get_submodule(BROKEN)
+
+    class Fails(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("broken kernel")
+
+    with pytest.raises(RuntimeError, match="broken kernel"):
+        scorer.score(BROKEN, lambda name, f: Fails())
+    assert policy.get_submodule(BROKEN) is original
+
+
+def test_torch_ao_and_w8a8_rankings_score_the_same_linears_on_one_probe(reference_dir):
+    from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan
+    from policy_bundle.build.gate.fallback import torch_ao_sensitivity
+    from policy_bundle.quantize.w8a8_plan import plan_sensitivity
+
+    policy = load_policy(reference_dir)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, policy.embed_tokens.num_embeddings, (8, 24), generator=g) for _ in range(2)]
+    probe = sensitivity_probe(batches)
+    static = recipes.RecipeConfig(scheme="static")
+    prepared = recipes.prepare(policy, static)
+    recipes.calibrate(prepared, batches)
+    ao = torch_ao_sensitivity(prepared, static, probe, lambda *_: None)
+    w8a8 = recipes.RecipeConfig(scheme="w8a8", rounding="nearest")
+    plan = make_plan(policy, collect_stats(None, policy, batches, w8a8), w8a8)
+    per_token = plan_sensitivity(policy, plan, recipes.selected_linears(policy, w8a8), probe)
+    assert sorted(n for n, _ in ao) == sorted(n for n, _ in per_token) == sorted(recipes.selected_linears(policy, static))
+    assert all(kl >= 0 for _, kl in ao + per_token) and ao[0][1] > 0 and per_token[0][1] > 0
