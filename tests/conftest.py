@@ -90,8 +90,10 @@ def pytest_runtest_makereport(item, call):
 # ---- parallel runs (pytest-xdist: ``-n 2 --dist loadfile`` in pyproject's addopts) ------------------------
 # One file's tests run in one worker (its module fixtures, a built bundle, a running server, an image, are made
 # once). Files go to the workers in this order (``--no-loadscope-reorder``): the longest first, measured on 2 cores,
-# so no worker starts a long file at the end while the other idles. Within a file the order stays as written.
-LONGEST_FIRST = ("test_real_lm", "test_drills", "test_drills_faults", "test_container", "test_serve", "test_torchtitan",
+# so no worker starts a long file at the end while the other idles; the second file is one that needs no shared
+# bundle (test_torchtitan trains and builds its own), so the second worker computes while the first builds the
+# small bundle instead of waiting on its lock. Within a file the order stays as written.
+LONGEST_FIRST = ("test_real_lm", "test_drills", "test_torchtitan", "test_drills_faults", "test_container", "test_serve",
                  "test_mesh", "test_real_lm_quick", "test_bento", "test_rollout_replicas", "test_serve_faults",
                  "test_serve_failure_paths", "test_watch", "test_canary", "test_build_cli", "test_w8a8_build",
                  "test_build_output", "test_outliers")

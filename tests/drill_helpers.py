@@ -2,19 +2,30 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+from filelock import FileLock
 
 from cli_helpers import ROOT, shared_tmp
 
 
 @pytest.fixture(scope="module", autouse=True)
-def drill_bundles(tmp_path_factory):
-    """One good and one broken bundle for every drill of this run, in both workers (built by the first drill
-    that needs it, under a lock; copied, verified and registered by the others: see ``build_bundle``)."""
-    os.environ["POLICY_BUNDLE_DRILL_BUNDLES"] = str(shared_tmp(tmp_path_factory) / "drill-bundles")
+def drill_bundles(tmp_path_factory, small_bundle):
+    """One good and one broken bundle for every drill of this run, in both workers: the good one is the suite's
+    small bundle (the same reference config the drills build; one build fewer), the broken one is built by the
+    first drill that needs it, under a lock. The drills copy, verify and register them: see ``build_bundle``."""
+    cache = shared_tmp(tmp_path_factory) / "drill-bundles"
+    cache.mkdir(exist_ok=True)
+    with FileLock(str(cache / "good.lock")):  # build_bundle's lock for the good bundle
+        if not (cache / "good" / "bundle.json").is_file():
+            tmp = cache / f".good.{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(small_bundle, tmp)
+            tmp.rename(cache / "good")  # whole or not at all
+    os.environ["POLICY_BUNDLE_DRILL_BUNDLES"] = str(cache)
     yield
     del os.environ["POLICY_BUNDLE_DRILL_BUNDLES"]
 

@@ -20,7 +20,10 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 @pytest.mark.parametrize("drill", ["overload", "bad-input"])
 def test_fault_drill_command_passes_and_writes_its_report(drill, tmp_path, reference_dir):
-    figures = passed_report(run_drill(drill, tmp_path, "--seconds", "40", "--fp16-engine", "fallback"),
+    # overload at 24 s: 6 s measuring capacity, 12 s offered twice that, 6 s of recovery (the drill's floors);
+    # bad-input: 40 fuzz examples per check (the report asserts at least 50 cases in all)
+    seconds = {"overload": "24", "bad-input": "40"}[drill]
+    figures = passed_report(run_drill(drill, tmp_path, "--seconds", seconds, "--fp16-engine", "fallback"),
                             tmp_path / drill)
     assert figures["figures"]["fp16_engine"] == "policy-module-fp32"
     if drill == "overload":  # the offered load, what was turned away and the memory are in the report
