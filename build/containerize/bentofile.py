@@ -7,7 +7,9 @@ torch from PyTorch's CPU index). For the local image it gains, in a generated co
 - the CPU torch wheel in ``python.wheels`` and ``--find-links`` to it, so the install takes torch 2.13.0+cpu
   from the bento (pinned, as ``setup.sh`` does) and never asks an index for the multi-GB CUDA build;
 - ``--excludes`` for torchvision/torchaudio/torchcodec, the packages ``setup.sh`` never installs (PyPI's builds
-  break ``import vllm`` beside torch 2.13.0+cpu). BentoML copies ``python.wheels`` files into
+  break ``import vllm`` beside torch 2.13.0+cpu), and for triton: xgrammar (a vLLM dependency) asks for it on
+  x86-64 Linux, yet nothing on a CPU runs it (vLLM's FP16 and compressed-tensors W8A8 engines gave the same greedy
+  text with triton blocked, 2026-12-02), and it was 1.0 GB of the image's 3.5 GB of packages. BentoML copies ``python.wheels`` files into
   ``env/python/wheels/`` and installs only ``*.whl`` from there, so the excludes list travels beside the wheel.
 """
 
@@ -23,7 +25,7 @@ import yaml
 from policy_bundle.build.errors import ContainerizeError
 
 TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
-EXCLUDES = ("torchvision", "torchaudio", "torchcodec")  # the same list as setup.sh's
+EXCLUDES = ("torchvision", "torchaudio", "torchcodec", "triton")  # setup.sh's list, and triton (the image only)
 EXCLUDES_FILE = "install-excludes.txt"
 # install.sh runs the wheel install from the bento root and the requirements install from env/python, so the
 # pip args name absolute paths: BentoML's bento path in the image (BENTO_PATH of its generated Dockerfile)
