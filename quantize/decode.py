@@ -4,17 +4,21 @@ Used by greedy generation (build rollouts, the accuracy gate), the decode-speed 
 build's ``auto`` recipe choice, the benchmarks) and the serving engine. ``module`` is anything with
 the Policy interface: the eager ``Policy``, ``CastPolicy`` or the exported INT8 TorchScript module,
 which all expose ``new_cache(batch, total)``, ``prefill(ids, k, v)`` and ``decode(token, pos, k, v)``.
+Batched greedy generation runs on a ``SlotBatch`` (``slots.py``), like the serving engine's batches.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 import torch
 from torch import Tensor
+
+from policy_bundle.quantize.slots import SlotBatch
 
 
 class Picked(Protocol):
@@ -89,44 +93,36 @@ def decode_tokens_per_s(module, prompt_ids: Sequence[int], new_tokens: int, repe
 def greedy_generate_batch(module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                           eos_token_id: Optional[int] = None, batch_size: int = 16,
                           done: Callable[[int], None] = lambda i: None) -> list[list[int]]:
-    """``greedy_generate`` for many prompts, ``batch_size`` sequences per decode step (``decode_batch``:
-    one position per row), prompts of similar length together. Only for modules whose rows do not
-    see each other (float policies, per-token or static int8), whose greedy tokens do not depend on
-    the batch. ``done(i)`` is called as sequence ``i`` finishes."""
+    """``greedy_generate`` for many prompts, up to ``batch_size`` sequences per decode step (a
+    ``SlotBatch``): prompts enter shortest first, and a finished sequence's slot takes the next prompt
+    at once. Only for modules whose rows do not see each other (float policies, per-token or static
+    int8), whose greedy tokens do not depend on the batch. ``done(i)`` is called as sequence ``i``
+    finishes."""
     outs: list[list[int]] = [[] for _ in prompts]
-    if max_new_tokens <= 0:
+    if max_new_tokens <= 0 or not prompts:
         for i in range(len(prompts)):
             done(i)
         return outs
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    for start in range(0, len(order), max(1, batch_size)):
-        rows = order[start : start + max(1, batch_size)]
-        total = max(len(prompts[i]) for i in rows) + max_new_tokens
-        k, v = module.new_cache(len(rows), total)
-        last, pos = [], []
-        for b, i in enumerate(rows):
-            n = len(prompts[i])
-            logits = module.prefill(torch.tensor([list(prompts[i])]), k[:, b : b + 1, :, :n], v[:, b : b + 1, :, :n])
-            last.append(int(logits[0, -1].argmax()))
-            pos.append(n)
-        live = list(range(len(rows)))  # indices into ``rows`` still generating, in cache-row order
-        while True:
-            keep = []
-            for r, b in enumerate(live):
-                outs[rows[b]].append(last[r])
-                if last[r] == eos_token_id or len(outs[rows[b]]) >= max_new_tokens:
-                    done(rows[b])
-                else:
-                    keep.append(r)
-            if not keep:
-                break
-            if len(keep) < len(live):  # finished rows leave: compact the cache to the live rows
-                idx = torch.tensor(keep)
-                k, v = k.index_select(1, idx), v.index_select(1, idx)
-                live, last, pos = [live[r] for r in keep], [last[r] for r in keep], [pos[r] for r in keep]
-            p = torch.tensor(pos)
-            s = int(p.max()) + 1
-            logits = module.decode_batch(torch.tensor(last).view(-1, 1), p, k[:, :, :, :s], v[:, :, :, :s])
-            last = logits[:, 0].argmax(-1).tolist()
-            pos = [x + 1 for x in pos]
+
+    def finished(i: int) -> bool:
+        return outs[i][-1] == eos_token_id or len(outs[i]) >= max_new_tokens
+
+    waiting = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
+    batch: SlotBatch[int] = SlotBatch(module, max(len(p) for p in prompts) + max_new_tokens, batch_size)
+    batch.grow(min(batch.max_capacity, len(prompts)))
+    while waiting or len(batch):
+        while waiting and len(batch) < batch.max_capacity:
+            i = waiting.popleft()
+            outs[i].append(int(batch.prefill(prompts[i])[-1].argmax()))
+            if finished(i):
+                done(i)
+            else:
+                batch.join(i)
+        if len(batch):
+            logits = batch.step([outs[i][-1] for i in batch.rows])
+            for i, token in zip(batch.rows, logits.argmax(-1).tolist()):
+                outs[i].append(token)
+                if finished(i):
+                    done(i)
+            batch.drop(finished)
     return outs

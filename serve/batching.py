@@ -1,10 +1,11 @@
 """Continuous batching for the INT8 TorchScript policy (and our FP policy module, its fallback).
 
-One decode thread owns the model and a KV cache of ``capacity`` slots. Each step it admits
-newcomers (their prompts prefilled into free slots; while others are decoding, at most
-``prefill_chunk`` prompt tokens per step, a long prompt in chunks across steps, so running streams
-keep flowing), then advances every active request by one token with the artifact's
-``decode_batch(tokens [B, 1], pos [B], k, v)``: each row at its own position. A finished or
+One decode thread owns the model and a KV cache of ``capacity`` slots (quantize's ``SlotBatch``, the
+build's batched rollouts' too). Each step it admits newcomers (their prompts prefilled into free
+slots; while others are decoding, at most ``prefill_chunk`` prompt tokens per step, a long prompt in
+chunks across steps, so running streams keep flowing), then advances every active request by one
+token with the artifact's ``decode_batch(tokens [B, 1], pos [B], k, v)``: each row at its own
+position (``decode`` when there is one row). A finished or
 cancelled request leaves at once; the last row moves into its slot, so the active rows are always
 slots ``0..n-1`` and a step runs on a view of the cache, never on a copy. Sampling, seeds, stop
 tokens and logprobs stay per request (``pick_token`` with the request's own generator), so a greedy
@@ -23,6 +24,7 @@ from typing import AsyncIterator, Deque, List, Optional
 
 import torch
 
+from policy_bundle.quantize.slots import SlotBatch
 from policy_bundle.serve.engines import SamplingParams, Step, last_position_logits, pick_token
 
 log = logging.getLogger("policy_bundle.serve")
@@ -37,8 +39,7 @@ class _Request:
     queue: asyncio.Queue
     gen: Optional[torch.Generator] = None
     filled: int = 0  # prompt tokens already in the cache (chunked prefill)
-    pos: int = 0  # where ``last`` is written by the next decode step
-    last: int = 0
+    last: int = 0  # the token the next decode step feeds
     produced: int = 0
     cancelled: bool = False
     done: bool = field(default=False)
@@ -48,6 +49,11 @@ class _Request:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is gone: nobody is listening
             self.cancelled = True
+
+
+def _leaves(r: _Request) -> bool:
+    """A finished or cancelled request leaves the batch (its slot is released)."""
+    return r.done or r.cancelled
 
 
 class BatchedEngine:
@@ -62,10 +68,8 @@ class BatchedEngine:
         self.delay_s = fault.factor if fault else 0.0  # test-only fault: seconds per step
         self._pending: Deque[_Request] = deque()
         self._cv = threading.Condition()
-        self._active: List[_Request] = []
-        self._filling: Optional[_Request] = None  # a newcomer whose prompt is part-way into slot len(active)
-        self._k = self._v = None
-        self.capacity = 0
+        self.slots: SlotBatch[_Request] = SlotBatch(module, max_seq_len, self.max_batch)  # rows: the active requests
+        self._filling: Optional[_Request] = None  # a newcomer whose prompt is part-way into slot len(slots)
         self.peak_batch = 0
         self.steps = 0
         self.loop_errors = 0
@@ -95,7 +99,7 @@ class BatchedEngine:
             req.cancelled = True  # a caller that stops early (client gone) frees its slot at the next step
 
     def stats(self) -> dict:
-        return {"active": len(self._active), "pending": len(self._pending), "capacity": self.capacity,
+        return {"active": len(self.slots), "pending": len(self._pending), "capacity": self.slots.capacity,
                 "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps}
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:
@@ -108,21 +112,22 @@ class BatchedEngine:
         while True:
             try:
                 with self._cv:
-                    while not self._pending and not self._active and self._filling is None:
+                    while not self._pending and not len(self.slots) and self._filling is None:
                         self._cv.wait()
                 self._admit()
-                if self._active:
+                if len(self.slots):
                     self._step()
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep the loop alive
                 self.loop_errors += 1
                 log.error("%s: batched decode failed (%s: %s); failing %d request(s)", self.name,
-                          type(exc).__name__, exc, len(self._active))
-                for r in self._active + ([self._filling] if self._filling else []):
+                          type(exc).__name__, exc, len(self.slots))
+                for r in self.slots.rows + ([self._filling] if self._filling else []):
                     r.emit(RuntimeError(f"{type(exc).__name__}: {exc}"))
-                self._active, self._filling = [], None
+                self.slots.clear()
+                self._filling = None
 
     def _next_newcomer(self) -> Optional[_Request]:
-        if len(self._active) >= self.max_batch:
+        if len(self.slots) >= self.max_batch:
             return None
         with self._cv:
             while self._pending:
@@ -132,9 +137,9 @@ class BatchedEngine:
         return None
 
     def _admit(self) -> None:
-        """Prefill newcomers into slot ``len(active)``: all of them when nothing is decoding, else at
+        """Prefill newcomers into slot ``len(slots)``: all of them when nothing is decoding, else at
         most ``prefill_chunk`` prompt tokens this step (the rest of a long prompt waits for the next)."""
-        budget = self.prefill_chunk if self._active else None
+        budget = self.prefill_chunk if len(self.slots) else None
         while budget is None or budget > 0:
             r = self._filling or self._next_newcomer()
             self._filling = None
@@ -142,15 +147,16 @@ class BatchedEngine:
                 break
             if r.cancelled:
                 continue
-            slot = len(self._active)
             start, n = r.filled, len(r.prompt)
             end = n if budget is None else min(n, start + budget)
-            try:
-                self._ensure_capacity(slot + 1)  # a failed allocation (out of memory) fails this request only
-                logits = self.module(torch.tensor([r.prompt[start:end]]), start, self._k[:, slot:slot + 1, :, :end],
-                                     self._v[:, slot:slot + 1, :, :end])
+            try:  # a failed allocation (out of memory) fails this request only
+                if self.slots.grow(len(self.slots) + 1):
+                    log.info("%s: KV cache grown to %d slots of %d tokens", self.name, self.slots.capacity,
+                             self.max_seq_len)
+                logits = self.slots.prefill(r.prompt[start:end], start)
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
-                r.emit(RuntimeError(f"prefill failed (KV cache of {self.capacity} slots): {type(exc).__name__}: {exc}"))
+                r.emit(RuntimeError(f"prefill failed (KV cache of {self.slots.capacity} slots): "
+                                    f"{type(exc).__name__}: {exc}"))
                 continue
             self._sleep_for_fault()
             r.filled = end
@@ -159,27 +165,19 @@ class BatchedEngine:
             if end < n:
                 self._filling = r
                 break
-            r.pos = n
-            self._active.append(r)
-            self._advance(r, logits[0, -1])
-        self._drop_finished()
+            self.slots.join(r)
+            self._advance(r, logits[-1])
+        self.slots.drop(_leaves)
 
     def _step(self) -> None:
-        rows = self._active
-        n = len(rows)
-        self.peak_batch = max(self.peak_batch, n)
-        tokens = torch.tensor([[r.last] for r in rows])
-        pos = torch.tensor([r.pos for r in rows], dtype=torch.long)
-        s = max(r.pos for r in rows) + 1
-        k, v = self._k[:, :n, :, :s], self._v[:, :n, :, :s]
-        # one row: the single-sequence decode (the same arithmetic, minus decode_batch's gathers)
-        logits = self.module.decode(tokens, rows[0].pos, k, v) if n == 1 else self.module.decode_batch(tokens, pos, k, v)
+        rows = self.slots.rows
+        self.peak_batch = max(self.peak_batch, len(rows))
+        logits = self.slots.step([r.last for r in rows])
         self.steps += 1
         self._sleep_for_fault()
-        for i, r in enumerate(rows):
-            r.pos += 1
-            self._advance(r, logits[i, 0])
-        self._drop_finished()
+        for r, row_logits in zip(rows, logits):
+            self._advance(r, row_logits)
+        self.slots.drop(_leaves)
 
     def _advance(self, r: _Request, logits) -> None:
         """Pick the request's next token from its logits row and hand it over; mark it done when it ends."""
@@ -194,39 +192,9 @@ class BatchedEngine:
             return
         r.last, r.produced = step.token_id, r.produced + 1
         r.emit(step)
-        if step.token_id == r.params.stop_token_id or r.pos + 1 >= r.total:
+        if step.token_id == r.params.stop_token_id or len(r.prompt) + r.produced >= r.total:
             r.done = True
             r.emit(None)
-
-    def _drop_finished(self) -> None:
-        """Remove done and cancelled rows; the last row moves into each freed slot (its filled positions only)."""
-        rows = self._active
-        fill_slot = len(rows)
-        for i in range(len(rows) - 1, -1, -1):
-            if not (rows[i].done or rows[i].cancelled):
-                continue
-            last = len(rows) - 1
-            if i != last:
-                filled = rows[last].pos
-                self._k[:, i, :, :filled] = self._k[:, last, :, :filled]
-                self._v[:, i, :, :filled] = self._v[:, last, :, :filled]
-                rows[i] = rows[last]
-            rows.pop()
-        if self._filling is not None and fill_slot != len(rows):  # the part-prefilled newcomer follows the rows
-            filled = self._filling.filled
-            self._k[:, len(rows), :, :filled] = self._k[:, fill_slot, :, :filled]
-            self._v[:, len(rows), :, :filled] = self._v[:, fill_slot, :, :filled]
-
-    def _ensure_capacity(self, n: int) -> None:
-        if n <= self.capacity:
-            return
-        cap = min(self.max_batch, max(4, 1 << (n - 1).bit_length()))
-        k, v = self.module.new_cache(cap, self.max_seq_len)
-        if self._k is not None:
-            k[:, : self.capacity] = self._k
-            v[:, : self.capacity] = self._v
-        self._k, self._v, self.capacity = k, v, cap
-        log.info("%s: KV cache grown to %d slots of %d tokens", self.name, cap, self.max_seq_len)
 
     def _sleep_for_fault(self) -> None:
         if self.delay_s:

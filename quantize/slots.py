@@ -1,0 +1,107 @@
+"""A KV cache of sequence slots for batched decoding: the active rows are always slots ``0..n-1``.
+
+The one slot bookkeeping of the build's batched greedy rollouts (``decode.greedy_generate_batch``) and
+the serving engine's continuous batching. A prompt is prefilled (whole, or in chunks) into the next
+free slot, ``len(rows)``, and ``join`` makes that slot a row; ``step`` advances every row by one token,
+each at its own position, on a view of the cache; ``release`` moves the last row into a freed slot.
+Rows do not see each other, so a row's tokens do not depend on the batch (for modules whose rows are
+independent: float policies, per-token or static int8).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, List, Optional, Sequence, TypeVar
+
+import torch
+from torch import Tensor
+
+R = TypeVar("R")
+
+
+class SlotBatch(Generic[R]):
+    """``module``'s KV cache of ``capacity`` slots of ``max_len`` positions; ``rows[i]`` (the caller's
+    object for the sequence in slot ``i``) writes its next token at ``pos[i]``."""
+
+    def __init__(self, module, max_len: int, max_capacity: int):
+        self.module, self.max_len, self.max_capacity = module, max_len, max(1, max_capacity)
+        self.k: Optional[Tensor] = None
+        self.v: Optional[Tensor] = None
+        self.capacity = 0
+        self.rows: List[R] = []
+        self.pos: List[int] = []
+        self.filling = 0  # prompt positions already in the next free slot (a part-prefilled prompt)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def grow(self, n: int) -> bool:
+        """Make room for ``n`` slots (a power of two, at least 4, at most ``max_capacity``), keeping the
+        cache's contents; True when it reallocated. A failed allocation leaves the batch as it was."""
+        if n <= self.capacity:
+            return False
+        if n > self.max_capacity:
+            raise ValueError(f"{n} slots asked of a batch of at most {self.max_capacity}")
+        cap = min(self.max_capacity, max(4, 1 << (n - 1).bit_length()))
+        k, v = self.module.new_cache(cap, self.max_len)
+        if self.k is not None:
+            k[:, : self.capacity] = self.k
+            v[:, : self.capacity] = self.v
+        self.k, self.v, self.capacity = k, v, cap
+        return True
+
+    def prefill(self, ids: Sequence[int], start: int = 0) -> Tensor:
+        """Write the prompt tokens ``ids`` at positions ``start..`` of the next free slot (its positions
+        ``0..start-1`` hold the prompt's earlier tokens); returns their logits [len(ids), V]."""
+        slot, end = len(self.rows), start + len(ids)
+        if slot >= self.capacity:
+            raise ValueError(f"no free slot: {slot} rows fill the cache's {self.capacity} slots (grow it first)")
+        self.filling = 0
+        logits = self.module(torch.tensor([list(ids)]), start, self.k[:, slot : slot + 1, :, :end],
+                             self.v[:, slot : slot + 1, :, :end])
+        self.filling = end
+        return logits[0]
+
+    def join(self, row: R) -> None:
+        """The next free slot, its prompt prefilled, becomes ``row``: its next token goes after the prompt."""
+        self.rows.append(row)
+        self.pos.append(self.filling)
+        self.filling = 0
+
+    def step(self, tokens: Sequence[int]) -> Tensor:
+        """Feed ``tokens[i]`` to row ``i`` at ``pos[i]``; returns the next logits [n, V]. One row runs the
+        single-sequence ``decode`` (the same arithmetic, minus ``decode_batch``'s gathers)."""
+        n, s = len(self.rows), max(self.pos) + 1
+        k, v = self.k[:, :n, :, :s], self.v[:, :n, :, :s]
+        ids = torch.tensor(list(tokens)).view(n, 1)
+        if n == 1:
+            logits = self.module.decode(ids, self.pos[0], k, v)
+        else:
+            logits = self.module.decode_batch(ids, torch.tensor(self.pos, dtype=torch.long), k, v)
+        self.pos = [p + 1 for p in self.pos]
+        return logits[:, 0]
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Free ``slots``: the last row moves into each (its filled positions only), and a part-prefilled
+        prompt follows the rows into the next free slot."""
+        n = len(self.rows)
+        for i in sorted(set(slots), reverse=True):  # the last row is then always one that stays
+            last = len(self.rows) - 1
+            if i != last:
+                self._copy(last, i, self.pos[last])
+                self.rows[i], self.pos[i] = self.rows[last], self.pos[last]
+            self.rows.pop()
+            self.pos.pop()
+        if self.filling and len(self.rows) != n:
+            self._copy(n, len(self.rows), self.filling)
+
+    def drop(self, leaves: Callable[[R], bool]) -> None:
+        """Release the slots of the rows for which ``leaves(row)`` is true."""
+        self.release([i for i, row in enumerate(self.rows) if leaves(row)])
+
+    def clear(self) -> None:
+        """Forget every row and any part-prefilled prompt (the cache stays allocated)."""
+        self.rows, self.pos, self.filling = [], [], 0
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]

@@ -1,0 +1,132 @@
+"""The slot batch: rows of one KV cache decode together and each gets the tokens it gets alone, however
+rows join, leave (the last row moving into the freed slot) or the cache grows. On the shipped reference
+policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policy_bundle.quantize.decode import greedy_generate, greedy_generate_batch
+from policy_bundle.quantize.hf_weights import load_policy
+from policy_bundle.quantize.slots import SlotBatch
+from policy_bundle.quantize.task import EOS, VOCAB, rollout_prompts
+
+EOS_ID = VOCAB.index(EOS)
+
+
+@pytest.fixture(scope="module")
+def policy(reference_dir):
+    return load_policy(reference_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Task prompts (their answers end with EOS) and a few of random tokens (which may run to the limit)."""
+    task = [[VOCAB.index("<s>")] + [VOCAB.index(c) for c in p] for p in rollout_prompts(20)]
+    g = torch.Generator().manual_seed(0)
+    noise = [torch.randint(3, len(VOCAB), (int(n),), generator=g).tolist() for n in (1, 3, 10, 12, 6)]
+    return task + noise
+
+
+def solo(policy, prompts, n=12):
+    return [greedy_generate(policy, p, n) for p in prompts]
+
+
+def admit(batch, prompt, row, outs):
+    """Prefill ``prompt`` into the next free slot, take its first token, join it as ``row``."""
+    outs[row] = [int(batch.prefill(prompt)[-1].argmax())]
+    batch.join(row)
+
+
+def advance(batch, outs, steps):
+    for _ in range(steps):
+        logits = batch.step([outs[r][-1] for r in batch.rows])
+        for r, token in zip(batch.rows, logits.argmax(-1).tolist()):
+            outs[r].append(token)
+
+
+def test_batched_greedy_with_slots_refilled_equals_one_sequence_at_a_time(policy, prompts):
+    alone = [greedy_generate(policy, p, 8, eos_token_id=EOS_ID) for p in prompts]
+    assert any(len(a) < 8 for a in alone) and any(len(a) == 8 for a in alone)  # some rows stop at EOS
+    finished = []
+    for batch_size in (1, 3, 8):
+        assert greedy_generate_batch(policy, prompts, 8, EOS_ID, batch_size, done=finished.append) == alone
+    assert sorted(finished) == sorted(list(range(len(prompts))) * 3)
+
+
+def test_a_released_slot_takes_the_last_row_and_its_continuation_is_unchanged(policy, prompts):
+    picked = [prompts[0], prompts[21], prompts[5], prompts[23]]  # different lengths
+    expected = solo(policy, picked)
+    batch, outs = SlotBatch(policy, 32, 8), {}
+    batch.grow(4)
+    for r, p in enumerate(picked):
+        admit(batch, p, r, outs)
+    advance(batch, outs, 3)
+    batch.release([0, 2])
+    assert batch.rows == [3, 1] and batch.pos == [len(picked[3]) + 3, len(picked[1]) + 3]
+    advance(batch, outs, 8)
+    assert [outs[r] for r in (1, 3)] == [expected[r] for r in (1, 3)]
+
+
+def test_a_part_prefilled_prompt_follows_the_rows_when_a_slot_is_released(policy, prompts):
+    picked = [prompts[0], prompts[1], prompts[23]]
+    expected = solo(policy, picked)
+    batch, outs = SlotBatch(policy, 32, 8), {}
+    batch.grow(3)
+    admit(batch, picked[0], 0, outs)
+    admit(batch, picked[1], 1, outs)
+    advance(batch, outs, 2)
+    head = batch.prefill(picked[2][:5])  # the first chunk of the newcomer's prompt, in slot 2
+    batch.release([0])  # row 1 moves to slot 0; the newcomer's chunk to slot 1
+    logits = batch.prefill(picked[2][5:], start=5)
+    assert head.shape[0] == 5 and batch.rows == [1]
+    outs[2] = [int(logits[-1].argmax())]
+    batch.join(2)
+    advance(batch, outs, 6)
+    assert [outs[1], outs[2]] == [expected[1][:9], expected[2][:7]]
+
+
+def test_growing_the_cache_keeps_the_rows_it_holds(policy, prompts):
+    picked = prompts[:4] + prompts[20:22]
+    expected = solo(policy, picked)
+    batch, outs = SlotBatch(policy, 32, 8), {}
+    assert batch.grow(1) and batch.capacity == 4
+    for r in range(4):
+        admit(batch, picked[r], r, outs)
+    advance(batch, outs, 2)
+    assert batch.grow(5) and batch.capacity == 8 and not batch.grow(8)
+    for r in (4, 5):
+        admit(batch, picked[r], r, outs)
+    advance(batch, outs, 4)
+    assert [outs[r] for r in range(6)] == [e[: len(outs[r])] for r, e in enumerate(expected)]
+
+
+def test_one_row_steps_with_decode_and_several_with_decode_batch(policy, prompts):
+    calls = []
+
+    class Counting:
+        def new_cache(self, b, n): return policy.new_cache(b, n)
+        def __call__(self, *a): return policy(*a)
+        def decode(self, *a): calls.append("decode"); return policy.decode(*a)  # noqa: E702
+        def decode_batch(self, *a): calls.append("batch"); return policy.decode_batch(*a)  # noqa: E702
+
+    batch, outs = SlotBatch(Counting(), 32, 4), {}
+    batch.grow(2)
+    admit(batch, prompts[0], 0, outs)
+    advance(batch, outs, 1)
+    admit(batch, prompts[1], 1, outs)
+    advance(batch, outs, 1)
+    assert calls == ["decode", "batch"]
+
+
+def test_a_batch_refuses_more_slots_than_its_limit_and_a_prefill_without_a_free_slot(policy, prompts):
+    batch = SlotBatch(policy, 32, 3)
+    assert batch.grow(3) and batch.capacity == 3
+    with pytest.raises(ValueError, match="at most 3"):
+        batch.grow(4)
+    for r in range(3):
+        batch.prefill(prompts[r])
+        batch.join(r)
+    with pytest.raises(ValueError, match="no free slot"):
+        batch.prefill(prompts[3])
