@@ -62,6 +62,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     module load, so the CLI starts without torch)."""
     from policy_bundle.bundle.manifest import BundleVerificationError
     from policy_bundle.quantize.model import UnsupportedModelError
-    from policy_bundle.quantize.recipes import RecipeError
+    from policy_bundle.quantize.config_schema import FieldError
 
-    return (BuildError, RecipeError, UnsupportedModelError, BundleVerificationError, FileNotFoundError)
+    # FieldError: a field outside its limit, e.g. RecipeError, or a section built in Python with a bad value
+    return (BuildError, FieldError, UnsupportedModelError, BundleVerificationError, FileNotFoundError)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from policy_bundle.quantize.config_schema import FieldError, check, ranged
 from policy_bundle.quantize.decode import greedy_generate
 from policy_bundle.quantize.model import full_logits
 from policy_bundle.quantize.percentile import percentile
@@ -176,36 +177,25 @@ def completion_metrics(report: FidelityReport, items: Sequence[GoldenItem], ref_
 # ---- the gate -------------------------------------------------------------------------------
 
 
-class ThresholdError(ValueError):
-    """A gate threshold outside its range: the field, the value and the range."""
-
-    def __init__(self, field: str, value, lo: float, hi: float):
-        super().__init__(f"{field}: {value!r} is out of range [{lo}, {hi}]")
-        self.field, self.value, self.lo, self.hi = field, value, lo, hi
-
-
-# The one definition of each threshold's range: the build's config and the router's settings both check these.
-THRESHOLD_RANGES = {"max_reward_drop": (0.0, 1.0), "min_top1_agreement": (0.0, 1.0), "max_kl_mean": (0.0, 100.0),
-                    "max_kl_p99": (0.0, 100.0), "min_greedy_agreement": (0.0, 1.0)}
+class ThresholdError(FieldError):
+    """A gate threshold outside its range (NaN, a bool or a non-number too): the field, the value and the range."""
 
 
 @dataclass(frozen=True)
 class GateThresholds:
-    """Limits a candidate must meet. KL rejects; task reward ranks (and rejects large drops)."""
+    """Limits a candidate must meet. KL rejects; task reward ranks (and rejects large drops).
 
-    max_reward_drop: float = 0.02
-    min_top1_agreement: float = 0.95
-    max_kl_mean: float = 0.05
-    max_kl_p99: float = 0.5
-    min_greedy_agreement: float = 0.90
+    Each range is the one definition the build's config and the router's settings both check: an agreement of 5
+    or a KL limit of 1e9 would make every gate fail or pass whatever the candidate."""
+
+    max_reward_drop: float = ranged(0.02, 0.0, 1.0)
+    min_top1_agreement: float = ranged(0.95, 0.0, 1.0)
+    max_kl_mean: float = ranged(0.05, 0.0, 100.0)
+    max_kl_p99: float = ranged(0.5, 0.0, 100.0)
+    min_greedy_agreement: float = ranged(0.90, 0.0, 1.0)
 
     def __post_init__(self) -> None:
-        """ThresholdError for a value outside THRESHOLD_RANGES (NaN, a bool or a non-number too): an agreement
-        of 5 or a KL limit of 1e9 would make every gate fail or pass whatever the candidate."""
-        for name, (lo, hi) in THRESHOLD_RANGES.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-                raise ThresholdError(name, value, lo, hi)
+        check(self, "", ThresholdError)
 
 
 @dataclass

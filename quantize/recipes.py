@@ -31,6 +31,7 @@ from torch.ao.quantization import (
     per_channel_dynamic_qconfig,
 )
 
+from policy_bundle.quantize.config_schema import FieldError, check, choice, ranged
 from policy_bundle.quantize.model import full_logits
 
 SCHEMES = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic", "w8a8", "smooth-w8a8")
@@ -39,64 +40,48 @@ ROUNDINGS = ("nearest", "gptq")
 BACKENDS = ("x86", "fbgemm", "qnnpack")
 
 
-class RecipeError(ValueError):
+class RecipeError(FieldError):
     """A recipe field holds a value outside what the recipe supports."""
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    scheme: str = "static"
-    backend: str = "x86"
+    scheme: str = choice("static", SCHEMES)
+    backend: str = choice("x86", BACKENDS)
     # 7-bit activations avoid int16 overflow in x86/fbgemm kernels; qnnpack does not need it.
     reduce_range: bool = True
     skip: Tuple[str, ...] = ("embed_tokens", "lm_head")
     fp32_layers: Tuple[str, ...] = field(default_factory=tuple)  # accuracy fallback keeps these in float
-    smooth_alpha: float = 0.65  # SmoothQuant migration strength (smooth-* schemes)
+    smooth_alpha: float = ranged(0.65, 0.0, 1.0)  # SmoothQuant migration strength (smooth-* schemes)
     overrides: Tuple[Tuple[str, str], ...] = ()  # (layer pattern, mode): e.g. ("down_proj", "weight-only")
     # w8a8 / smooth-w8a8 (quantize.w8a8_plan): per-token int8 activations, int8 weights
-    outlier_ratio: float = 8.0  # rows whose max |x| exceeds this x the layer's median run in float; 0: none
-    smooth_alphas: Tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # searched per group (smooth-w8a8)
-    rounding: str = "gptq"  # nearest | gptq (error-feedback rounding on the calibration Hessians)
-    gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
-    lm_head_topk: int = 64  # an int8 lm_head (not in skip) rescores each row's top-k logits in float; 0: off
-    rotation_block: int = 512  # w8a8: Hadamard-rotate each linear's input in blocks up to this size; 0: off
+    outlier_ratio: float = ranged(8.0, 0.0, 10_000.0)  # rows whose max |x| exceeds this x the median run in float
+    smooth_alphas: Tuple[float, ...] = ranged((0.3, 0.4, 0.5, 0.6, 0.7, 0.8), 0.0, 1.0)  # searched per group
+    rounding: str = choice("gptq", ROUNDINGS)  # gptq: error-feedback rounding on the calibration Hessians
+    gptq_damp: float = ranged(0.01, 0.0, 1.0, low_open=True)  # GPTQ dampening, a fraction of the mean diagonal
+    lm_head_topk: int = ranged(64, 0, 4096)  # an int8 lm_head rescores each row's top-k logits in float; 0: off
+    rotation_block: int = ranged(512, 0, 4096)  # w8a8: Hadamard blocks up to this size (a power of two); 0: off
 
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise RecipeError(f"recipe.scheme: {self.scheme!r} is not one of {list(SCHEMES)}")
+        check(self, "recipe", RecipeError)
         for pattern, mode in self.overrides:
             if mode not in MODES:
-                raise RecipeError(f"recipe.overrides.{pattern}: {mode!r} is not one of {list(MODES)}")
-        if not 0.0 <= self.smooth_alpha <= 1.0:
-            raise RecipeError(f"recipe.smooth_alpha: {self.smooth_alpha} is out of range [0, 1]")
-        if self.rounding not in ROUNDINGS:
-            raise RecipeError(f"recipe.rounding: {self.rounding!r} is not one of {list(ROUNDINGS)}")
-        if not 0.0 <= self.outlier_ratio <= 1e4:
-            raise RecipeError(f"recipe.outlier_ratio: {self.outlier_ratio} is out of range [0, 10000]")
-        if not 0 <= self.lm_head_topk <= 4096:
-            raise RecipeError(f"recipe.lm_head_topk: {self.lm_head_topk} is out of range [0, 4096]")
-        if self.rotation_block < 0 or self.rotation_block > 4096 or self.rotation_block & (self.rotation_block - 1):
-            raise RecipeError(f"recipe.rotation_block: {self.rotation_block} is not 0 or a power of two up to 4096")
-        if not 0.0 < self.gptq_damp <= 1.0:
-            raise RecipeError(f"recipe.gptq_damp: {self.gptq_damp} is out of range (0, 1]")
-        for a in self.smooth_alphas:
-            if not 0.0 <= a <= 1.0:
-                raise RecipeError(f"recipe.smooth_alphas: {a} is out of range [0, 1]")
+                raise RecipeError(f"recipe.overrides.{pattern}", f"{mode!r} is not one of {list(MODES)}")
+        if self.rotation_block & (self.rotation_block - 1):
+            raise RecipeError("recipe.rotation_block", f"{self.rotation_block} is not 0 or a power of two up to 4096")
+        if not self.smooth_alphas:
+            raise RecipeError("recipe.smooth_alphas", "expected at least one value")
         if self.base_mode == "w8a8":
             for pattern, mode in self.overrides:
                 if mode not in ("w8a8", "fp32"):
-                    raise RecipeError(f"recipe.overrides.{pattern}: {mode!r} cannot be mixed with scheme "
+                    raise RecipeError(f"recipe.overrides.{pattern}", f"{mode!r} cannot be mixed with scheme "
                                       f"{self.scheme!r} (use 'w8a8' or 'fp32')")
         elif any(mode == "w8a8" for _, mode in self.overrides):
-            raise RecipeError(f"recipe.overrides: mode 'w8a8' needs scheme 'w8a8' or 'smooth-w8a8', not {self.scheme!r}")
-        if self.backend not in BACKENDS:
-            raise RecipeError(f"recipe.backend: {self.backend!r} is not one of {list(BACKENDS)}")
+            raise RecipeError("recipe.overrides",
+                              f"mode 'w8a8' needs scheme 'w8a8' or 'smooth-w8a8', not {self.scheme!r}")
         if self.backend not in torch.backends.quantized.supported_engines:
-            raise RecipeError(
-                f"recipe.backend: {self.backend!r} is not supported by this torch build "
-                f"(available: {torch.backends.quantized.supported_engines})"
-            )
-
+            raise RecipeError("recipe.backend", f"{self.backend!r} is not supported by this torch build "
+                              f"(available: {torch.backends.quantized.supported_engines})")
 
     @property
     def smooth(self) -> bool:

@@ -4,8 +4,9 @@ state row one bundle pair's rollout keeps in the database, and the status and ac
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
+from policy_bundle.quantize.config_schema import FieldError, check, ranged, read_as
 from policy_bundle.quantize.fidelity import GateThresholds
 
 VARIANT_NAMES = ("int8", "fp16")
@@ -31,46 +32,84 @@ class MatchRule:
     cookie: Optional[str] = None
 
 
+def _listed(path: str, value: Any) -> list:
+    if not isinstance(value, list):
+        raise FieldError(path, "must be a list")
+    return value
+
+
+def _step(where: str, value: Any) -> RolloutStep:
+    """A weight, or ``{weight: W, pause_s: S}``, or ``{weight: W, pause: indefinite}`` (waits for promote)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return RolloutStep(float(value))
+    if not isinstance(value, dict) or set(value) - {"weight", "pause_s", "pause"} or "weight" not in value:
+        raise FieldError(where, f"{value!r} is not a weight or {{weight, pause_s | pause: indefinite}}")
+    if value.get("pause", "indefinite") != "indefinite" or ("pause" in value and "pause_s" in value):
+        raise FieldError(f"{where}.pause", "only 'indefinite' (or pause_s: seconds instead)")
+    weight, pause_s = value["weight"], value.get("pause_s", 0.0)
+    for name, v in (("weight", weight), ("pause_s", pause_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise FieldError(f"{where}.{name}", f"{v!r} is not a number")
+    return RolloutStep(float(weight), float(pause_s), indefinite="pause" in value)
+
+
+def _rule(where: str, value: Any) -> MatchRule:
+    """``{header: NAME, value: V, variant: int8|fp16}`` or the same with ``cookie: NAME``."""
+    if not isinstance(value, dict) or set(value) - {"header", "cookie", "value", "variant"}:
+        raise FieldError(where, f"{value!r} is not {{header | cookie, value, variant}}")
+    if not all(isinstance(value.get(k, ""), str) for k in ("header", "cookie", "value", "variant")) \
+            or "value" not in value:
+        raise FieldError(where, "header/cookie, value and variant must be strings")
+    header = value.get("header")
+    return MatchRule(value.get("variant", ""), value["value"], header.lower() if header else None, value.get("cookie"))
+
+
+def read_steps(path: str, value: Any) -> Tuple[RolloutStep, ...]:
+    """``steps`` as YAML writes them: a list of weights and ``{weight, pause_s | pause: indefinite}`` mappings."""
+    return tuple(_step(f"{path}[{i}]", s) for i, s in enumerate(_listed(path, value)))
+
+
+def read_match_rules(path: str, value: Any) -> Tuple[MatchRule, ...]:
+    return tuple(_rule(f"{path}[{i}]", r) for i, r in enumerate(_listed(path, value)))
+
+
+DEFAULT_STEPS = tuple(RolloutStep(w) for w in (1.0, 5.0, 25.0, 50.0, 100.0))
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
-    steps: Tuple[RolloutStep, ...] = tuple(RolloutStep(w) for w in (1.0, 5.0, 25.0, 50.0, 100.0))
-    analysis_interval_s: float = 30.0
-    sync_interval_s: float = 1.0  # how often a replica re-reads the shared state
-    min_samples: int = 20  # INT8-served requests (or golden items) an analysis needs
-    failure_limit: int = 2  # failed analyses in a row before rolling back to 0 %
-    inconclusive_limit: int = 5  # inconclusive analyses in a row before the rollout pauses for an operator
-    consecutive_error_limit: int = 4  # metric-source errors in a row (golden canary runs) before an abort
-    max_error_rate: float = 0.05  # fails when even the rate's lower bound (at ``confidence``) is above it
-    max_p99_latency_ratio: float = 3.0  # INT8 p99 / FP16 p99
-    min_latency_samples: int = 100  # per variant before the p99 ratio is judged (p99 of fewer is their maximum)
+    steps: Tuple[RolloutStep, ...] = read_as(read_steps, DEFAULT_STEPS)
+    analysis_interval_s: float = ranged(30.0, 0.0)
+    sync_interval_s: float = ranged(1.0, 0.0)  # how often a replica re-reads the shared state
+    min_samples: int = ranged(20, 1)  # INT8-served requests (or golden items) an analysis needs
+    failure_limit: int = ranged(2, 1)  # failed analyses in a row before rolling back to 0 %
+    inconclusive_limit: int = ranged(5, 1)  # inconclusive analyses in a row before the rollout pauses for an operator
+    consecutive_error_limit: int = ranged(4, 1)  # metric-source errors in a row (golden canary runs) before an abort
+    max_error_rate: float = ranged(0.05, 0.0, 1.0)  # fails when even the rate's lower bound (at ``confidence``) is above
+    max_p99_latency_ratio: float = ranged(3.0, 0.0)  # INT8 p99 / FP16 p99
+    min_latency_samples: int = ranged(100, 1)  # per variant before the p99 ratio is judged (p99 of fewer: their max)
     thresholds: Optional[GateThresholds] = None  # None: the bundle's own gate thresholds
-    confidence: float = 0.95  # two-sided confidence of the bound on the shadow flip rate
-    shadow_fraction: float = 0.2
-    golden_interval_s: float = 60.0
-    golden_items: int = 16
+    confidence: float = ranged(0.95, 0.5, 0.9999)  # two-sided confidence of the bound on the shadow flip rate
+    shadow_fraction: float = ranged(0.2, 0.0, 1.0)
+    golden_interval_s: float = ranged(60.0, 0.0)
+    golden_items: int = ranged(16, 0)
     auto_start: bool = True
-    match: Tuple[MatchRule, ...] = ()
+    match: Tuple[MatchRule, ...] = read_as(read_match_rules, ())
 
     def __post_init__(self) -> None:
+        check(self, "rollout")
         steps = tuple(s if isinstance(s, RolloutStep) else RolloutStep(float(s)) for s in self.steps)
         object.__setattr__(self, "steps", steps)
         if not steps:
-            raise ValueError("rollout.steps: needs at least one step")
+            raise FieldError("rollout.steps", "needs at least one step")
         weights = [s.weight for s in steps]
         if any(not 0 < w <= 100 for w in weights) or weights != sorted(set(weights)):
-            raise ValueError(f"rollout.steps: weights {weights} must rise strictly within (0, 100]")
+            raise FieldError("rollout.steps", f"weights {weights} must rise strictly within (0, 100]")
         if any(s.pause_s < 0 for s in steps):
-            raise ValueError("rollout.steps: pause_s must be >= 0")
-        for name in ("failure_limit", "inconclusive_limit", "consecutive_error_limit", "min_samples",
-                     "min_latency_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name}: {getattr(self, name)} must be >= 1")
-        for name, lo, hi in (("max_error_rate", 0, 1), ("shadow_fraction", 0, 1), ("confidence", 0.5, 0.9999)):
-            if not lo <= getattr(self, name) <= hi:
-                raise ValueError(f"rollout.{name}: {getattr(self, name)} must be in [{lo}, {hi}]")
+            raise FieldError("rollout.steps", "pause_s must be >= 0")
         for rule in self.match:
             if rule.variant not in VARIANT_NAMES or (rule.header is None) == (rule.cookie is None):
-                raise ValueError(f"rollout.match: {rule} needs a variant in {list(VARIANT_NAMES)} and one of "
+                raise FieldError("rollout.match", f"{rule} needs a variant in {list(VARIANT_NAMES)} and one of "
                                  "header or cookie")
 
 

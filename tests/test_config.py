@@ -6,7 +6,7 @@ import pytest
 
 from policy_bundle.build.config.build_config import ConfigError, config_from_dict, load_config
 from policy_bundle.quantize.fidelity import GateThresholds
-from policy_bundle.quantize.recipes import RecipeConfig
+from policy_bundle.quantize.recipe_types import W8A8Recipe
 
 
 def test_reference_config_loads_with_mesh_by_default():
@@ -21,10 +21,14 @@ def test_reference_config_loads_with_mesh_by_default():
         ("recipe.scheme=int4", r"recipe.scheme: 'int4' is not one of \['static', 'dynamic', 'weight-only'"),
         ("recipe.overrides={down_proj: int4}", r"recipe.overrides.down_proj: 'int4' is not one of"),
         ("recipe.smooth_alpha=1.5", r"recipe.smooth_alpha: 1.5 is out of range \[0.0, 1.0\]"),
+        ("recipe.gptq_damp=2", r"recipe.gptq_damp: 2 is out of range \(0.0, 1.0\]"),
+        ("recipe.smooth_alphas=[0.5, 1.5]", r"recipe.smooth_alphas\[1\]: 1.5 is out of range \[0.0, 1.0\]"),
+        ("canary.min_top1_agreement=5", r"canary.min_top1_agreement: 5 is out of range \[0.0, 1.0\]"),
+        ("rollouts.batch_size=0", r"rollouts.batch_size: 0 is out of range \[1, 1024\]"),
         ("calibration.batch_size=abc", r"calibration.batch_size: expected int, got str 'abc'"),
         ("calibration.bogus=1", r"calibration.bogus: unknown field"),
         ("canary.bogus=1", r"canary.bogus: unknown field \(known: enabled, max_fp_layers, max_kl_mean"),
-        ("canary.max_kl_p99=-1", r"canary.max_kl_p99: -1.0 is out of range \[0.0, 100.0\]"),
+        ("canary.max_kl_p99=-1", r"canary.max_kl_p99: -1 is out of range \[0.0, 100.0\]"),
         ("export.onnx=3", r"export.onnx: expected bool"),
         ("export.int8_vllm=maybe", r"export.int8_vllm: 'maybe' is not one of \['auto', 'true', 'false'\]"),
         ("calibration.batch_size=999", r"calibration.batch_size: 999 exceeds calibration.samples"),
@@ -46,8 +50,8 @@ def test_missing_config_file_is_named(tmp_path):
 def test_sections_hold_the_library_dataclasses_with_their_yaml_keys():
     cfg = load_config("build/configs/smollm2.yaml", ("canary.max_kl_mean=0.01", "recipe.overrides={down_proj: fp32}"))
     assert cfg.canary.gate == GateThresholds(0.02, 0.98, 0.01, 0.5, 0.5)
-    assert cfg.recipe_config() == RecipeConfig(scheme="smooth-w8a8", skip=("embed_tokens",),
-                                               overrides=(("down_proj", "fp32"),))
+    assert cfg.recipe_config() == W8A8Recipe(scheme="smooth-w8a8", skip=("embed_tokens",),
+                                             overrides=(("down_proj", "fp32"),))  # typed by its family
 
 
 def test_auto_defaults_to_the_recipes_that_pass_on_real_lms(tmp_path):

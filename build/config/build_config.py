@@ -1,62 +1,96 @@
-"""Build configuration: frozen dataclasses loaded from YAML, every field validated with its limit."""
+"""Build configuration: frozen dataclasses read from YAML by ``quantize/config_schema.py``, each field's limit
+declared on the field (the library's ``RecipeConfig`` and ``GateThresholds`` are held whole, their keys inlined)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
 from policy_bundle.build.config.candidates import parse_candidate
-from policy_bundle.build.config.config_fields import as_mapping, build_section, candidate_field, inline
 from policy_bundle.build.errors import ConfigError
+from policy_bundle.quantize.config_schema import (FieldError, check, choice, from_mapping, inline, ranged,
+                                                  read_field, read_yaml, to_mapping)
 from policy_bundle.quantize.fidelity import GateThresholds
-from policy_bundle.quantize.recipes import RecipeConfig
+from policy_bundle.quantize.recipe_types import recipe_of
+from policy_bundle.quantize.recipes import SCHEMES, RecipeConfig
+
+
+def candidate_field(key: str, value: Any) -> Any:
+    """One recipe field of an auto candidate, read and checked like the ``recipe`` section's own key."""
+    try:
+        return read_field(RecipeConfig, key, value, f"recipe.{key}")
+    except FieldError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _auto_or_bool(path: str, value: Any) -> Any:
+    """YAML reads ``true``/``false`` as booleans; ``export.int8_vllm`` keeps them as strings beside ``auto``."""
+    return str(value).lower() if isinstance(value, bool) else value
 
 
 @dataclass(frozen=True)
 class TorchtitanSection:
     """``policy.torchtitan``: ``policy.source`` is a torchtitan DCP step directory written by this model/flavor."""
 
-    model: str = "llama3"  # llama3 | qwen3
+    model: str = choice("llama3", ("llama3", "qwen3"))
     flavor: str = "debugmodel"  # a key of torchtitan.models.<model>.<model>_configs, or policy-bundle-reference
     tokenizer: Optional[str] = None  # "reference" (the task's tokenizer) or a directory with tokenizer files
+
+    def __post_init__(self) -> None:
+        check(self, "policy.torchtitan")
 
 
 @dataclass(frozen=True)
 class PolicySection:
     source: str = "reference"  # "reference", a path to an HF directory, or a torchtitan step-N directory
-    max_seq_len: int = 256
+    max_seq_len: int = ranged(256, 8, 32768)
     torchtitan: Optional[TorchtitanSection] = None  # set when source is a torchtitan DCP checkpoint
+
+    def __post_init__(self) -> None:
+        check(self, "policy")
 
 
 @dataclass(frozen=True)
 class PromptsSection:
     file: Optional[str] = None  # JSONL ({"prompt": ...}) or one prompt per line; None: task prompts
-    max_new_tokens: Optional[int] = None  # None: 8 for a task policy, 32 for a general LM (prompt_split.resolve_defaults)
+    max_new_tokens: Optional[int] = ranged(None, 1, 4096)  # None: 8 for a task policy, 32 for a general LM
+    # (prompt_split.resolve_defaults)
+
+    def __post_init__(self) -> None:
+        check(self, "prompts")
 
 
 @dataclass(frozen=True)
 class RolloutsSection:
-    engine: str = "local"  # local | vllm
+    engine: str = choice("local", ("local", "vllm"))
     jsonl: Optional[str] = None  # {"prompt", "completion"} records used instead of generating
-    batch_size: int = 16  # local engine: sequences per batched decode step
+    batch_size: int = ranged(16, 1, 1024)  # local engine: sequences per batched decode step
+
+    def __post_init__(self) -> None:
+        check(self, "rollouts")
 
 
 @dataclass(frozen=True)
 class CalibrationSection:
-    samples: Optional[int] = None  # None: 256, or for a prompts file each of its calibration prompts once (<= 256)
-    batch_size: int = 32
-    golden: Optional[int] = None  # a number: exactly that many golden items, or a one-line refusal; None: 128
-    # task prompts, min(40, half) of a prompts file. The task: N gate items + N for the float-layer search; a
-    # file: its N split in halves
-    procs: int = 2  # calibration actors per host on the Monarch mesh; 0 = in this process, no mesh
-    hosts: int = 0  # >0: a host mesh of this many hosts from ``launcher`` (see README)
+    # None: 256, or for a prompts file each of its calibration prompts once (<= 256)
+    samples: Optional[int] = ranged(None, 1, 100_000)
+    batch_size: int = ranged(32, 1, 4096)
+    # a number: exactly that many golden items, or a one-line refusal; None: 128 task prompts, min(40, half) of a
+    # prompts file. The task: N gate items + N for the float-layer search; a file: its N split in halves
+    golden: Optional[int] = ranged(None, 2, 100_000)
+    procs: int = ranged(2, 0, 256)  # calibration actors per host on the Monarch mesh; 0 = in this process, no mesh
+    hosts: int = ranged(0, 0, 4096)  # >0: a host mesh of this many hosts from ``launcher`` (see README)
     launcher: str = "process"  # "process" (local ProcessJob) or the path of a saved Monarch job
-    timeout_s: float = 600.0
-    outlier_sigma: float = 10.0  # report samples whose activation range is this many std above the rest; 0 = off
+    timeout_s: float = ranged(600.0, 1.0, 86_400.0)
+    # report samples whose activation range is this many std above the rest; 0 = off
+    outlier_sigma: float = ranged(10.0, 0.0, 1_000_000.0)
     drop_outliers: bool = False  # ... and leave them out of calibration
+
+    def __post_init__(self) -> None:
+        check(self, "calibration")
 
 
 @dataclass(frozen=True)
@@ -69,27 +103,29 @@ class RecipeSection:
     mapping (layer pattern -> mode) rather than pairs.
     """
 
-    scheme: str = "static"
+    scheme: str = choice("static", SCHEMES + ("auto",))
     # The recipes that pass on pretrained LMs (per-token activations, fast one-pass layer ranking); the torch.ao
     # ones reach 20-82 % top-1 on SmolLM2-135M (docs/recipes.md) and are listed explicitly where wanted.
     auto_candidates: Tuple[str, ...] = ("smooth-w8a8", "w8a8")
     overrides: Dict[str, str] = field(default_factory=dict)  # layer pattern -> static|dynamic|weight-only|fp32
     base: RecipeConfig = inline(RecipeConfig)  # scheme: the first candidate's; overrides: as above
 
-    @classmethod
-    def from_keys(cls, own: dict, inlined: Dict[str, dict]) -> "RecipeSection":
-        section = cls(**own)
-        first = parse_candidate(section.candidates()[0], candidate_field).scheme
-        base = RecipeConfig(**inlined["base"], scheme=first, overrides=tuple(section.overrides.items()))
-        section = replace(section, base=base)
-        for entry in section.candidates():  # a combination the library refuses fails at load time
-            section.candidate_config(entry)
-        return section
+    def __post_init__(self) -> None:
+        check(self, "recipe")
+        if not self.auto_candidates:
+            raise ConfigError("recipe.auto_candidates: expected at least one candidate")
+        for entry in self.auto_candidates:  # each entry reads, used or not
+            parse_candidate(entry, candidate_field)
+        first = parse_candidate(self.candidates()[0], candidate_field).scheme
+        object.__setattr__(self, "base", recipe_of(self.base, scheme=first, overrides=tuple(self.overrides.items())))
+        for entry in self.candidates():  # a combination the library refuses fails at load time
+            self.candidate_config(entry)
 
     def candidate_config(self, entry: str) -> RecipeConfig:
-        """The library recipe of one candidate entry (``scheme`` or ``scheme key=value ...``)."""
+        """The library recipe of one candidate entry (``scheme`` or ``scheme key=value ...``), as its family's
+        config type (``quantize.recipe_types``)."""
         c = parse_candidate(entry, candidate_field)
-        return replace(self.base, scheme=c.scheme, **dict(c.fields))
+        return recipe_of(self.base, scheme=c.scheme, **dict(c.fields))
 
     def candidates(self) -> List[str]:
         """The schemes the build gates: the configured one, or every auto candidate."""
@@ -101,8 +137,12 @@ class CanarySection:
     """``canary:``: the build's accuracy gate; its ``GateThresholds`` fields (the live canary's too) are keys here."""
 
     enabled: bool = True
-    max_fp_layers: int = 8  # layer fallback budget; 0 = no fallback (a failure still ranks layers for the report)
+    # layer fallback budget; 0 = no fallback (a failure still ranks layers for the report)
+    max_fp_layers: int = ranged(8, 0, 10_000)
     gate: GateThresholds = inline(GateThresholds)
+
+    def __post_init__(self) -> None:
+        check(self, "canary")
 
 
 ONNX_AUTO_OFF = ("export.onnx: auto, not built for per-token (w8a8) recipes: onnxruntime's static INT8 keeps one "
@@ -112,7 +152,11 @@ ONNX_AUTO_OFF = ("export.onnx: auto, not built for per-token (w8a8) recipes: onn
 @dataclass(frozen=True)
 class ExportSection:
     onnx: Optional[bool] = None  # None (auto): built unless every recipe candidate is per-token (BuildConfig.onnx_export)
-    int8_vllm: str = "auto"  # the compressed-tensors W8A8 dir vLLM serves: auto (when vLLM is here) | true | false
+    # the compressed-tensors W8A8 dir vLLM serves: auto (when vLLM is here) | true | false
+    int8_vllm: str = choice("auto", ("auto", "true", "false"), read=_auto_or_bool)
+
+    def __post_init__(self) -> None:
+        check(self, "export")
 
 
 @dataclass(frozen=True)
@@ -123,7 +167,7 @@ class RegisterSection:
 @dataclass(frozen=True)
 class BuildConfig:
     name: str = "reference"
-    seed: int = 0
+    seed: int = ranged(0, 0, 2**31 - 1)
     policy: PolicySection = field(default_factory=PolicySection)
     prompts: PromptsSection = field(default_factory=PromptsSection)
     rollouts: RolloutsSection = field(default_factory=RolloutsSection)
@@ -133,16 +177,19 @@ class BuildConfig:
     export: ExportSection = field(default_factory=ExportSection)
     register: RegisterSection = field(default_factory=RegisterSection)
 
+    def __post_init__(self) -> None:
+        check(self)
+
     def to_dict(self) -> dict:
         """The YAML shape (library dataclasses flattened into their sections), as the manifest stores it."""
-        return as_mapping(self)
+        return to_mapping(self)
 
     def onnx_export(self) -> bool:
         """``export.onnx``, with auto resolved: off when every candidate is a per-token (w8a8) recipe, whose
         activations onnxruntime's static INT8 (one scale per tensor) cannot carry (``ONNX_AUTO_OFF``)."""
         if self.export.onnx is not None:
             return self.export.onnx
-        return not all(self.recipe_config(c).per_token for c in self.recipe.candidates())
+        return any(type(self.recipe_config(c)).onnx_carries_activations for c in self.recipe.candidates())
 
     def recipe_config(self, candidate: Optional[str] = None) -> RecipeConfig:
         """The quantize-library recipe (``candidate``, a scheme or an auto entry, replaces the configured one)."""
@@ -164,15 +211,10 @@ def _apply_override(data: dict, override: str) -> None:
 
 def load_config(path: Optional[Path], overrides: Tuple[str, ...] = ()) -> BuildConfig:
     """Read, override (``section.field=value``) and validate a build config."""
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    try:
+        data = read_yaml(Path(path), "config file") if path is not None else {}
+    except FieldError as exc:
+        raise ConfigError(str(exc)) from None
     return config_from_dict(data, overrides)
 
 
@@ -181,7 +223,10 @@ def config_from_dict(data: dict, overrides: Tuple[str, ...] = ()) -> BuildConfig
     data = dict(data)
     for o in overrides:
         _apply_override(data, o)
-    cfg = build_section(BuildConfig, data)
+    try:
+        cfg = from_mapping(BuildConfig, data)
+    except FieldError as exc:  # the recipe's own checks (RecipeError) included
+        raise ConfigError(str(exc)) from None
     if cfg.calibration.hosts and not cfg.calibration.procs:
         raise ConfigError("calibration.procs: 0 (in-process) cannot be combined with calibration.hosts > 0")
     return check_batch_size(cfg)
