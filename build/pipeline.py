@@ -32,6 +32,7 @@ from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_r
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import RegistrationError
 from policy_bundle.build.gate.canary_report import add_artifact_comparison
+from policy_bundle.build.gate.families import by_family, summary_of
 from policy_bundle.build.gate.recipe_choice import ChosenRecipe, choose_recipe
 from policy_bundle.build.progress import Stages, Throttled, bar, heartbeat, log
 from policy_bundle.build.source.policy_source import resolve_policy_dir
@@ -121,7 +122,7 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
         export_stage(cfg, stages, loaded, chosen, calibrated, rollouts.batches, tmp, int8_vllm)
         fidelity, onnx_skipped = fidelity_stage(cfg, stages, loaded, rollouts.golden.gate, tmp, int8_vllm)
         calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches,
-                                          {**calibrated.summary(chosen.recipe), "odd_samples": rollouts.odd})
+                                          {**summary_of(calibrated, chosen.recipe), "odd_samples": rollouts.odd})
         body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm,
                              onnx_skipped)
         if drift is not None:
@@ -192,17 +193,13 @@ def logged_local_rollouts(policy, prompt_ids, max_new: int, eos, what: str) -> L
     return outs
 
 
-def ao_candidates(candidates: List[recipes.RecipeConfig]) -> List[recipes.RecipeConfig]:
-    return [c for c in candidates if not c.per_token]
-
-
 def prepare_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedModels,
                   candidates: List[recipes.RecipeConfig]) -> None:
-    """SmoothQuant scales from per-channel statistics, when a torch.ao candidate smooths."""
+    """What each recipe family needs before calibration (SmoothQuant scales, for torch.ao candidates that smooth)."""
     recipe = cfg.recipe_config()
     with stages.run("prepare") as s:
-        if any(c.smooth for c in ao_candidates(candidates)):
-            calibrated.smoothing_scales(recipe.smooth_alpha)
+        for family, members in by_family(candidates):
+            family.prepare(calibrated, members)
         s.detail = (f"candidates {cfg.recipe.candidates()}, "
                     f"{len(recipes.selected_linears(calibrated.policy, recipe))} linears observed"
                     + (", smoothing scales from per-channel stats" if calibrated.scales else ""))
@@ -210,15 +207,12 @@ def prepare_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedModels
 
 def calibrate_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedModels,
                     candidates: List[recipes.RecipeConfig], rollouts: Rollouts) -> None:
-    """Observer states (torch.ao candidates) and linear statistics (w8a8 candidates), each computed once."""
+    """Each family's calibration (observer states, linear statistics), computed once for its candidates."""
     batches = rollouts.batches
     with stages.run("calibrate") as s:
         t0 = time.monotonic()
-        for smooth in sorted({c.smooth for c in ao_candidates(candidates)}):  # plain first: the actors start plain
-            calibrated.get(smooth)
-        # GPTQ candidates first: their statistics (with Hessians) serve nearest-rounding candidates too
-        for c in sorted((c for c in candidates if c.per_token), key=lambda c: c.rounding != "gptq"):
-            calibrated.linear_stats(c)
+        for family, members in by_family(candidates):
+            family.calibrate(calibrated, members)
         tokens = sum(b.numel() for b in batches)
         s.detail = (f"{len(rollouts.seqs)} samples, {len(batches)} batches, {tokens} tokens, "
                     f"procs={cfg.calibration.procs}, {tokens / max(1e-9, time.monotonic() - t0):.0f} tok/s")

@@ -260,30 +260,38 @@ def test_the_environment_has_no_top_level_build_of_ours(tmp_path):
     assert ours == str(ROOT / "build" / "__init__.py")
 
 
+FAMILY_FLAGS = ("per_token",)  # the recipe's family flag: its config type's handler is asked instead
+
+
 def scheme_string_checks(folder: Path) -> list:
-    """``x.base_mode == "w8a8"``-style comparisons in ``folder`` (``base_mode`` against any string, ``scheme``
-    against a w8a8 one; ``scheme == "auto"`` is a config choice, not a family): the recipe's family is asked of
-    the recipe (``RecipeConfig.per_token``), defined once in quantize/."""
+    """Places in ``folder`` that ask a recipe its family instead of going through its family's handler
+    (``build/gate/families.py``, looked up by the frozen config type of ``quantize/recipe_types.py``): a read of
+    ``per_token``, ``base_mode`` compared with a string, or ``scheme`` with a w8a8 name (``scheme == "auto"`` is
+    a config choice, not a family; ``base_mode`` as a key, a torch.ao mode's description, is no family check)."""
     found = []
     for path in sorted(folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                     for op in node.ops):
+            where = f"{path.relative_to(folder.parent)}:{node.lineno}" if hasattr(node, "lineno") else ""
+            if isinstance(node, ast.Attribute) and node.attr in FAMILY_FLAGS:
+                found.append(where)
+            elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                       for op in node.ops):
                 sides = [node.left, *node.comparators]
                 attrs = {s.attr for s in sides if isinstance(s, ast.Attribute)}
                 strings = [s.value for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
                 if strings and ("base_mode" in attrs or ("scheme" in attrs and any("w8a8" in v for v in strings))):
-                    found.append(f"{path.relative_to(folder.parent)}:{node.lineno}")
-    return found
+                    found.append(where)
+    return sorted(set(found))
 
 
-def test_build_asks_the_recipe_its_family_instead_of_comparing_scheme_strings():
+def test_build_reaches_a_recipe_family_only_through_its_handler():
     assert not scheme_string_checks(ROOT / "build")
 
 
-def test_the_family_check_catches_a_scheme_string_comparison(tmp_path):
+def test_the_family_check_catches_a_family_flag_or_a_scheme_string_comparison(tmp_path):
     (tmp_path / "build").mkdir()
     (tmp_path / "build" / "x.py").write_text("def f(r):\n    return r.per_token or r.base_mode != 'w8a8'\n")
     (tmp_path / "build" / "y.py").write_text("def g(cfg):\n    return 'smooth-w8a8' == cfg.recipe.scheme\n")
     (tmp_path / "build" / "z.py").write_text("def h(cfg):\n    return cfg.recipe.scheme == 'auto'\n")  # a choice
+    (tmp_path / "build" / "w.py").write_text("def k(r):\n    return handler(r).gate(r)\n")  # the handler: fine
     assert scheme_string_checks(tmp_path / "build") == ["build/x.py:2", "build/y.py:2"]

@@ -1,5 +1,6 @@
 """Calibration shared by the recipe candidates, each piece computed once: observer states of the plain
-and the smoothed policy (torch.ao recipes), linear statistics and quantization plans (w8a8 recipes).
+and the smoothed policy (torch.ao recipes), linear statistics and quantization plans (w8a8 recipes); the
+families' handlers (``build/gate/families.py``) ask for the pieces their candidates need.
 
 On the Monarch mesh when the build has one, else in this process.
 """
@@ -54,17 +55,6 @@ class CalibratedModels:
         if key not in self.plans:
             self.plans[key] = make_plan(self.policy, self.linear_stats(recipe), recipe)
         return self.plans[key]
-
-    def summary(self, recipe: recipes.RecipeConfig) -> dict:
-        """The manifest's calibration section for the recipe that shipped."""
-        if recipe.per_token:
-            from policy_bundle.build.calibrate.w8a8_statistics import stats_summary
-
-            return {"statistics": "per input group: row max |x|, channel max |x|, Hessian (gptq), row sample",
-                    "groups": stats_summary(self.linear_stats(recipe))}
-        return {"observer": "MinMaxObserver (per-tensor affine quint8)",
-                "weight_observer": "PerChannelMinMaxObserver (per-channel symmetric qint8)",
-                "activation_ranges": observers.activation_ranges(self.get(recipe.smooth)[1])}
 
     def smoothing_scales(self, alpha: float):
         from policy_bundle.quantize.smooth import collect_channel_absmax, smoothing_scales

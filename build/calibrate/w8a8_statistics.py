@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import linear_stats as ls
+from policy_bundle.quantize.recipe_types import typed
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
 from policy_bundle.quantize.sensitivity import rank_by_sensitivity
 from policy_bundle.quantize.w8a8_plan import W8A8Plan, build_plan, plan_sensitivity
@@ -110,7 +111,7 @@ def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
 
 def onnx_recipe_note(recipe: RecipeConfig) -> str:
     base = "onnxruntime static QDQ: per-tensor uint8 activations (MinMax), per-channel int8 weights"
-    if recipe.per_token:
+    if not typed(recipe).onnx_carries_activations:
         return (base + "; a weaker recipe than the shipped TorchScript's (no per-token scales, smoothing or "
                 "GPTQ rounding), gated on its own: left out (artifacts.int8_onnx_skipped) when it misses the gate")
     return base + "; the same calibration set as the TorchScript artifact"

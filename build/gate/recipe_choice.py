@@ -8,22 +8,21 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from policy_bundle.build.calibrate.calibrated import CalibratedModels, plan_key
+from policy_bundle.build.calibrate.calibrated import CalibratedModels
 from policy_bundle.build.calibrate.prompt_split import GoldenSplit
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.canary_report import CanaryOutcome, write_report
-from policy_bundle.build.gate.fallback import gate_torch_ao, gate_w8a8
+from policy_bundle.build.gate.families import handler
 from policy_bundle.build.gate.measure import fidelity_kwargs, whole_gate
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import script_int8
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, evaluate_gate
+from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
 from policy_bundle.quantize.model import Policy
-from policy_bundle.quantize.sensitivity import sensitivity_probe
 
 
 @dataclass
@@ -105,7 +104,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
             return held_out_verdict(searched, judge(searched.int8), cfg.canary.gate)
 
         set_status(status("preparing"))
-        outcome = gate_candidate(cfg, policy, calibrated, recipe, measure, logits_only, name, status, confirm)
+        outcome = handler(recipe).gate(cfg, policy, calibrated, recipe, measure, logits_only, name, status, confirm)
         speed = None
         if auto and outcome.verdict.passed:
             set_status(status("decode speed of the passing candidate (TorchScript)"))
@@ -124,39 +123,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
                                                            "winner_candidate": winner.name, "why": why,
                                                            "golden_split": golden.summary()})
     recipe = replace(winner.recipe, fp32_layers=winner.recipe.fp32_layers + tuple(winner.outcome.fp32_layers))
-    return ChosenRecipe(recipe, winner.outcome, summary, calibrated.plans.get(plan_key(recipe)), golden.summary())
-
-
-def gate_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
-                   measure, measure_logits, name: str,
-                   status: Callable[[str], str], confirm=None) -> CanaryOutcome:
-    """Convert one candidate and gate it (with layer fallback, each passing prefix judged by ``confirm``);
-    with the canary off, only measure it."""
-    c = cfg.canary
-    if recipe.per_token:
-        return gate_w8a8_candidate(cfg, policy, calibrated, recipe, measure, measure_logits, name, status, confirm)
-    prepared, _ = calibrated.get(recipe.smooth)
-    if not c.enabled:
-        int8 = recipes.convert(prepared, recipe)
-        return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
-    return gate_torch_ao(prepared, recipe, sensitivity_probe(calibrated.batches), c.gate, c.max_fp_layers, measure,
-                         measure_logits, name, status, confirm)
-
-
-def gate_w8a8_candidate(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe, measure,
-                        measure_logits, name: str, status: Callable[[str], str], confirm=None) -> CanaryOutcome:
-    from policy_bundle.build.calibrate.w8a8_statistics import rank_sensitivity
-
-    set_status(status("quantization plan (smoothing search, weight rounding)"))
-    plan = calibrated.plan(recipe)
-    names = recipes.selected_linears(policy, recipe)
-    if not cfg.canary.enabled:
-        int8 = plan.convert(policy, names)
-        return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
-    rank = lambda: rank_sensitivity(calibrated.mesh, policy, plan, names,  # noqa: E731
-                                    sensitivity_probe(calibrated.batches), status)
-    return gate_w8a8(policy, plan, names, rank, cfg.canary.gate, cfg.canary.max_fp_layers, measure, measure_logits,
-                     name, status, confirm)
+    return ChosenRecipe(recipe, winner.outcome, summary, handler(recipe).plan(calibrated, recipe), golden.summary())
 
 
 def raise_rejected(cfg: BuildConfig, best: CanaryOutcome, summary: List[dict], final: Path) -> None:

@@ -27,6 +27,7 @@ from typing import List, Optional, Tuple
 
 from policy_bundle.build.config.build_config import BuildConfig, config_from_dict
 from policy_bundle.build.errors import BuildError
+from policy_bundle.build.gate.families import handler
 from policy_bundle.build.progress import Stages, heartbeat, log
 from policy_bundle.build.watch.drift import calibration_drift
 from policy_bundle.bundle.manifest import manifest_hash, read_manifest, verify_bundle
@@ -174,17 +175,16 @@ def fresh_statistics(cfg: BuildConfig, manifest: dict) -> dict:
     from policy_bundle.build.pipeline import load_stage, optional_mesh, rollouts_stage
 
     stages = Stages(3)
-    # The compared statistics (ranges, outlier thresholds, channel maxima) do not depend on the rounding:
-    # skip GPTQ's Hessians.
+    # The compared statistics (ranges, outlier thresholds, channel maxima) do not depend on rounding: no Hessians.
     recipe = replace(shipped_recipe(cfg, manifest), rounding="nearest")
     loaded = load_stage(cfg, stages)
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
         rollouts = rollouts_stage(cfg, stages, mesh, loaded, golden_set=False)
         with stages.run("calibration statistics of the shipped recipe") as s:
             calibrated = CalibratedModels(cfg, mesh, loaded.policy, rollouts.batches)
-            if recipe.smooth and not recipe.per_token:
-                calibrated.smoothing_scales(recipe.smooth_alpha)
-            summary = calibrated.summary(recipe)
+            family = handler(recipe)
+            family.prepare(calibrated, [recipe])
+            summary = family.calibration_summary(calibrated, recipe)
             s.detail = f"{recipe.scheme}, {len(rollouts.seqs)} samples"
     return summary
 

@@ -1,0 +1,115 @@
+"""One handler per recipe family (``quantize.recipe_types``' frozen config types): what the build does for its
+candidates in each stage. build/ reaches a family only through ``handler(recipe)``; no stage asks a recipe
+which family it is.
+
+- prepare: SmoothQuant scales from per-channel statistics (torch.ao candidates that smooth);
+- calibrate: observer states (torch.ao), linear statistics (w8a8; GPTQ's with Hessians first, they serve
+  nearest rounding too), each computed once for all candidates of the family;
+- gate: convert with the layer-fallback search (``build/gate/fallback.py``) or, with the canary off, measure;
+- calibration_summary: the manifest's calibration section for the recipe that shipped;
+- plan: the w8a8 quantization plan that shipped (None for torch.ao).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+
+from policy_bundle.build.calibrate.calibrated import CalibratedModels, plan_key
+from policy_bundle.build.config.build_config import BuildConfig
+from policy_bundle.build.gate.canary_report import CanaryOutcome
+from policy_bundle.build.gate.fallback import gate_torch_ao, gate_w8a8
+from policy_bundle.build.progress import set_status
+from policy_bundle.quantize import observers, recipes
+from policy_bundle.quantize.recipe_types import TorchAoRecipe, W8A8Recipe, family_of
+from policy_bundle.quantize.fidelity import GateVerdict
+from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.sensitivity import sensitivity_probe
+
+Status = Callable[[str], str]
+
+
+class TorchAoFamily:
+    name = "torch.ao"
+
+    def prepare(self, calibrated: CalibratedModels, candidates: Sequence[recipes.RecipeConfig]) -> None:
+        smoothing = [c for c in candidates if c.smooth]
+        if smoothing:
+            calibrated.smoothing_scales(smoothing[0].smooth_alpha)
+
+    def calibrate(self, calibrated: CalibratedModels, candidates: Sequence[recipes.RecipeConfig]) -> None:
+        for smooth in sorted({c.smooth for c in candidates}):  # plain first: the mesh actors start plain
+            calibrated.get(smooth)
+
+    def gate(self, cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
+             measure, measure_logits, name: str, status: Status, confirm=None) -> CanaryOutcome:
+        prepared, _ = calibrated.get(recipe.smooth)
+        if not cfg.canary.enabled:
+            int8 = recipes.convert(prepared, recipe)
+            return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
+        c = cfg.canary
+        return gate_torch_ao(prepared, recipe, sensitivity_probe(calibrated.batches), c.gate, c.max_fp_layers,
+                             measure, measure_logits, name, status, confirm)
+
+    def calibration_summary(self, calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> dict:
+        return {"observer": "MinMaxObserver (per-tensor affine quint8)",
+                "weight_observer": "PerChannelMinMaxObserver (per-channel symmetric qint8)",
+                "activation_ranges": observers.activation_ranges(calibrated.get(recipe.smooth)[1])}
+
+    def plan(self, calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> Any:
+        return None
+
+
+class W8A8Family:
+    name = "w8a8"
+
+    def prepare(self, calibrated: CalibratedModels, candidates: Sequence[recipes.RecipeConfig]) -> None:
+        """Nothing before calibration: the plan searches its smoothing per input group from the statistics."""
+
+    def calibrate(self, calibrated: CalibratedModels, candidates: Sequence[recipes.RecipeConfig]) -> None:
+        for c in sorted(candidates, key=lambda c: c.rounding != "gptq"):
+            calibrated.linear_stats(c)
+
+    def gate(self, cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
+             measure, measure_logits, name: str, status: Status, confirm=None) -> CanaryOutcome:
+        from policy_bundle.build.calibrate.w8a8_statistics import rank_sensitivity
+
+        set_status(status("quantization plan (smoothing search, weight rounding)"))
+        plan = calibrated.plan(recipe)
+        names = recipes.selected_linears(policy, recipe)
+        if not cfg.canary.enabled:
+            int8 = plan.convert(policy, names)
+            return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
+        rank = lambda: rank_sensitivity(calibrated.mesh, policy, plan, names,  # noqa: E731
+                                        sensitivity_probe(calibrated.batches), status)
+        return gate_w8a8(policy, plan, names, rank, cfg.canary.gate, cfg.canary.max_fp_layers, measure,
+                         measure_logits, name, status, confirm)
+
+    def calibration_summary(self, calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> dict:
+        from policy_bundle.build.calibrate.w8a8_statistics import stats_summary
+
+        return {"statistics": "per input group: row max |x|, channel max |x|, Hessian (gptq), row sample",
+                "groups": stats_summary(calibrated.linear_stats(recipe))}
+
+    def plan(self, calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> Any:
+        return calibrated.plans.get(plan_key(recipe))
+
+
+HANDLERS: Dict[Type[recipes.RecipeConfig], Any] = {TorchAoRecipe: TorchAoFamily(), W8A8Recipe: W8A8Family()}
+
+
+def handler(recipe: recipes.RecipeConfig):
+    """The build's handler for the recipe's family."""
+    return family_of(recipe, HANDLERS)
+
+
+def by_family(candidates: Sequence[recipes.RecipeConfig]) -> List[Tuple[Any, List[recipes.RecipeConfig]]]:
+    """(handler, its candidates) for each family among ``candidates``, in the order families first appear."""
+    groups: Dict[int, Tuple[Any, List[recipes.RecipeConfig]]] = {}
+    for c in candidates:
+        h = handler(c)
+        groups.setdefault(id(h), (h, []))[1].append(c)
+    return list(groups.values())
+
+
+def summary_of(calibrated: CalibratedModels, recipe: Optional[recipes.RecipeConfig]) -> dict:
+    return handler(recipe).calibration_summary(calibrated, recipe)

@@ -1,0 +1,71 @@
+"""The recipe families as frozen config types, torchao's shape (``quantize_(model, config)`` dispatches one
+handler per config type): a caller registers a handler per type and looks it up with ``family_of``.
+
+- ``TorchAoRecipe``: eager ``torch.ao.quantization`` (``recipes.prepare`` -> ``calibrate`` -> ``convert``):
+  static, dynamic and weight-only, smoothed or not; per-tensor activation scales, which onnxruntime's static
+  INT8 carries too.
+- ``W8A8Recipe``: per-token int8 activations at run time (``quantize.w8a8``): linear statistics ->
+  ``w8a8_plan.build_plan`` -> ``plan.convert``; no per-tensor ONNX carries them.
+
+Both keep every ``RecipeConfig`` field (a config file names one recipe section whatever the family); the type
+says which fields its handler reads. ``typed`` is the one place where a scheme name decides the family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Dict, Tuple, Type, TypeVar
+
+from policy_bundle.quantize.recipes import RecipeConfig, RecipeError
+
+W8A8_SCHEMES = ("w8a8", "smooth-w8a8")
+
+
+@dataclass(frozen=True)
+class TorchAoRecipe(RecipeConfig):
+    schemes: ClassVar[Tuple[str, ...]] = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic")
+    onnx_carries_activations: ClassVar[bool] = True  # onnxruntime's static QDQ keeps per-tensor scales too
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_family(self)
+
+
+@dataclass(frozen=True)
+class W8A8Recipe(RecipeConfig):
+    schemes: ClassVar[Tuple[str, ...]] = W8A8_SCHEMES
+    onnx_carries_activations: ClassVar[bool] = False  # per-token scales: onnxruntime's static INT8 has none
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_family(self)
+
+
+FAMILIES: Tuple[Type[RecipeConfig], ...] = (TorchAoRecipe, W8A8Recipe)
+
+
+def _check_family(recipe: RecipeConfig) -> None:
+    if recipe.scheme not in type(recipe).schemes:
+        raise RecipeError("recipe.scheme", f"{recipe.scheme!r} is not a {type(recipe).__name__} scheme "
+                          f"({list(type(recipe).schemes)})")
+
+
+def typed(recipe: RecipeConfig) -> RecipeConfig:
+    """``recipe`` as its family's frozen config type (itself when it already is one)."""
+    cls = W8A8Recipe if recipe.scheme in W8A8_SCHEMES else TorchAoRecipe
+    if type(recipe) is cls:
+        return recipe
+    return cls(**{f.name: getattr(recipe, f.name) for f in fields(recipe)})
+
+
+def recipe_of(base: RecipeConfig, **changes: Any) -> RecipeConfig:
+    """``base`` with ``changes`` (a scheme of another family among them) as the result's family type."""
+    return typed(RecipeConfig(**{**{f.name: getattr(base, f.name) for f in fields(base)}, **changes}))
+
+
+H = TypeVar("H")
+
+
+def family_of(recipe: RecipeConfig, handlers: Dict[Type[RecipeConfig], H]) -> H:
+    """The handler registered for the recipe's config type (an untyped ``RecipeConfig`` is typed first)."""
+    return handlers[type(typed(recipe))]
