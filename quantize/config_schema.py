@@ -86,9 +86,11 @@ def _limit_text(lo: float, hi: Optional[float], low_open: bool) -> str:
     return f"is out of range {'(' if low_open else '['}{lo}, {hi}]"
 
 
-def _check_value(path: str, value: Any, meta: Any, error: Type[FieldError]) -> None:
+def _check_value(path: str, value: Any, meta: Any, error: Type[FieldError], optional: bool = False) -> None:
     if value is None:
-        return
+        if optional:  # an unset Optional field
+            return
+        raise error(path, "expected a value, got None")
     if isinstance(value, tuple) and (RANGE in meta or CHOICES in meta):
         for i, v in enumerate(value):
             _check_value(f"{path}[{i}]", v, meta, error)
@@ -108,12 +110,18 @@ def check(obj: Any, path: str = "", error: Type[FieldError] = FieldError) -> Non
     """Raise ``error`` for the first field of dataclass ``obj`` outside its declared limit (call it from
     ``__post_init__``; ``path`` is the object's place in the config, e.g. ``recipe``)."""
     for f in dataclasses.fields(obj):
-        _check_value(_join(path, f.name), getattr(obj, f.name), f.metadata, error)
+        _check_value(_join(path, f.name), getattr(obj, f.name), f.metadata, error, _optional(type(obj), f.name))
 
 
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> Dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def _optional(cls: type, name: str) -> bool:
+    """Field ``name`` of ``cls`` may hold None (``Optional[X]``, or typed ``Any``)."""
+    tp = _hints(cls)[name]
+    return tp is Any or (typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp))
 
 
 def _read(path: str, value: Any, tp: Any) -> Any:
@@ -152,7 +160,7 @@ def read_field(cls: type, name: str, value: Any, path: str) -> Any:
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     reader = f.metadata.get(READ)
     out = reader(path, value) if reader else _read(path, value, _hints(cls)[name])
-    _check_value(path, value if out == value else out, f.metadata, FieldError)  # as written: 5, not 5.0
+    _check_value(path, value if out == value else out, f.metadata, FieldError, _optional(cls, name))  # as written
     return out
 
 

@@ -91,10 +91,7 @@ class RecipeConfig:
     def base_mode(self) -> str:
         return self.scheme.removeprefix("smooth-")
 
-    @property
-    def per_token(self) -> bool:
-        """The w8a8 family: per-token int8 activations at run time (``quantize.w8a8``), not torch.ao's."""
-        return self.base_mode == "w8a8"
+    # The family (torch.ao or per-token w8a8) is the recipe's config type: ``quantize.recipe_types``.
 
     @property
     def rows_independent(self) -> bool:

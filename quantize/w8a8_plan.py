@@ -9,8 +9,8 @@ kept in float (the accuracy fallback re-converts without touching the data again
    int8 activations;
 2. weights: per-channel symmetric int8, rounded to nearest or with GPTQ error feedback
    (``recipe.rounding``) against the group's (smoothed) Hessian;
-3. sensitivity: each linear's relative output error on its calibration rows, one pass, no
-   golden-set evaluation per layer; the fallback keeps the worst ones in float.
+3. sensitivity (``plan_sensitivity``, on ``quantize.sensitivity``): the logits' KL on a probe of
+   calibration tokens with one linear at a time in int8; the fallback keeps the worst ones in float.
 """
 
 from __future__ import annotations

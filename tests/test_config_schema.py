@@ -138,3 +138,27 @@ def test_the_router_names_an_out_of_range_field_and_its_limit(tmp_path, monkeypa
 def test_the_router_keeps_values_within_their_limits(tmp_path, monkeypatch):
     s = router(tmp_path, monkeypatch, "max_batch: 1\nrollout:\n  confidence: 0.9999\n  failure_limit: 1\n")
     assert (s.max_batch, s.rollout.confidence, s.rollout.failure_limit) == (1, 0.9999, 1)
+
+
+def test_none_passes_only_an_optional_field():
+    with pytest.raises(ThresholdError, match="min_top1_agreement: expected a value, got None"):
+        GateThresholds(min_top1_agreement=None)
+    with pytest.raises(ConfigError, match="export.int8_vllm: expected a value, got None"):
+        load_config(None, ("export.int8_vllm=null",))
+    assert load_config(None, ("calibration.samples=null",)).calibration.samples is None  # Optional: unset is fine
+
+
+@pytest.mark.parametrize("override,message", [
+    ("recipe.skip=[a", r"--set recipe.skip: '\[a' is not a YAML value"),
+    ("recipe.auto_candidates=['w8a8 skip=[a']", r"recipe.auto_candidates: .*skip=\[a is not a YAML value"),
+])
+def test_an_unreadable_value_is_one_line_naming_the_field(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, ("recipe.scheme=auto", override) if "candidates" in override else (override,))
+    assert "\n" not in str(err.value)
+
+
+def test_a_config_that_is_not_a_mapping_is_named(tmp_path):
+    (tmp_path / "c.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="config: expected a mapping of sections, got list"):
+        load_config(tmp_path / "c.yaml")

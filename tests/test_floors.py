@@ -274,6 +274,10 @@ def scheme_string_checks(folder: Path) -> list:
             where = f"{path.relative_to(folder.parent)}:{node.lineno}" if hasattr(node, "lineno") else ""
             if isinstance(node, ast.Attribute) and node.attr in FAMILY_FLAGS:
                 found.append(where)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("endswith", "startswith")
+                  and any(isinstance(a, ast.Constant) and "w8a8" in str(a.value) for a in node.args)):
+                found.append(where)  # scheme.endswith("w8a8")
             elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
                                                        for op in node.ops):
                 sides = [node.left, *node.comparators]
@@ -294,4 +298,5 @@ def test_the_family_check_catches_a_family_flag_or_a_scheme_string_comparison(tm
     (tmp_path / "build" / "y.py").write_text("def g(cfg):\n    return 'smooth-w8a8' == cfg.recipe.scheme\n")
     (tmp_path / "build" / "z.py").write_text("def h(cfg):\n    return cfg.recipe.scheme == 'auto'\n")  # a choice
     (tmp_path / "build" / "w.py").write_text("def k(r):\n    return handler(r).gate(r)\n")  # the handler: fine
-    assert scheme_string_checks(tmp_path / "build") == ["build/x.py:2", "build/y.py:2"]
+    (tmp_path / "build" / "v.py").write_text("def m(s):\n    return s.endswith('w8a8')\n")
+    assert scheme_string_checks(tmp_path / "build") == ["build/v.py:2", "build/x.py:2", "build/y.py:2"]

@@ -98,7 +98,7 @@ class RecipeSection:
     """``recipe:``: the quantize library's ``RecipeConfig`` (its fields are this section's keys) and ``auto``.
 
     Two keys are written differently from the library and are this section's own: ``scheme`` may also
-    be ``auto`` (gate every ``auto_candidates`` entry, ship the fastest that passes; an entry is a
+    be ``auto`` (gate the ``auto_candidates`` entries, ship the fastest that passes; an entry is a
     scheme, optionally with recipe fields of its own: ``build/config/candidates.py``), and ``overrides`` is a
     mapping (layer pattern -> mode) rather than pairs.
     """
@@ -206,7 +206,10 @@ def _apply_override(data: dict, override: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: {raw!r} is not a YAML value ({str(exc).splitlines()[0]})") from None
 
 
 def load_config(path: Optional[Path], overrides: Tuple[str, ...] = ()) -> BuildConfig:
@@ -220,6 +223,8 @@ def load_config(path: Optional[Path], overrides: Tuple[str, ...] = ()) -> BuildC
 
 def config_from_dict(data: dict, overrides: Tuple[str, ...] = ()) -> BuildConfig:
     """Validate a config mapping (e.g. the resolved config stored in a bundle manifest)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
     data = dict(data)
     for o in overrides:
         _apply_override(data, o)

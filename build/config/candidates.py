@@ -16,6 +16,7 @@ from typing import Any, Callable, Tuple
 import yaml
 
 from policy_bundle.build.errors import ConfigError
+from policy_bundle.quantize.recipe_types import W8A8Recipe
 from policy_bundle.quantize.recipes import SCHEMES
 
 # The recipe fields a w8a8 candidate may set: each candidate gets its own plan from statistics shared
@@ -52,8 +53,10 @@ def parse_candidate(entry: str, coerce: Callable[[str, Any], Any]) -> Candidate:
             fields.append((key, coerce(key, yaml.safe_load(raw))))
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{where}: {key}={raw} is not a YAML value ({str(exc).splitlines()[0]})") from None
         pos = m.end()
-    if fields and not scheme.endswith("w8a8"):
+    if fields and scheme not in W8A8Recipe.schemes:
         raise ConfigError(f"{where}: fields per candidate apply to the w8a8 recipes only (torch.ao candidates "
                           f"share one calibration)")
     return Candidate(entry, scheme, tuple(fields))

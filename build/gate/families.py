@@ -1,6 +1,7 @@
 """One handler per recipe family (``quantize.recipe_types``' frozen config types): what the build does for its
-candidates in each stage. build/ reaches a family only through ``handler(recipe)``; no stage asks a recipe
-which family it is.
+candidates in each stage. The stages call ``handler(recipe)``; nothing in build/ compares a scheme name with a
+family's or reads a family flag (tests/test_floors.py). After the gate, the export notes read what shipped (the
+w8a8 plan, present for that family only) rather than the family.
 
 - prepare: SmoothQuant scales from per-channel statistics (torch.ao candidates that smooth);
 - calibrate: observer states (torch.ao), linear statistics (w8a8; GPTQ's with Hessians first, they serve
@@ -12,7 +13,7 @@ which family it is.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 
 from policy_bundle.build.calibrate.calibrated import CalibratedModels, plan_key
 from policy_bundle.build.config.build_config import BuildConfig
@@ -30,6 +31,7 @@ Status = Callable[[str], str]
 
 class TorchAoFamily:
     name = "torch.ao"
+    shares_kernels = False  # static, dynamic and weight-only linears run different kernels: each is timed
 
     def prepare(self, calibrated: CalibratedModels, candidates: Sequence[recipes.RecipeConfig]) -> None:
         smoothing = [c for c in candidates if c.smooth]
@@ -61,6 +63,7 @@ class TorchAoFamily:
 
 class W8A8Family:
     name = "w8a8"
+    shares_kernels = True  # every candidate runs Int8TokenLinear: they differ in calibration (smoothing, rounding)
 
     def prepare(self, calibrated: CalibratedModels, candidates: Sequence[recipes.RecipeConfig]) -> None:
         """Nothing before calibration: the plan searches its smoothing per input group from the statistics."""
@@ -111,5 +114,5 @@ def by_family(candidates: Sequence[recipes.RecipeConfig]) -> List[Tuple[Any, Lis
     return list(groups.values())
 
 
-def summary_of(calibrated: CalibratedModels, recipe: Optional[recipes.RecipeConfig]) -> dict:
+def summary_of(calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> dict:
     return handler(recipe).calibration_summary(calibrated, recipe)
