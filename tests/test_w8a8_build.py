@@ -42,3 +42,28 @@ def test_auto_rejects_candidates_that_cannot_pass_within_the_fallback_budget(tmp
     assert cands["static"]["verdict"] == "fail" and len(cands["static"]["fp32_layers"]) == 27
     assert [len(a["fp32_layers"]) for a in report["attempts"]] == [0, 27]  # the first candidate's measurements
     assert "[auto] candidate 2/2: static (fail, 27 float layers" in res.stderr
+
+
+def test_auto_gates_no_second_w8a8_candidate_once_one_passes_but_does_while_none_has(tmp_path, bentoml_home):
+    """w8a8 candidates run the same kernels: after the first passes, the second is listed as not gated (a torch.ao
+    one after it is still gated and timed). The control: with a gate nothing meets, every candidate is gated."""
+    entries = '["w8a8 rounding=nearest", "smooth-w8a8 rounding=nearest", static]'
+    out = tmp_path / "auto"
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+                  "--set", "recipe.scheme=auto", "--set", f"recipe.auto_candidates={entries}",
+                  "--set", "calibration.procs=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    cands = {c["candidate"]: c for c in json.loads((out / "bundle.json").read_text())["recipe"]["candidates"]}
+    assert cands["w8a8 rounding=nearest"]["verdict"] == "pass" and cands["w8a8 rounding=nearest"]["decode_tok_s"]
+    assert cands["smooth-w8a8 rounding=nearest"]["verdict"] == "not gated"
+    assert "w8a8 rounding=nearest passed" in cands["smooth-w8a8 rounding=nearest"]["not_gated"]
+    assert cands["static"]["verdict"] in ("pass", "fail") and cands["static"]["metrics"]["top1_agreement"] is not None
+    assert "[auto] candidate 2/3: smooth-w8a8 rounding=nearest not gated" in res.stderr
+    assert "not gated" in (out / "canary_report.md").read_text()
+
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "none"), *SMALL,
+                  "--set", "recipe.scheme=auto", "--set", f"recipe.auto_candidates={entries}",
+                  "--set", "calibration.procs=0", "--set", "canary.max_kl_mean=0", "--set", "canary.max_fp_layers=0")
+    assert res.returncode == 2 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
+    report = json.loads((tmp_path / "none.canary-rejected" / "canary_report.json").read_text())
+    assert [c["verdict"] for c in report["candidates"]] == ["fail", "fail", "fail"]

@@ -106,7 +106,8 @@ def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThreshol
                       f"{_fmt(m['top1_agreement'])} | {_fmt(m['kl_mean'])} | {_fmt(m['kl_p99'])} | "
                       f"{_fmt(m.get('reward_candidate'))} | {_fmt(cand['decode_tok_s'])} |")
         md.append("")
-        md += [f"- `{c['candidate']}`: {c['rejected']}" for c in cands if c.get("rejected")] + [""]
+        md += [f"- `{c['candidate']}`: {c.get('rejected') or c['not_gated']}" for c in cands
+               if c.get("rejected") or c.get("not_gated")] + [""]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
     layout.canary_report.write_text("\n".join(md) + "\n")
     return layout.canary_report

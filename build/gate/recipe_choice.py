@@ -1,6 +1,6 @@
 """Quantize + gate: every recipe candidate is converted and gated in order (with the layer-fallback
 search of build/gate/fallback.py, which rejects a candidate early when its fallback budget cannot make it
-pass); the fastest one that passes ships. Progress: a status line (candidate, step, layers done /
+pass; a family whose candidates share kernels stops at its first pass); the fastest one that passes ships. Progress: a status line (candidate, step, layers done /
 total, best so far) for the build's heartbeat, and one line per candidate. A rejected build raises with its report written next to the output directory."""
 
 from __future__ import annotations
@@ -88,12 +88,16 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
                   candidates: Sequence[Tuple[str, recipes.RecipeConfig]], tok, golden: GoldenSplit, tmp: Path,
                   final: Path) -> ChosenRecipe:
     """Gate every candidate in order; a single candidate (no ``auto``) skips the speed measurement.
-    Only passing candidates are timed (the winner is the fastest of them). The float-layer search measures
+    Only passing candidates are timed (the winner is the fastest of them). Once a candidate passes, later
+    ones of its family are not gated where the family's candidates share their kernels (w8a8: they differ
+    in calibration only, so the earlier entry is preferred and a second search would cost minutes on a
+    real LM for a speed within noise). The float-layer search measures
     on ``golden.search``; a candidate it passes is then judged on ``golden.gate`` alone."""
     kw = fidelity_kwargs(cfg, tok)
     measure, logits_only = whole_gate(policy, golden.search, kw), whole_gate(policy, golden.search, kw, False)
     judge = whole_gate(policy, golden.gate, kw)
     trials: List[Trial] = []
+    summary: List[dict] = []  # every candidate in order, gated or not
     auto = len(candidates) > 1
     for i, (name, recipe) in enumerate(candidates):
         def status(step: str, i=i, name=name) -> str:
@@ -103,15 +107,23 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
             set_status(status(f"the whole gate on the held-out prompts ({len(searched.fp32_layers)} float layers)"))
             return held_out_verdict(searched, judge(searched.int8), cfg.canary.gate)
 
+        family = handler(recipe)
+        settled = next((t for t in trials if t.outcome.verdict.passed and handler(t.recipe) is family), None)
+        if settled is not None and family.shares_kernels:
+            why = (f"not gated: {settled.name} passed, and the {family.name} family's candidates run the same "
+                   f"kernels (the earlier entry is preferred)")
+            summary.append(not_gated(name, recipe, why))
+            log(f"[auto] candidate {i + 1}/{len(candidates)}: {name} {why}")
+            continue
         set_status(status("preparing"))
-        outcome = handler(recipe).gate(cfg, policy, calibrated, recipe, measure, logits_only, name, status, confirm)
+        outcome = family.gate(cfg, policy, calibrated, recipe, measure, logits_only, name, status, confirm)
         speed = None
         if auto and outcome.verdict.passed:
             set_status(status("decode speed of the passing candidate (TorchScript)"))
             speed = decode_speed(outcome.int8)
         trials.append(Trial(name, recipe, outcome, speed))
+        summary.append(trials[-1].summary())
         log(f"[auto] candidate {i + 1}/{len(candidates)}: {trials[-1].line()}; best so far: {best_so_far(trials)}")
-    summary = [t.summary() for t in trials]
     passing = [t for t in trials if t.outcome.verdict.passed]
     if not passing:
         raise_rejected(cfg, trials[0].outcome, summary, final)
@@ -124,6 +136,13 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
                                                            "golden_split": golden.summary()})
     recipe = replace(winner.recipe, fp32_layers=winner.recipe.fp32_layers + tuple(winner.outcome.fp32_layers))
     return ChosenRecipe(recipe, winner.outcome, summary, handler(recipe).plan(calibrated, recipe), golden.summary())
+
+
+def not_gated(name: str, recipe: recipes.RecipeConfig, why: str) -> dict:
+    """A candidate's summary row when an earlier one of its family settled it (the report's shape, no metrics)."""
+    return {"candidate": name, "scheme": recipe.scheme, "verdict": "not gated", "failures": [], "rejected": None,
+            "not_gated": why, "fp32_layers": [], "decode_tok_s": None,
+            "metrics": {"top1_agreement": None, "kl_mean": None, "kl_p99": None}}
 
 
 def raise_rejected(cfg: BuildConfig, best: CanaryOutcome, summary: List[dict], final: Path) -> None:
