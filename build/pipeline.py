@@ -32,7 +32,7 @@ from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_r
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import RegistrationError
 from policy_bundle.build.gate.canary_report import add_artifact_comparison
-from policy_bundle.build.gate.families import by_family, summary_of
+from policy_bundle.build.gate.families import by_family, handler
 from policy_bundle.build.gate.recipe_choice import ChosenRecipe, choose_recipe
 from policy_bundle.build.progress import Stages, Throttled, bar, heartbeat, log
 from policy_bundle.build.source.policy_source import resolve_policy_dir
@@ -121,8 +121,8 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
         chosen = quantize_and_gate_stage(cfg, stages, loaded, calibrated, candidates, rollouts.golden, tmp, final)
         export_stage(cfg, stages, loaded, chosen, calibrated, rollouts.batches, tmp, int8_vllm)
         fidelity, onnx_skipped = fidelity_stage(cfg, stages, loaded, rollouts.golden.gate, tmp, int8_vllm)
-        calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches,
-                                          {**summary_of(calibrated, chosen.recipe), "odd_samples": rollouts.odd})
+        summary = handler(chosen.recipe).calibration_summary(calibrated, chosen.recipe)
+        calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches, {**summary, "odd_samples": rollouts.odd})
         body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm,
                              onnx_skipped)
         if drift is not None:

@@ -16,51 +16,50 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Dict, Tuple, Type, TypeVar
 
-from policy_bundle.quantize.recipes import RecipeConfig, RecipeError
+from policy_bundle.quantize.recipes import SCHEMES, RecipeConfig, RecipeError
 
 W8A8_SCHEMES = ("w8a8", "smooth-w8a8")
 
 
 @dataclass(frozen=True)
-class TorchAoRecipe(RecipeConfig):
-    schemes: ClassVar[Tuple[str, ...]] = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic")
-    onnx_carries_activations: ClassVar[bool] = True  # onnxruntime's static QDQ keeps per-tensor scales too
+class _FamilyRecipe(RecipeConfig):
+    """A family's config type: ``RecipeConfig``'s checks, and a scheme of the family's own."""
+
+    schemes: ClassVar[Tuple[str, ...]] = ()
+    onnx_carries_activations: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_family(self)
+        if self.scheme not in self.schemes:
+            raise RecipeError("recipe.scheme", f"{self.scheme!r} is not a {type(self).__name__} scheme "
+                              f"({list(self.schemes)})")
 
 
 @dataclass(frozen=True)
-class W8A8Recipe(RecipeConfig):
+class TorchAoRecipe(_FamilyRecipe):
+    schemes: ClassVar[Tuple[str, ...]] = tuple(s for s in SCHEMES if s not in W8A8_SCHEMES)
+    onnx_carries_activations: ClassVar[bool] = True  # onnxruntime's static QDQ keeps per-tensor scales too
+
+
+@dataclass(frozen=True)
+class W8A8Recipe(_FamilyRecipe):
     schemes: ClassVar[Tuple[str, ...]] = W8A8_SCHEMES
     onnx_carries_activations: ClassVar[bool] = False  # per-token scales: onnxruntime's static INT8 has none
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_family(self)
 
-
-FAMILIES: Tuple[Type[RecipeConfig], ...] = (TorchAoRecipe, W8A8Recipe)
-
-
-def _check_family(recipe: RecipeConfig) -> None:
-    if recipe.scheme not in type(recipe).schemes:
-        raise RecipeError("recipe.scheme", f"{recipe.scheme!r} is not a {type(recipe).__name__} scheme "
-                          f"({list(type(recipe).schemes)})")
+def _values(recipe: RecipeConfig) -> Dict[str, Any]:
+    return {f.name: getattr(recipe, f.name) for f in fields(recipe)}
 
 
 def typed(recipe: RecipeConfig) -> RecipeConfig:
     """``recipe`` as its family's frozen config type (itself when it already is one)."""
     cls = W8A8Recipe if recipe.scheme in W8A8_SCHEMES else TorchAoRecipe
-    if type(recipe) is cls:
-        return recipe
-    return cls(**{f.name: getattr(recipe, f.name) for f in fields(recipe)})
+    return recipe if type(recipe) is cls else cls(**_values(recipe))
 
 
 def recipe_of(base: RecipeConfig, **changes: Any) -> RecipeConfig:
     """``base`` with ``changes`` (a scheme of another family among them) as the result's family type."""
-    return typed(RecipeConfig(**{**{f.name: getattr(base, f.name) for f in fields(base)}, **changes}))
+    return typed(RecipeConfig(**{**_values(base), **changes}))
 
 
 H = TypeVar("H")

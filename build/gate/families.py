@@ -107,12 +107,7 @@ def handler(recipe: recipes.RecipeConfig):
 
 def by_family(candidates: Sequence[recipes.RecipeConfig]) -> List[Tuple[Any, List[recipes.RecipeConfig]]]:
     """(handler, its candidates) for each family among ``candidates``, in the order families first appear."""
-    groups: Dict[int, Tuple[Any, List[recipes.RecipeConfig]]] = {}
+    groups: Dict[Any, List[recipes.RecipeConfig]] = {}
     for c in candidates:
-        h = handler(c)
-        groups.setdefault(id(h), (h, []))[1].append(c)
-    return list(groups.values())
-
-
-def summary_of(calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> dict:
-    return handler(recipe).calibration_summary(calibrated, recipe)
+        groups.setdefault(handler(c), []).append(c)
+    return list(groups.items())
