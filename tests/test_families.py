@@ -1,10 +1,14 @@
 """Recipe families as frozen config types with a handler each (quantize/recipe_types.py, build/gate/families.py): every
 scheme has one family, the type survives ``replace``, a type refuses another family's scheme, the build's
-candidates arrive typed and each reaches its family's handler."""
+candidates arrive typed and each reaches its family's handler, and nothing in build/ asks a recipe its family."""
 
+import ast
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+
+from cli_helpers import ROOT
 
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.build.gate.families import TorchAoFamily, W8A8Family, by_family, handler
@@ -45,3 +49,45 @@ def test_the_build_candidates_arrive_typed_and_group_by_family_in_order():
     assert [[c.scheme for c in members] for _, members in groups] == [["smooth-w8a8", "w8a8"], ["static", "dynamic"]]
     assert groups[0][1][1].rounding == "nearest"
     assert type(cfg.recipe_config()) is W8A8Recipe  # the section's base recipe: the first candidate's scheme
+
+
+FAMILY_FLAGS = ("per_token",)  # the recipe's family flag: its config type's handler is asked instead
+
+
+def scheme_string_checks(folder: Path) -> list:
+    """Places in ``folder`` that ask a recipe its family instead of going through its family's handler
+    (``build/gate/families.py``, looked up by the frozen config type of ``quantize/recipe_types.py``): a read of
+    ``per_token``, ``base_mode`` compared with a string, or ``scheme`` with a w8a8 name (``scheme == "auto"`` is
+    a config choice, not a family; ``base_mode`` as a key, a torch.ao mode's description, is no family check)."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(folder.parent)}:{node.lineno}" if hasattr(node, "lineno") else ""
+            if isinstance(node, ast.Attribute) and node.attr in FAMILY_FLAGS:
+                found.append(where)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("endswith", "startswith")
+                  and any(isinstance(a, ast.Constant) and "w8a8" in str(a.value) for a in node.args)):
+                found.append(where)  # scheme.endswith("w8a8")
+            elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                       for op in node.ops):
+                sides = [node.left, *node.comparators]
+                attrs = {s.attr for s in sides if isinstance(s, ast.Attribute)}
+                strings = [s.value for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+                if strings and ("base_mode" in attrs or ("scheme" in attrs and any("w8a8" in v for v in strings))):
+                    found.append(where)
+    return sorted(set(found))
+
+
+def test_build_reaches_a_recipe_family_only_through_its_handler():
+    assert not scheme_string_checks(ROOT / "build")
+
+
+def test_the_family_check_catches_a_family_flag_or_a_scheme_string_comparison(tmp_path):
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "x.py").write_text("def f(r):\n    return r.per_token or r.base_mode != 'w8a8'\n")
+    (tmp_path / "build" / "y.py").write_text("def g(cfg):\n    return 'smooth-w8a8' == cfg.recipe.scheme\n")
+    (tmp_path / "build" / "z.py").write_text("def h(cfg):\n    return cfg.recipe.scheme == 'auto'\n")  # a choice
+    (tmp_path / "build" / "w.py").write_text("def k(r):\n    return handler(r).gate(r)\n")  # the handler: fine
+    (tmp_path / "build" / "v.py").write_text("def m(s):\n    return s.endswith('w8a8')\n")
+    assert scheme_string_checks(tmp_path / "build") == ["build/v.py:2", "build/x.py:2", "build/y.py:2"]
