@@ -4,10 +4,11 @@ A config that sets the model path, ``recipe.scheme: auto`` and the shipped gate,
 candidates, calibration (each non-golden prompt of the shipped general set once), golden items (40 x 32 tokens:
 20 for the float-layer search, 20 held out for the gate) and float-layer budget (8). Measured on 2026-12-02
 (2 cores): the held-out gate passed with 8 linears in float, top-1 0.9809, KL mean 0.0018, greedy 0.55 (627
-tokens); 16 min 54 s wall.
+tokens); 16 min 54 s wall. On 2026-12-03, with w8a8 not gated once smooth-w8a8 passes: the same result in
+11 min 3 s.
 
 The negative control, torch.ao ``static`` with no fallback on the same model and gate, must fail it.
-Not in the default run: the builds take about 20 min alone on 2 cores. Run them with
+Not in the default run: the builds take about 14 min alone on 2 cores. Run them with
 ``.venv/bin/python -m pytest -m real_lm -n 0``.
 """
 
