@@ -62,11 +62,24 @@ class BundleInfo:
         return read_golden_jsonl(path) if path.is_file() else []
 
 
+# tokenizer classes that name no model-specific class: AutoTokenizer resolves them to PreTrainedTokenizerFast
+# (TokenizersBackend) anyway, after importing every auto model mapping (3.4 s of each router's start, measured)
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: Path):
-    """The tokenizer stored with an artifact (never fetched from a hub)."""
+    """The tokenizer stored with an artifact (never fetched from a hub): the class AutoTokenizer picks; a
+    generic one (``tokenizer.json`` with a ``GENERIC_TOKENIZERS`` class) without the auto mappings' import."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(path)
+    config = path / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in GENERIC_TOKENIZERS and (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     from transformers import AutoTokenizer
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 

@@ -20,7 +20,7 @@ from bentoml.exceptions import InvalidArgument, NotFound
 from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_VLLM_DIR, BundleLayout
-from policy_bundle.quantize.vllm_launch import vllm_available
+from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import patch_bentoml_timeout
@@ -32,8 +32,9 @@ VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
 
 
 def _vllm_missing() -> str:
-    importable = vllm_available(honour_switch=False, load=True)
-    return "switched off (POLICY_BUNDLE_DISABLE_VLLM)" if importable else "not importable"
+    """Why vLLM is not used; switched off is read from the environment alone (importing vllm to word the
+    message took 4 s of every fallback worker's start)."""
+    return "switched off (POLICY_BUNDLE_DISABLE_VLLM)" if vllm_switched_off() else "not importable"
 
 
 def _require_what_the_settings_need() -> None:
@@ -80,6 +81,21 @@ def context_len(artifact: Path) -> int:
 
 def vocab_size(artifact: Path) -> int:
     return int(json.loads((artifact / "config.json").read_text())["vocab_size"])
+
+
+def open_entry(variant, sub: str) -> Path:
+    """A variant service's store entry, verified against its manifest: sets the variant's manifest sha256, context
+    length and vocabulary size (what ``health`` and the input checks read); returns the artifact dir."""
+    path = verified_artifact(variant.model, sub)
+    variant.manifest = manifest_sha(variant.model)
+    variant.max_seq_len, variant.vocab_size = context_len(path), vocab_size(path)
+    return path
+
+
+def variant_health(variant, **extra) -> dict:
+    return {"ready": variant.ready, "engine": variant.engine.name, "max_seq_len": variant.max_seq_len,
+            "test_fault": fault_spec(), "batch": engine_stats(variant.engine), "manifest_sha256": variant.manifest,
+            **extra}
 
 
 def batching_settings() -> dict:
@@ -175,10 +191,8 @@ class Int8Policy:
     def __init__(self) -> None:
         import torch
 
-        path = verified_artifact(self.model, INT8_DIR)
+        path = open_entry(self, INT8_DIR)
         entry = BundleLayout(path.parent)
-        self.manifest = manifest_sha(self.model)
-        self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
         if settings_or_exit().int8_engine == "vllm":
             self.engine, self.ready = int8_vllm_engine(entry.int8_vllm_dir, self.max_seq_len), False
             log.info("INT8 W8A8 loaded in vLLM from %s (verified)", entry.int8_vllm_dir)
@@ -223,8 +237,7 @@ class Int8Policy:
 
     @bentoml.api
     def health(self) -> dict:
-        return {"ready": self.ready, "engine": self.engine.name, "max_seq_len": self.max_seq_len,
-                "test_fault": fault_spec(), "batch": engine_stats(self.engine), "manifest_sha256": self.manifest}
+        return variant_health(self)
 
 
 @bentoml.service(name="fp16-policy", workers=1, traffic={"timeout": 120})
@@ -233,9 +246,7 @@ class Fp16Policy:
     model = bentoml.models.BentoModel(f"policy-fp16:{VERSION}")
 
     def __init__(self) -> None:
-        path = verified_artifact(self.model, FP16_DIR)
-        self.manifest = manifest_sha(self.model)
-        self.max_seq_len, self.vocab_size = context_len(path), vocab_size(path)
+        path = open_entry(self, FP16_DIR)
         require = settings_or_exit().require_vllm
         # vLLM is expected where it is installed and not switched off (POLICY_BUNDLE_DISABLE_VLLM), or required
         self.vllm_expected = require or vllm_available(load=True)
@@ -244,8 +255,7 @@ class Fp16Policy:
             if active_fault("novllm"):
                 raise RuntimeError("injected fault: vLLM failed to load")
             if not vllm_available(load=True):
-                raise ImportError("vllm is switched off (POLICY_BUNDLE_DISABLE_VLLM)" if
-                                  vllm_available(honour_switch=False, load=True) else "vllm is not importable here")
+                raise ImportError(f"vllm is {_vllm_missing()}")
             self.engine = VllmEngine(path, self.max_seq_len)
         except Exception as exc:  # noqa: BLE001 - the fallback serves; readiness says whether that was the plan
             if require:
@@ -270,6 +280,5 @@ class Fp16Policy:
     @bentoml.api
     def health(self) -> dict:
         # expected_engine: False when vLLM was expected and the fallback loaded (the router is then not ready)
-        return {"ready": self.ready, "engine": self.engine.name, "fallback": self.fallback_reason,
-                "expected_engine": not (self.vllm_expected and self.fallback_reason), "test_fault": fault_spec(),
-                "max_seq_len": self.max_seq_len, "batch": engine_stats(self.engine), "manifest_sha256": self.manifest}
+        return variant_health(self, fallback=self.fallback_reason,
+                              expected_engine=not (self.vllm_expected and self.fallback_reason))

@@ -433,7 +433,8 @@ def test_admin_api_is_disabled_without_a_token(locked):
 def test_fp16_fallback_is_reported_without_vllm(locked):
     key = {"Authorization": "Bearer key-one"}
     status = httpx.get(f"{locked.url}/status", headers=key, timeout=30).json()
-    assert status["variants"]["fp16"]["engine"] == "policy-module-fp32" and status["variants"]["fp16"]["fallback"]
+    assert status["variants"]["fp16"]["engine"] == "policy-module-fp32"
+    assert "vllm is switched off (POLICY_BUNDLE_DISABLE_VLLM)" in status["variants"]["fp16"]["fallback"]
     assert status["variants"]["fp16"]["expected_engine"] and status["ready"]  # switched off on purpose: ready
     assert re.search(r"^policy_fp16_fallback(\{[^}]*\})? 1\.0", httpx.get(f"{locked.url}/metrics", headers=key).text,
                      re.M)
