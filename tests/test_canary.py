@@ -80,10 +80,12 @@ def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones
     """Half the reference bundle's KL (measured on its held-out gate prompts): the search on its own prompts
     finds a few float layers that meet it there (3 on the shipped reference policy), but the held-out prompts
     judge the build, and on them those layers fall short; the walk keeps one more layer in float at a time
-    (each prefix passing the search prompts first) up to the budget (4 here), falls short there too, and the
+    (each prefix passing the search prompts' teacher-forced metrics first) up to the budget (4 here), falls short there too, and the
     build is refused with the held-out numbers, nothing ships. (Before the gate and the search used disjoint
     prompts this build passed, judged on what it was tuned on.)"""
-    plain = json.loads((small_bundle / "canary_report.json").read_text())["metrics"]["kl_mean"]
+    shipped = json.loads((small_bundle / "canary_report.json").read_text())["metrics"]
+    plain = shipped["kl_mean"]
+    assert shipped["greedy_agreement"] is not None  # a passing held-out judgement ran its greedy confirmation
     out = tmp_path / "strict"
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST,
                   "--set", f"canary.max_kl_mean={plain * 0.5}", "--set", "canary.max_fp_layers=4")
@@ -97,6 +99,9 @@ def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones
     kept = [r["layer"] for r in report["fp32_layers"]]
     assert len(kept) == 4 and all("sensitivity rank" in r["reason"] for r in report["fp32_layers"])
     assert report["metrics"]["kl_mean"] > plain * 0.5  # the held-out verdict is the one reported
+    # it failed teacher-forced, so its greedy generation never ran (the one greedy run is the confirmation)
+    assert report["metrics"]["greedy_agreement"] is None
+    assert "greedy generation not run: the teacher-forced metrics failed" in report["metrics"]["notes"]
     assert f"walked up from {n}; canary.max_fp_layers=4" in res.stderr
 
 

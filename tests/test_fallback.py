@@ -95,7 +95,9 @@ def test_a_prefix_the_held_out_prompts_fail_walks_up_to_more_float_layers():
     search.confirm = held_out(5, judged)
     out = search_fallback(search, lambda: RANKING, max_fp_layers=8)
     assert judged == [2, 4, 8] and out.verdict.passed and out.fp32_layers == [n for n, _ in RANKING[:8]]
-    assert ("whole", 8) in seen  # each larger prefix passed the search prompts before it was judged held out
+    # each larger prefix passed the search prompts (teacher-forced) before it was judged held out; the greedy
+    # confirmation is the held-out judgement's, never run on the search prompts
+    assert ("teacher-forced", 8) in seen and not [k for what, k in seen if what == "whole"]
 
 
 def test_the_held_out_walk_stops_at_the_budget_and_says_so():

@@ -6,20 +6,24 @@ within the budget is with all ``max_fp_layers`` of them in float. That is measur
 metrics only, the cheap part of the gate): when it fails, the candidate is rejected after one
 measurement instead of a walk through every smaller prefix. Otherwise the smallest passing prefix is
 found by bisection on the teacher-forced metrics (keeping more layers in float is assumed not to make
-them worse), then confirmed with the whole gate (greedy generation, task reward); if greedy misses
-there, the bisection goes on with the whole gate between that prefix and the budget. The assumption
-holds only roughly: on SmolLM2-135M top-1 was 0.9717 / 0.9796 / 0.9765 / 0.9765 / 0.9827 with
-16 / 24 / 28 / 29 / 30 linears in float, so the bisection finds a small passing prefix, not always the
-smallest, and a prefix below the budget could pass where the budget's does not.
+them worse). The assumption holds only roughly: on SmolLM2-135M top-1 was 0.9717 / 0.9796 / 0.9765 /
+0.9765 / 0.9827 with 16 / 24 / 28 / 29 / 30 linears in float, so the bisection finds a small passing
+prefix, not always the smallest, and a prefix below the budget could pass where the budget's does not.
 
 The torch.ao recipes walk the ranking one layer at a time (``walk_fallback``): there, more layers in
 float can be worse, so neither shortcut holds.
 
 Both searches measure on the search prompts only. With ``confirm`` set (the build's held-out gate
-prompts), the prefix they find is judged there; when that fails, more of the ranking goes to float (the
-bisection doubles the prefix, the walk adds one layer) and each larger prefix that still passes the
-search prompts is judged again, up to the budget. The held-out prompts never pick the layers (the
-ranking and the search prompts do) and never lower the count: they only reject or ask for more.
+prompts), the search prompts are judged on the teacher-forced metrics alone and the prefix found is
+judged on the held-out prompts: teacher-forced first, then the one greedy confirmation (generation and
+task reward) where those pass. When that judgement fails, more of the ranking goes to float (the bisection
+doubles the prefix, the walk adds one layer) and each larger prefix that still passes the search prompts
+is judged again, up to the budget. The held-out prompts never pick the layers (the ranking and the
+search prompts do) and never lower the count: they only reject or ask for more. Without ``confirm`` the
+search's own prefix is confirmed with the whole gate on the search prompts; if greedy misses there, the
+bisection goes on with the whole gate between that prefix and the budget. (On SmolLM2-135M the greedy
+runs on the search prompts cost 3 x 40 s of a 473 s canary and decided nothing the held-out judgement
+did not decide again.)
 """
 
 from __future__ import annotations
@@ -100,6 +104,11 @@ class FallbackSearch:
             self.gate_pass[k] = self._record(k, self.measure(self.convert(self.kept(k))), "whole gate")
         return self.gate_pass[k]
 
+    def search_ok(self, k: int) -> bool:
+        """What the search prompts must pass: with a held-out judgement (``confirm``), which runs the one greedy
+        confirmation, the teacher-forced metrics; without one, the whole gate."""
+        return self.logits_ok(k) if self.confirm is not None else self.gate_ok(k)
+
     def outcome(self, k: int, rejected: str = "") -> CanaryOutcome:
         """The candidate with its top-k layers in float (converted again: cheaper than keeping every model)."""
         report, verdict = self.measured[k]
@@ -121,7 +130,7 @@ def search_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[st
     if not search.logits_ok(hi):
         return _rejected(search, hi)
     k = 0 if search.logits_ok(0) else smallest_passing(0, hi, search.logits_ok)
-    if not search.gate_ok(k):
+    if search.confirm is None and not search.gate_ok(k):
         if not search.gate_ok(hi):
             return _rejected(search, hi)
         k = smallest_passing(k, hi, search.gate_ok)
@@ -136,7 +145,7 @@ def walk_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str,
     if not _ranked_after_failure(search, rank):
         return _confirmed(search, 0, rank, max_fp_layers, lambda k: k + 1)
     for k in range(1, min(max_fp_layers, len(search.ranking)) + 1):
-        if search.gate_ok(k):
+        if search.search_ok(k):
             return _confirmed(search, k, rank, max_fp_layers, lambda k: k + 1)
     return search.outcome(max(search.measured))
 
@@ -161,7 +170,7 @@ def _confirmed(search: FallbackSearch, k: int, rank: Callable[[], Sequence[Tuple
                 log(f"[canary] {search.label}: {judged.rejected}")
             return judged
         failed, k = k, min(hi, larger(k))
-        if search.gate_ok(k):
+        if search.search_ok(k):
             log(f"[canary] {search.label}: the held-out gate prompts ask for more than {failed} layer(s) in float; "
                 f"trying {k}")
             judged = search.confirm(search.outcome(k))
@@ -170,7 +179,7 @@ def _confirmed(search: FallbackSearch, k: int, rank: Callable[[], Sequence[Tuple
 
 def _ranked_after_failure(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str, float]]]) -> bool:
     """Gate with nothing in float; when that fails, rank the layers. True when ranked (it failed)."""
-    if search.gate_ok(0):
+    if search.search_ok(0):
         return False
     search.ranking = list(rank())
     top = ", ".join(f"{n} {kl:.3g}" for n, kl in search.ranking[:3])

@@ -1,9 +1,9 @@
 """How the build measures fidelity: the keyword arguments every measurement shares (the gate, the exported
-artifacts' checks, ``policy-bundle canary``) and the whole gate's measurement of a model on a golden set."""
+artifacts' checks, ``policy-bundle canary``) and the gate's measurements of a model on a golden set."""
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Tuple
 
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.source.policy_source import is_task_policy
@@ -20,11 +20,13 @@ def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
     return dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
 
 
-def whole_gate(policy: Policy, golden: List[GoldenItem], kw: dict, generate: bool = True) -> Callable:
-    """The gate's measurement of a model on ``golden`` (FP32 outputs and logits computed once)."""
+def gate_measures(policy: Policy, golden: List[GoldenItem], kw: dict) -> Tuple[Callable, Callable]:
+    """The gate's two measurements of a model on ``golden``: the whole gate (teacher-forced metrics, greedy
+    generation, reward) and the teacher-forced metrics alone; the FP32 outputs and logits are computed once."""
     ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
     ref_logits = teacher_forced_logits(policy_logits_fn(policy), golden)  # once for every gate attempt
-    if not generate:
-        return lambda m: measure_fidelity(policy, m, golden, generate=False, reference_logits=ref_logits, **kw)
-    return lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs, reference_logits=ref_logits,
-                                      **kw)
+    whole = lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs,  # noqa: E731
+                                       reference_logits=ref_logits, **kw)
+    logits_only = lambda m: measure_fidelity(policy, m, golden, generate=False,  # noqa: E731
+                                             reference_logits=ref_logits, **kw)
+    return whole, logits_only

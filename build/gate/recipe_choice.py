@@ -16,7 +16,7 @@ from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.canary_report import CanaryOutcome, write_report
 from policy_bundle.build.gate.families import handler
-from policy_bundle.build.gate.measure import fidelity_kwargs, whole_gate
+from policy_bundle.build.gate.measure import fidelity_kwargs, gate_measures
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
@@ -94,8 +94,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     real LM for a speed within noise). The float-layer search measures
     on ``golden.search``; a candidate it passes is then judged on ``golden.gate`` alone."""
     kw = fidelity_kwargs(cfg, tok)
-    measure, logits_only = whole_gate(policy, golden.search, kw), whole_gate(policy, golden.search, kw, False)
-    judge = whole_gate(policy, golden.gate, kw)
+    measure, logits_only = gate_measures(policy, golden.search, kw)
+    judge, judge_logits = gate_measures(policy, golden.gate, kw)
     trials: List[Trial] = []
     summary: List[dict] = []  # every candidate in order, gated or not
     auto = len(candidates) > 1
@@ -104,8 +104,16 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
             return f"candidate {i + 1}/{len(candidates)} {name}: {step}; best so far: {best_so_far(trials)}"
 
         def confirm(searched: CanaryOutcome, status=status) -> CanaryOutcome:
-            set_status(status(f"the whole gate on the held-out prompts ({len(searched.fp32_layers)} float layers)"))
-            return held_out_verdict(searched, judge(searched.int8), cfg.canary.gate)
+            """Teacher-forced on the held-out prompts, then the one greedy confirmation where those pass."""
+            floats = len(searched.fp32_layers)
+            set_status(status(f"teacher-forced metrics on the held-out prompts ({floats} float layers)"))
+            report = judge_logits(searched.int8)
+            if evaluate_gate(report, cfg.canary.gate).passed:
+                set_status(status(f"the whole gate on the held-out prompts ({floats} float layers)"))
+                report = judge(searched.int8)
+            else:
+                report.notes.append("greedy generation not run: the teacher-forced metrics failed")
+            return held_out_verdict(searched, report, cfg.canary.gate)
 
         family = handler(recipe)
         settled = next((t for t in trials if t.outcome.verdict.passed and handler(t.recipe) is family), None)
