@@ -134,6 +134,10 @@ def worker(args) -> None:
         sess = ort.InferenceSession(args.artifact, providers=["CPUExecutionProvider"])
         dec = onnx_decode_tps(sess, plen, new, vocab, r)
         fwd = forward_tps(lambda x: sess.run(None, {"input_ids": x.numpy()}), 8, seq, vocab, r)
+    elif args.worker.startswith("llama.cpp"):
+        from policy_bundle.loadtest.gguf_peer import speed_figures
+
+        dec, fwd = speed_figures(Path(args.artifact), plen, new, seq, vocab, r)
     else:
         dtype = "bfloat16" if args.worker == "bf16 vllm" else "float16"
         dec, fwd, batch = vllm_figures(Path(args.artifact), dtype, plen, new, seq, vocab, r)
@@ -207,17 +211,25 @@ def bench_bundle(bundle: Path, args) -> None:
         artifacts["int8 onnxruntime"] = bundle / "int8" / "policy-int8.onnx"
     if vllm_available(honour_switch=False) and not args.no_vllm:
         artifacts["fp16 vllm"] = artifacts["bf16 vllm"] = bundle / "fp16"  # the same weights, two dtypes
-    figures = {v: run_worker(v, a, vocab, seq, prompt_len, args.new_tokens, args) for v, a in artifacts.items()}
-    hf = hf_generate_tps(policy_dir, args.new_tokens, args.repeats)
-    fp32_bytes = sum(p.numel() * 4 for p in policy.parameters())
-    sizes = {"fp32 eager": fp32_bytes, "fp16 vllm": fp32_bytes // 2, "bf16 vllm": fp32_bytes // 2,
-             **{v: Path(a).stat().st_size for v, a in artifacts.items() if Path(a).is_file()}}
     fid = manifest.get("fidelity", {})
     fidelity = {"fp32 eager": {"top1_agreement": 1.0, "kl_mean": 0.0}, "int8 torchscript": fid.get("int8_torchscript"),
                 "int8 onnxruntime": fid.get("int8_onnx"), "fp16 vllm": fid.get("fp16_hf")}
+    with tempfile.TemporaryDirectory() as tmp:
+        peers = gguf_peers(args.gguf, Path(tmp)) if args.gguf else {}
+        artifacts.update(peers)
+        figures = {v: run_worker(v, a, vocab, seq, prompt_len, args.new_tokens, args) for v, a in artifacts.items()}
+        fp32_bytes = sum(p.numel() * 4 for p in policy.parameters())
+        sizes = {"fp32 eager": fp32_bytes, "fp16 vllm": fp32_bytes // 2, "bf16 vllm": fp32_bytes // 2,
+                 **{v: Path(a).stat().st_size for v, a in artifacts.items() if Path(a).is_file()}}
+        if peers:
+            from policy_bundle.loadtest.gguf_peer import bundle_fidelity
+
+            fidelity.update(bundle_fidelity(peers, bundle, policy_dir))
+    hf = hf_generate_tps(policy_dir, args.new_tokens, args.repeats)
     print(f"\n== bundle {bundle} ({manifest['recipe']['scheme']}, {len(manifest['recipe']['fp32_layers'])} layers "
-          f"in float) on {policy_dir.name}; HF transformers FP32 generate {hf:.1f} tok/s; top-1 / KL vs FP32 from the "
-          "manifest's held-out golden set (fp16 vllm: the FP16 weights in torch)")
+          f"in float) on {policy_dir.name}; HF transformers FP32 generate {hf:.1f} tok/s; top-1 / KL vs FP32 on the "
+          "manifest's held-out golden set (from the manifest; llama.cpp measured here; fp16 vllm: the FP16 weights in "
+          "torch)")
     print(f"{'variant':20s} {'decode tok/s':>13s} {'vs eager':>8s} {'vs HF':>6s} {f'b={BATCH_ROWS} tok/s':>12s} "
           f"{'vs eager':>8s} {'forward tok/s':>14s} {'peak RSS MB':>12s} {'artifact MB':>12s} {'top-1':>7s} {'KL':>8s}")
     base = figures["fp32 eager"]
@@ -228,6 +240,16 @@ def bench_bundle(bundle: Path, args) -> None:
             print(f"{v:20s} {f['decode']:13.1f} {f['decode'] / base['decode']:8.2f} {f['decode'] / hf:6.2f} "
                   f"{f['batch']:12.1f} {f['batch'] / base['batch']:8.2f} {f['forward']:14.1f} {f['peak_mb']:12.0f} "
                   f"{sizes[v] / 1e6:12.1f} {top1:7.4f} {kl:8.5f}")
+
+
+def gguf_peers(src: Path, tmp: Path) -> dict:
+    """llama.cpp F32 and Q8_0 GGUFs written from ``src``'s weights (``loadtest/gguf_peer.py``), where installed."""
+    from policy_bundle.loadtest.gguf_peer import QTYPES, llama_cpp_available, write_gguf
+
+    if not llama_cpp_available():
+        print("llama.cpp peer skipped: llama-cpp-python is not installed (see loadtest/gguf_peer.py)")
+        return {}
+    return {f"llama.cpp {q.lower()}": write_gguf(src, tmp / f"peer-{q}.gguf", q) for q in QTYPES}
 
 
 def hf_generate_tps(path: Path, new_tokens: int, repeats: int) -> float:
@@ -249,6 +271,9 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="skip FP16 via vLLM even where it is installed")
     ap.add_argument("--bundle", type=Path, help="benchmark a built bundle's artifacts (e.g. the SmolLM2 one) "
                     "against its FP32 source and HF transformers generate")
+    ap.add_argument("--gguf", type=Path, help="with --bundle: the GGUF the FP32 source was dequantized from (the "
+                    "SmolLM2 fixture: `python -c 'from policy_bundle.loadtest.real_lm import gguf_path as g; print(g())'`): "
+                    "adds llama.cpp F32 and Q8_0 written from its weights")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
