@@ -23,9 +23,11 @@ SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16"
          "--set", "calibration.procs=0", "--set", "export.onnx=false",
          "--set", "export.int8_vllm=false"]  # the drills serve INT8 as TorchScript: no vLLM load to gate int8-vllm/
 BUILD_TIMEOUT_S = 900
-REGISTER = ("import sys; from pathlib import Path; "
-            "from policy_bundle.build.artifacts.model_store import register_bundle; "
-            "register_bundle(Path(sys.argv[1]), sys.argv[2], sys.argv[3])")
+# the copy checked against its manifest, then registered: one process (each start is seconds of both cores)
+VERIFY_AND_REGISTER = ("import sys; from pathlib import Path; "
+                       "from policy_bundle.bundle.manifest import verify_bundle; "
+                       "from policy_bundle.build.artifacts.model_store import register_bundle; "
+                       "verify_bundle(Path(sys.argv[1])); register_bundle(Path(sys.argv[1]), sys.argv[2], sys.argv[3])")
 
 
 def build_bundle(home: Path, out: Path, broken: bool) -> str:
@@ -56,11 +58,10 @@ def build_bundle(home: Path, out: Path, broken: bool) -> str:
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(cache, out)
     version = f"{name}-{manifest_hash(out)[:12]}"
-    for step in (["-m", "policy_bundle.build.cli", "verify", str(out)],
-                 ["-c", REGISTER, str(out), version, manifest_hash(out)]):
-        res = subprocess.run([sys.executable, *step], cwd=ROOT, env=env, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"cached bundle {cache}: {' '.join(step[:3])} failed:\n{res.stderr[-3000:]}")
+    res = subprocess.run([sys.executable, "-c", VERIFY_AND_REGISTER, str(out), version, manifest_hash(out)], cwd=ROOT,
+                         env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"cached bundle {cache}: verify and register failed:\n{res.stderr[-3000:]}")
     return version
 
 

@@ -17,16 +17,16 @@ def bundle_version(bundle: Path) -> str:
 
 
 def register_into(bundle: Path, home: Path) -> None:
-    """Register a built bundle's two entries in the BentoML store at ``home`` (a fresh process: this one's
-    bentoml may already be bound to another store)."""
+    """Check a built bundle against its manifest and register its two entries in the BentoML store at ``home`` (a
+    fresh process: this one's bentoml may already be bound to another store)."""
     import os
     import subprocess
     import sys
 
     from policy_bundle.bundle.manifest import manifest_hash
-    from policy_bundle.loadtest.drill_kit import REGISTER
+    from policy_bundle.loadtest.drill_kit import VERIFY_AND_REGISTER
 
-    reg = subprocess.run([sys.executable, "-c", REGISTER, str(bundle), bundle_version(bundle), manifest_hash(bundle)],
+    reg = subprocess.run([sys.executable, "-c", VERIFY_AND_REGISTER, str(bundle), bundle_version(bundle), manifest_hash(bundle)],
                          env={**os.environ, "BENTOML_HOME": str(home)}, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert reg.returncode == 0, reg.stderr[-2000:]
