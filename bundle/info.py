@@ -62,25 +62,32 @@ class BundleInfo:
         return read_golden_jsonl(path) if path.is_file() else []
 
 
-# tokenizer classes that name no model-specific class: AutoTokenizer resolves them to PreTrainedTokenizerFast
-# (TokenizersBackend) anyway, after importing every auto model mapping (3.4 s of each router's start, measured)
+# tokenizer classes that name no model-specific class, and the model types (config.json beside it) for which
+# AutoTokenizer keeps such a class: it resolves them to PreTrainedTokenizerFast (TokenizersBackend) after importing
+# every auto model mapping (3.4 s of each router's start, measured). Other model types may be remapped to their own
+# class (qwen2 is: a generic Qwen2 tokenizer_config becomes Qwen2Tokenizer, with other ids), so they go through it.
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+GENERIC_KEPT_FOR = ("llama",)
 
 
 def load_tokenizer(path: Path):
     """The tokenizer stored with an artifact (never fetched from a hub): the class AutoTokenizer picks; a
-    generic one (``tokenizer.json`` with a ``GENERIC_TOKENIZERS`` class) without the auto mappings' import."""
+    generic one (``tokenizer.json``, a ``GENERIC_TOKENIZERS`` class, a ``GENERIC_KEPT_FOR`` model type) without
+    the auto mappings' import."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(path)
-    config = path / "tokenizer_config.json"
-    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if named in GENERIC_TOKENIZERS and (path / "tokenizer.json").is_file():
+    if _json_field(path / "tokenizer_config.json", "tokenizer_class") in GENERIC_TOKENIZERS and \
+            _json_field(path / "config.json", "model_type") in GENERIC_KEPT_FOR and (path / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _json_field(path: Path, key: str):
+    return json.loads(path.read_text()).get(key) if path.is_file() else None
 
 
 def encode_chat(tok, messages: Sequence[dict]) -> List[int]:

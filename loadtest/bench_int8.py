@@ -280,6 +280,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.gguf and not args.bundle:
+        ap.error("--gguf needs --bundle (the bundle whose FP32 source that GGUF holds)")
     torch.manual_seed(0)
     if args.worker:
         return worker(args)

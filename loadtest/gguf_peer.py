@@ -72,8 +72,10 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
 
 def speed_figures(path: Path, prompt_len: int, new_tokens: int, seq: int, vocab: int, repeats: int) -> tuple:
     """Decode tokens/s at batch 1 (prefill untimed, greedy argmax of the logits each step, as our decode loops)
-    and prefill tokens/s (8 sequences of ``seq`` tokens, one after another: llama.cpp's batch is one sequence)."""
-    llm = load(path, n_ctx=max(prompt_len + new_tokens, seq) + 8)
+    and prefill tokens/s (8 sequences of ``seq`` tokens, one after another: llama.cpp's batch is one sequence).
+    ``logits_all``: ``scores`` holds every evaluated position's logits (without it llama-cpp-python leaves them
+    unwritten for ``eval``), and prefill computes the head at every position, as our forward does."""
+    llm = load(path, n_ctx=max(prompt_len + new_tokens, seq) + 8, logits_all=True)
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, vocab, prompt_len).tolist()
 

@@ -129,12 +129,14 @@ def measure_fidelity(
     generate: bool = True,
     reference_outputs: Optional[List[List[int]]] = None,
     reference_logits: Optional[List[Tensor]] = None,
+    logits_only_note: str = "logit metrics only: greedy generation not run",
 ) -> FidelityReport:
     """Compare ``candidate`` to ``reference`` on the golden ``items``.
 
     ``reference``/``candidate`` follow the Policy interface. ``candidate_logits`` overrides how
     the candidate's teacher-forced logits are computed (e.g. onnxruntime); with ``generate=False``
-    only the logit metrics are computed (for variants without a KV-cache decode).
+    only the logit metrics are computed (a variant without a KV-cache decode, or a cheap first look), and the
+    report notes ``logits_only_note``.
     ``reference_outputs`` are the reference's greedy completions when the caller already has them
     (the golden set's completions are exactly that), so repeated gates do not regenerate them;
     ``reference_logits`` likewise (``teacher_forced_logits`` of the reference on ``items``).
@@ -147,7 +149,7 @@ def measure_fidelity(
         kl_p99=percentile(kl, 0.99, method="linear", empty=0.0), kl_per_token=[float(v) for v in kl],
     )
     if not generate:
-        report.notes.append("logit metrics only: this variant has no KV-cache decode")
+        report.notes.append(logits_only_note)
         return report
     ref_out = reference_outputs or greedy_completions(reference, items, max_new_tokens, eos_token_id)
     cand_out = greedy_completions(candidate, items, max_new_tokens, eos_token_id)

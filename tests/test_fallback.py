@@ -89,15 +89,24 @@ def held_out(passes_from: int, judged: list):
     return confirm
 
 
-def test_a_prefix_the_held_out_prompts_fail_walks_up_to_more_float_layers():
+def test_a_prefix_the_held_out_prompts_fail_walks_up_to_more_float_layers_then_back_to_the_fewest():
     search, seen = search_over(lambda k: 0.5 if k < 2 else 0.05)
     judged = []
     search.confirm = held_out(5, judged)
     out = search_fallback(search, lambda: RANKING, max_fp_layers=8)
-    assert judged == [2, 4, 8] and out.verdict.passed and out.fp32_layers == [n for n, _ in RANKING[:8]]
+    # doubling 2 -> 4 -> 8 passes at 8; the prefixes it stepped over are bisected: 6 passes, 5 passes
+    assert judged == [2, 4, 8, 6, 5] and out.verdict.passed and out.fp32_layers == [n for n, _ in RANKING[:5]]
     # each larger prefix passed the search prompts (teacher-forced) before it was judged held out; the greedy
     # confirmation is the held-out judgement's, never run on the search prompts
     assert ("teacher-forced", 8) in seen and not [k for what, k in seen if what == "whole"]
+
+
+def test_a_stepped_over_prefix_that_fails_held_out_keeps_the_larger_one():
+    search, _ = search_over(lambda k: 0.5 if k < 2 else 0.05)
+    judged = []
+    search.confirm = held_out(4, judged)
+    out = search_fallback(search, lambda: RANKING, max_fp_layers=8)
+    assert judged == [2, 4, 3] and out.verdict.passed and len(out.fp32_layers) == 4
 
 
 def test_the_held_out_walk_stops_at_the_budget_and_says_so():

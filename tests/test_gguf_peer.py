@@ -20,7 +20,7 @@ def test_a_q8_0_gguf_holds_the_fp32_weights_within_its_rounding_and_the_metadata
 
     src = gguf.GGUFReader(str(gguf_path()))
     out = gguf.GGUFReader(str(write_gguf(gguf_path(), tmp_path / "q8.gguf", "Q8_0")))
-    assert [t.name for t in out.tensors] == [t.name for t in src.tensors]
+    assert [(t.name, list(t.shape)) for t in out.tensors] == [(t.name, list(t.shape)) for t in src.tensors]
     fp32, q8 = tensors(src), tensors(out)
     kinds = {t.name: t.tensor_type for t in out.tensors}
     for name, w in fp32.items():

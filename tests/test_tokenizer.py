@@ -27,15 +27,34 @@ def test_a_generic_tokenizer_encodes_and_decodes_as_autotokenizer_does(reference
                                                                          auto.pad_token_id)
 
 
-def test_only_a_model_specific_tokenizer_class_goes_through_the_auto_mappings(reference_dir, tmp_path):
-    generic = subprocess.run([sys.executable, "-c", PROBE, str(reference_dir)], capture_output=True, text=True)
-    assert generic.returncode == 0 and generic.stdout.split() == ["TokenizersBackend", "False"], generic.stderr[-2000:]
-    named = tmp_path / "named"  # the same files, naming a model-specific class: AutoTokenizer resolves it
-    shutil.copytree(reference_dir, named)
-    config = json.loads((named / "tokenizer_config.json").read_text())
-    (named / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    assert subprocess.run([sys.executable, "-c", PROBE, str(named)], capture_output=True, text=True).stdout.split()[1] \
-        == "False"
-    (named / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
-    auto = subprocess.run([sys.executable, "-c", PROBE, str(named)], capture_output=True, text=True)
-    assert auto.returncode == 0 and auto.stdout.split()[1] == "True", auto.stderr[-2000:]
+def probe(path):
+    res = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    name, auto_imported = res.stdout.split()
+    return name, auto_imported == "True"
+
+
+def edited_copy(reference_dir, dest, **fields):
+    """The reference tokenizer and config with ``fields`` set (tokenizer_class in one file, model_type in the other)."""
+    shutil.copytree(reference_dir, dest)
+    for name, key in (("tokenizer_config.json", "tokenizer_class"), ("config.json", "model_type")):
+        if key in fields:
+            data = json.loads((dest / name).read_text())
+            (dest / name).write_text(json.dumps({**data, key: fields[key]}))
+    return dest
+
+
+def test_only_a_generic_class_of_a_llama_model_skips_the_auto_mappings(reference_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    assert probe(reference_dir) == ("TokenizersBackend", False)
+    fast = edited_copy(reference_dir, tmp_path / "fast", tokenizer_class="PreTrainedTokenizerFast")
+    assert probe(fast) == ("TokenizersBackend", False)
+    # a model type AutoTokenizer remaps (qwen2: Qwen2Tokenizer, other ids; so would a model-specific class) goes
+    # through AutoTokenizer and gets what it picks
+    qwen2 = edited_copy(reference_dir, tmp_path / "qwen2", model_type="qwen2")
+    auto = AutoTokenizer.from_pretrained(str(qwen2), local_files_only=True)
+    assert type(auto).__name__ != "TokenizersBackend"  # the remap this guards against is real
+    assert probe(qwen2) == (type(auto).__name__, True)
+    ours = load_tokenizer(qwen2)
+    assert type(ours) is type(auto) and all(ours(t)["input_ids"] == auto(t)["input_ids"] for t in TEXTS)

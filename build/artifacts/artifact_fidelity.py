@@ -70,4 +70,5 @@ def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict) -> FidelityRepor
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     logits = lambda b: torch.from_numpy(sess.run(None, {"input_ids": b.numpy()})[0])  # noqa: E731
-    return measure_fidelity(policy, None, golden, candidate_logits=logits, generate=False, **kw)
+    return measure_fidelity(policy, None, golden, candidate_logits=logits, generate=False,
+                            logits_only_note="logit metrics only: this variant has no KV-cache decode", **kw)

@@ -14,11 +14,12 @@ The torch.ao recipes walk the ranking one layer at a time (``walk_fallback``): t
 float can be worse, so neither shortcut holds.
 
 Both searches measure on the search prompts only. With ``confirm`` set (the build's held-out gate
-prompts), the search prompts are judged on the teacher-forced metrics alone and the prefix found is
+prompts) and ``measure_logits``, the search prompts are judged on the teacher-forced metrics alone and the prefix found is
 judged on the held-out prompts: teacher-forced first, then the one greedy confirmation (generation and
 task reward) where those pass. When that judgement fails, more of the ranking goes to float (the bisection
 doubles the prefix, the walk adds one layer) and each larger prefix that still passes the search prompts
-is judged again, up to the budget. The held-out prompts never pick the layers (the ranking and the
+is judged again, up to the budget; where doubling passed, the prefixes it stepped over are bisected with the same
+two judgements. The held-out prompts never pick the layers (the ranking and the
 search prompts do) and never lower the count: they only reject or ask for more. Without ``confirm`` the
 search's own prefix is confirmed with the whole gate on the search prompts; if greedy misses there, the
 bisection goes on with the whole gate between that prefix and the budget. (On SmolLM2-135M the greedy
@@ -89,7 +90,6 @@ class FallbackSearch:
         if k not in self.logits_pass:
             set_status(self.status(f"teacher-forced metrics with {k} layer(s) in float"))
             report = self.measure_logits(self.convert(self.kept(k)))
-            report.notes.append("greedy generation not run: teacher-forced metrics only")
             self.logits_pass[k] = self._record(k, report, "teacher-forced")
             if not self.logits_pass[k]:
                 self.gate_pass[k] = False
@@ -154,11 +154,13 @@ def _confirmed(search: FallbackSearch, k: int, rank: Callable[[], Sequence[Tuple
                larger: Callable[[int], int]) -> CanaryOutcome:
     """The prefix ``k`` that passed the search prompts, judged by ``search.confirm`` (the held-out gate
     prompts); while that fails and the budget allows, the next ``larger(k)`` prefix that passes the search
-    prompts is judged instead. The last judgement is returned (a failing one carries why)."""
+    prompts is judged instead, and the prefixes a jump stepped over are bisected (``_fewest_held_out``). The last
+    judgement is returned (a failing one carries why)."""
     judged = search.outcome(k)
     if search.confirm is None or not judged.verdict.passed:
         return judged
     judged, first = search.confirm(judged), k
+    failed = k
     while not judged.verdict.passed:
         if not search.ranking and max_fp_layers:
             search.ranking = list(rank())  # passed the search prompts with nothing in float: not ranked yet
@@ -174,7 +176,27 @@ def _confirmed(search: FallbackSearch, k: int, rank: Callable[[], Sequence[Tuple
             log(f"[canary] {search.label}: the held-out gate prompts ask for more than {failed} layer(s) in float; "
                 f"trying {k}")
             judged = search.confirm(search.outcome(k))
-    return judged
+    return _fewest_held_out(search, failed, k, judged) if k > first and k - failed > 1 else judged
+
+
+def _fewest_held_out(search: FallbackSearch, failed: int, k: int, judged: CanaryOutcome) -> CanaryOutcome:
+    """The walk jumped from ``failed`` (held out: fail) to ``k`` (``judged``, a pass): bisect the prefixes between
+    them with the same two judgements (search prompts, then held out), so a greedy miss that doubling stepped over
+    does not ship more float layers than the fewest that pass (monotone, as the bisection assumes)."""
+    if not judged.verdict.passed:
+        return judged
+    passed = {k: judged}
+
+    def held(m: int) -> bool:
+        if not search.search_ok(m):
+            return False
+        passed[m] = search.confirm(search.outcome(m))
+        return passed[m].verdict.passed
+
+    fewest = smallest_passing(failed, k, held)
+    if fewest < k:
+        log(f"[canary] {search.label}: the held-out gate prompts pass with {fewest} layer(s) in float (of {k})")
+    return passed[fewest]
 
 
 def _ranked_after_failure(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str, float]]]) -> bool:
