@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers on 2 cores: each worker and every process it starts (a build, a server's workers, vLLM)
+    # Three workers on 2 cores: each worker and every process it starts (a build, a server's workers, vLLM)
     # computes on one thread. With torch's default (one thread per core in every process) two builds side by
     # side took 149 s where one alone took 27 s (OpenMP threads spinning against each other); on one thread
     # each, the pair took 27 s (measured 2026-12-01, reference policy, SMALL build).
@@ -85,16 +85,17 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI, where nothing may be left untested: {report.longrepr}"
 
 
-# ---- parallel runs (pytest-xdist: ``-n 2 --dist loadfile`` in pyproject's addopts) ------------------------
+# ---- parallel runs (pytest-xdist: ``-n 3 --dist loadfile`` in pyproject's addopts) ------------------------
 # One file's tests run in one worker (its module fixtures, a built bundle, a running server, an image, are made
 # once). Files go to the workers in this order (``--no-loadscope-reorder``): the longest first, measured on 2 cores,
-# so no worker starts a long file at the end while the other idles; the second file is one that needs no shared
-# bundle (test_torchtitan trains and builds its own), so the second worker computes while the first builds the
-# small bundle instead of waiting on its lock. Within a file the order stays as written.
-LONGEST_FIRST = ("test_real_lm", "test_drills", "test_torchtitan", "test_drills_faults", "test_container", "test_serve",
-                 "test_mesh", "test_real_lm_quick", "test_bento", "test_rollout_replicas", "test_serve_faults",
-                 "test_serve_failure_paths", "test_watch", "test_canary", "test_build_cli", "test_w8a8_build",
-                 "test_build_output", "test_outliers")
+# so no worker starts a long file at the end while the others idle; the second and third files need no shared
+# bundle (test_torchtitan trains and builds its own, test_w8a8_build builds its own), so those workers compute
+# while the first builds the small bundle instead of waiting on its lock. Within a file the order stays as written.
+LONGEST_FIRST = ("test_real_lm", "test_drills", "test_torchtitan", "test_w8a8_build", "test_drills_faults",
+                 "test_serve", "test_mesh", "test_build_cli", "test_container", "test_rollout_replicas", "test_watch",
+                 "test_serve_faults", "test_serve_failure_paths", "test_canary", "test_real_lm_quick",
+                 "test_serve_lifecycle", "test_serve_formats", "test_artifact_gate", "test_outliers", "test_bento",
+                 "test_batching", "test_vllm_launch", "test_gguf_peer", "test_build_output", "test_tokenizer")
 
 
 def pytest_configure(config):
