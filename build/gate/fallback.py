@@ -183,8 +183,6 @@ def _fewest_held_out(search: FallbackSearch, failed: int, k: int, judged: Canary
     """The walk jumped from ``failed`` (held out: fail) to ``k`` (``judged``, a pass): bisect the prefixes between
     them with the same two judgements (search prompts, then held out), so a greedy miss that doubling stepped over
     does not ship more float layers than the fewest that pass (monotone, as the bisection assumes)."""
-    if not judged.verdict.passed:
-        return judged
     passed = {k: judged}
 
     def held(m: int) -> bool:
