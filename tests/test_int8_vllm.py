@@ -3,10 +3,15 @@ it, records it in the manifest and registers it inside the policy-int8 store ent
 
 import json
 import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import torch
 
-from cli_helpers import SMALL, needs_vllm, run_cli
+from cli_helpers import CLI, ROOT, SMALL, WITH_INT8_VLLM, needs_vllm, run_cli
 from serve_helpers import bundle_version
 
 
@@ -58,3 +63,61 @@ def test_vllm_top_k_logprobs_give_the_bucketed_kl_and_the_exact_one_with_the_who
         float(p[rest].sum()) / float(q[rest].sum()))
     got = float(kl_per_token(ref[:1], vllm_logprobs(rows(4), ref)[:1]))
     assert abs(got - bucketed) < 1e-9 and got <= float(exact[0]) + 1e-12
+
+
+def _golden_processes(marker: Path) -> list:
+    """Pids of the build's vLLM check processes whose files live under ``marker`` (the build's TMPDIR)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "artifacts.vllm_golden" in cmd and str(marker) in cmd:
+            found.append(int(entry.name))
+    return found
+
+
+def _gone_within(marker: Path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _golden_processes(marker):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+@needs_vllm
+def test_a_build_that_fails_stops_the_vllm_process_it_started(tmp_path, bentoml_home):
+    """The build starts vLLM's process when it begins (its imports overlap the build); a failure before the
+    check stops it."""
+    marker = tmp_path / "tmp"
+    marker.mkdir()
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *SMALL,
+                  *WITH_INT8_VLLM, env={"POLICY_BUNDLE_TEST_FAULT": "raise:shard=0", "TMPDIR": str(marker)})
+    assert res.returncode == 2 and "injected fault" in res.stderr
+    assert _gone_within(marker, 5), "a vllm_golden process outlived its failed build"
+
+
+@needs_vllm
+def test_the_vllm_process_quits_when_its_build_is_killed(tmp_path, bentoml_home):
+    """SIGKILL leaves no finally block to run: the waiting process notices its parent is gone and exits."""
+    marker = tmp_path / "tmp"
+    marker.mkdir()
+    build = subprocess.Popen(CLI + ["build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"),
+                                    *SMALL, *WITH_INT8_VLLM, "--set", "register.bentoml=false"],
+                             cwd=ROOT, env={**os.environ, "TMPDIR": str(marker)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _golden_processes(marker) and build.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _golden_processes(marker), "the build started no vLLM process"
+        build.send_signal(signal.SIGKILL)
+        build.wait()
+        assert _gone_within(marker, 90), "the vllm_golden process outlived its killed build"
+    finally:  # the build's Monarch processes share its session
+        try:
+            os.killpg(build.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

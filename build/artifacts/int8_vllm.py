@@ -21,7 +21,8 @@ from typing import List, Optional
 
 import torch
 from policy_bundle.build.artifacts.fp16check import trim_at_eos
-from policy_bundle.build.artifacts.vllm_golden import VllmGoldenRequest, VllmGoldenResult, VllmRunError, run_vllm_golden
+from policy_bundle.build.artifacts.vllm_golden import (VllmGoldenRequest, VllmGoldenResult, VllmGoldenRun, VllmRunError,
+                                                       run_vllm_golden)
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import BuildError, CanaryGateError, ConfigError
 from policy_bundle.build.gate.measure import fidelity_kwargs
@@ -51,6 +52,19 @@ class Int8Vllm:
     recipe: dict = field(default_factory=dict)  # how it differs from the TorchScript artifact's recipe
     skipped: Optional[str] = None
     fidelity: Optional[dict] = None
+    pending: Optional[VllmGoldenRun] = None  # the vLLM process of the check (``prestart``)
+
+    def prestart(self) -> "Int8Vllm":
+        """Start the vLLM process now (its imports overlap the build's stages) when int8-vllm/ is planned."""
+        if not self.skipped and self.pending is None:
+            self.pending = VllmGoldenRun()
+        return self
+
+    def close(self) -> None:
+        """Stop a started check nobody will read (the build failed before its fidelity stage)."""
+        if self.pending is not None:
+            self.pending.close()
+            self.pending = None
 
     def artifacts_section(self) -> dict:
         return {"int8_vllm": None if self.skipped else INT8_VLLM_DIR, "int8_vllm_recipe": self.recipe or None,
@@ -106,18 +120,32 @@ def _recipe_float(policy: Policy, quantized: List[str]) -> List[str]:
     return [n for n, m in policy.named_modules() if isinstance(m, torch.nn.Linear) and n not in set(quantized)]
 
 
-def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenItem], bundle: Path,
-                    outcome: Int8Vllm) -> Int8Vllm:
-    """Run int8-vllm/ in vLLM on the golden set and gate it; with ``auto``, a failure removes it (recorded)."""
-    strict = cfg.export.int8_vllm == "true"
-    vocab = int(policy.embed_tokens.num_embeddings)
+def golden_request(cfg: BuildConfig, policy: Policy, golden: List[GoldenItem], bundle: Path) -> VllmGoldenRequest:
     vllm_dir = BundleLayout(bundle).int8_vllm_dir
     ctx = min(cfg.policy.max_seq_len, load_hf_config(vllm_dir).max_seq_len)
-    req = VllmGoldenRequest(str(vllm_dir), DTYPE, ctx, cfg.prompts.max_new_tokens, min(TOP_K, vocab),
-                            [g.prompt_ids for g in golden], [g.prompt_ids + g.completion_ids for g in golden])
+    return VllmGoldenRequest(str(vllm_dir), DTYPE, ctx, cfg.prompts.max_new_tokens,
+                             min(TOP_K, int(policy.embed_tokens.num_embeddings)),
+                             [g.prompt_ids for g in golden], [g.prompt_ids + g.completion_ids for g in golden])
+
+
+def start_int8_vllm_check(cfg: BuildConfig, policy: Policy, golden: List[GoldenItem], bundle: Path,
+                          outcome: Int8Vllm) -> None:
+    """Hand the written int8-vllm/ and the golden set to the vLLM process (``prestart``), which ``check_int8_vllm``
+    reads."""
+    outcome.pending = (outcome.pending or VllmGoldenRun()).submit(golden_request(cfg, policy, golden, bundle))
+
+
+def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenItem], bundle: Path,
+                    outcome: Int8Vllm) -> Int8Vllm:
+    """Gate int8-vllm/ on vLLM's run over the golden set (the one ``start_int8_vllm_check`` started, else a new
+    one); with ``auto``, a failure removes it (recorded)."""
+    strict = cfg.export.int8_vllm == "true"
+    vocab = int(policy.embed_tokens.num_embeddings)
+    req = golden_request(cfg, policy, golden, bundle)
+    pending, outcome.pending = outcome.pending, None
     try:
         try:
-            result = run_vllm_golden(req)
+            result = pending.result() if pending is not None else run_vllm_golden(req)
         except VllmRunError as first:  # vLLM's engine-core process has died once in CI: one fresh try
             log(f"[int8-vllm] vLLM failed ({str(first)[:200]}); trying once more")
             result = run_vllm_golden(req)

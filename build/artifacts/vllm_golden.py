@@ -1,6 +1,8 @@
 """vLLM on an HF directory over the golden set, in a process of its own (JSON request in, JSON result out).
 
-    python -m policy_bundle.build.artifacts.vllm_golden REQUEST.json RESULT.json
+    python -m policy_bundle.build.artifacts.vllm_golden REQUEST.json RESULT.json PARENT_PID
+
+(it imports vLLM first, then waits for REQUEST.json to appear: see ``VllmGoldenRun``)
 
 Greedy completions of the golden prompts, and the teacher-forced top-k prompt logprobs of each
 prompt + reference completion (what the gate's top-1 and KL are computed from). A process of its
@@ -11,6 +13,7 @@ last line, not a crashed build.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -68,21 +71,71 @@ def last_error_line(text: str) -> str:
     return (errors or lines or ["no output"])[-1][:400]
 
 
-def run_vllm_golden(req: VllmGoldenRequest, timeout_s: float = 900.0) -> VllmGoldenResult:
-    """``run_in_process`` in a fresh Python process; VllmRunError with vLLM's last error line on failure."""
-    with tempfile.TemporaryDirectory(prefix="vllm-golden-") as tmp:
-        req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req_path.write_text(json.dumps(asdict(req)))
-        cmd = [sys.executable, "-m", "policy_bundle.build.artifacts.vllm_golden", str(req_path), str(out_path)]
+class VllmGoldenRun:
+    """``run_in_process`` in a fresh Python process that starts at once and imports vLLM while its request is not
+    there yet: the build starts one when it begins and ``submit``s the request once int8-vllm/ is written, then
+    goes on with its other exports and reads ``result`` last. vLLM's imports and engine start (about 25 s on the
+    reference policy, 2 cores) so overlap the build's other stages instead of being waited out. ``close`` stops
+    it; the process also quits by itself when its parent is gone before the request came."""
+
+    def __init__(self, timeout_s: float = 900.0) -> None:
+        self.timeout_s, self._deadline = timeout_s, None
+        self._tmp = tempfile.TemporaryDirectory(prefix="vllm-golden-")
+        work = Path(self._tmp.name)
+        self._req, self._out, self._log = work / "request.json", work / "result.json", work / "output.txt"
+        cmd = [sys.executable, "-m", "policy_bundle.build.artifacts.vllm_golden", str(self._req), str(self._out),
+               str(os.getpid())]
+        with open(self._log, "w") as log:  # a file, not a pipe: nobody reads vLLM's output while it runs
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def submit(self, req: VllmGoldenRequest) -> "VllmGoldenRun":
+        """Hand the process its request (written whole, then renamed into place); the timeout counts from here."""
+        self._deadline = time.monotonic() + self.timeout_s
+        part = self._req.with_suffix(".part")
+        part.write_text(json.dumps(asdict(req)))
+        part.rename(self._req)
+        return self
+
+    def result(self) -> VllmGoldenResult:
+        """Wait for the submitted run; VllmRunError with vLLM's last error line (or the timeout) on failure."""
+        if self._deadline is None:
+            raise RuntimeError("VllmGoldenRun.result before submit")
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise VllmRunError(f"vLLM did not finish the golden set in {timeout_s:.0f}s") from None
-        if proc.returncode != 0 or not out_path.is_file():
-            raise VllmRunError(last_error_line(proc.stderr + proc.stdout))
-        return VllmGoldenResult(**json.loads(out_path.read_text()))
+            try:
+                rc = self._proc.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise VllmRunError(f"vLLM did not finish the golden set in {self.timeout_s:.0f}s") from None
+            if rc != 0 or not self._out.is_file():
+                raise VllmRunError(last_error_line(self._log.read_text(errors="replace")))
+            return VllmGoldenResult(**json.loads(self._out.read_text()))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._tmp.cleanup()
+
+
+def run_vllm_golden(req: VllmGoldenRequest, timeout_s: float = 900.0) -> VllmGoldenResult:
+    """``run_in_process`` in a fresh Python process, waited for; VllmRunError with vLLM's last error line."""
+    return VllmGoldenRun(timeout_s).submit(req).result()
+
+
+def wait_for_request(path: Path, parent: int) -> VllmGoldenRequest:
+    """vLLM imported first (the slow part), then the request awaited; exits once ``parent`` (the pid of the build
+    that started it) is no longer its parent: the build is gone, even if it died before this process got here."""
+    apply_vllm_env_defaults()
+    import vllm  # noqa: F401
+
+    while not path.exists():
+        if os.getppid() != parent:
+            sys.exit("vllm_golden: the build that started this process is gone")
+        time.sleep(0.05)
+    return VllmGoldenRequest(**json.loads(path.read_text()))
 
 
 if __name__ == "__main__":
-    request = VllmGoldenRequest(**json.loads(Path(sys.argv[1]).read_text()))
+    request = wait_for_request(Path(sys.argv[1]), int(sys.argv[3]))
     Path(sys.argv[2]).write_text(json.dumps(asdict(run_in_process(request))))
