@@ -10,6 +10,9 @@ times, in one process, one after the other, and prints the median microseconds a
   ``torch._int_mm``, rescale);
 - ``fbgemm-dyn``: fbgemm's dynamic quantized linear over per-channel int8 weights (``quantized::linear_dynamic``,
   what torch.ao's ``dynamic`` recipe ships): one activation scale per call, so per-token only at one row;
+- ``fbgemm-norm``: per-token scales on fbgemm at any row count: each row mapped onto [0, 1] by its own range
+  (exactly 0 and 1 there), so fbgemm's one scale per call is 1/255 for every row, then rescaled and offset back
+  with the weight's row sums (tried as ``Int8TokenLinear``'s kernel on 2026-12-03: docs/recipes.md);
 - ``fbgemm-dyn/row``: the same kernel called once per row (per-token scales at any row count).
 
 Also each one's relative error against fp32 on the same inputs (activations with a few large channels, as
@@ -50,11 +53,18 @@ def kernels(w: torch.Tensor) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]
     def fbgemm_dyn(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x, packed, True)
 
+    w_sums = (q.float() * scales.unsqueeze(1)).sum(dim=1)
+
+    def fbgemm_norm(x: torch.Tensor) -> torch.Tensor:  # each row mapped onto [0, 1]: per-tensor == per-row
+        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+        span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+        return torch.ops.quantized.linear_dynamic((x - lo) / span, packed, False) * span + lo * w_sums
+
     def fbgemm_rows(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([torch.ops.quantized.linear_dynamic(x[i:i + 1], packed, True) for i in range(x.shape[0])])
 
     return {"fp32": lambda x: F.linear(x, w), "int_mm": int_mm, "fbgemm-dyn": fbgemm_dyn,
-            "fbgemm-dyn/row": fbgemm_rows}
+            "fbgemm-norm": fbgemm_norm, "fbgemm-dyn/row": fbgemm_rows}
 
 
 def median_us(fn: Callable[[], torch.Tensor], repeat: int) -> float:
