@@ -30,7 +30,8 @@ def sources(root: str) -> Iterator[str]:
     for folder, _, files in os.walk(root):
         for name in files:
             path = os.path.join(folder, name)
-            if name.endswith(".py") and not SKIP.search(path):
+            # matched below site-packages only: a checkout under a folder named tests/ still compiles
+            if name.endswith(".py") and not SKIP.search("/" + os.path.relpath(path, root)):
                 yield path
 
 
@@ -45,9 +46,11 @@ def compile_chunk(paths: List[str]) -> int:
 
 
 def main(root: str) -> None:
+    if not os.path.isdir(root):
+        sys.exit(f"compile_venv.py: {root!r} is not a folder")
     todo = sorted(sources(root))
     chunks = [todo[i:i + 200] for i in range(0, len(todo), 200)]
-    with Pool(os.cpu_count() or 1) as pool:
+    with Pool(len(os.sched_getaffinity(0))) as pool:
         failed = sum(pool.imap_unordered(compile_chunk, chunks))
     print(f"setup: bytecode for {len(todo) - failed} modules ({failed} not compilable)")
 

@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from cli_helpers import CLI, ROOT, SMALL, WITH_INT8_VLLM, needs_vllm, run_cli
@@ -87,37 +88,61 @@ def _gone_within(marker: Path, seconds: float) -> bool:
     return True
 
 
+def _start_build(tmp_path, marker: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(CLI + ["build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"),
+                                   *SMALL, *WITH_INT8_VLLM, "--set", "register.bentoml=false"],
+                            cwd=ROOT, env={**os.environ, "TMPDIR": str(marker), **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_until(check, build: subprocess.Popen, seconds: float = 120) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check() and build.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return bool(check())
+
+
 @needs_vllm
 def test_a_build_that_fails_stops_the_vllm_process_it_started(tmp_path, bentoml_home):
     """The build starts vLLM's process when it begins (its imports overlap the build); a failure before the
     check stops it."""
     marker = tmp_path / "tmp"
     marker.mkdir()
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *SMALL,
-                  *WITH_INT8_VLLM, env={"POLICY_BUNDLE_TEST_FAULT": "raise:shard=0", "TMPDIR": str(marker)})
-    assert res.returncode == 2 and "injected fault" in res.stderr
-    assert _gone_within(marker, 5), "a vllm_golden process outlived its failed build"
+    build = _start_build(tmp_path, marker, {"POLICY_BUNDLE_TEST_FAULT": "raise:shard=0"})
+    try:
+        assert _wait_until(lambda: _golden_processes(marker), build), "the build started no vLLM process"
+        _, err = build.communicate(timeout=600)
+        assert build.returncode == 2 and "injected fault" in err
+        assert _gone_within(marker, 5), "a vllm_golden process outlived its failed build"
+        assert not list(marker.glob("vllm-golden-*")), "its work folder was left behind"
+    finally:
+        _kill_session(build)
 
 
 @needs_vllm
-def test_the_vllm_process_quits_when_its_build_is_killed(tmp_path, bentoml_home):
-    """SIGKILL leaves no finally block to run: the waiting process notices its parent is gone and exits."""
+@pytest.mark.parametrize("moment", ["importing vLLM", "running the golden set"])
+def test_the_vllm_process_quits_when_its_build_is_killed(moment, tmp_path, bentoml_home):
+    """SIGKILL leaves no finally block to run: the process notices its parent is gone and exits, whether it is
+    still importing vLLM or already running the request the build handed it."""
     marker = tmp_path / "tmp"
     marker.mkdir()
-    build = subprocess.Popen(CLI + ["build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"),
-                                    *SMALL, *WITH_INT8_VLLM, "--set", "register.bentoml=false"],
-                             cwd=ROOT, env={**os.environ, "TMPDIR": str(marker)}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    build = _start_build(tmp_path, marker, {})
     try:
-        deadline = time.monotonic() + 120
-        while not _golden_processes(marker) and build.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _golden_processes(marker), "the build started no vLLM process"
+        if moment == "importing vLLM":
+            assert _wait_until(lambda: _golden_processes(marker), build), "the build started no vLLM process"
+        else:
+            assert _wait_until(lambda: list(marker.glob("vllm-golden-*/request.json")), build), "no request handed"
         build.send_signal(signal.SIGKILL)
         build.wait()
-        assert _gone_within(marker, 90), "the vllm_golden process outlived its killed build"
-    finally:  # the build's Monarch processes share its session
-        try:
-            os.killpg(build.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        assert _gone_within(marker, 60), "the vllm_golden process outlived its killed build"
+        assert not list(marker.glob("vllm-golden-*")), "its work folder was left behind"
+    finally:
+        _kill_session(build)
+
+
+def _kill_session(build: subprocess.Popen) -> None:
+    """The build's Monarch processes share its session."""
+    try:
+        os.killpg(build.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -143,6 +143,11 @@ def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenIt
     vocab = int(policy.embed_tokens.num_embeddings)
     req = golden_request(cfg, policy, golden, bundle)
     pending, outcome.pending = outcome.pending, None
+    if pending is not None and pending.request is None:  # started, never handed its request
+        pending.submit(req)
+    elif pending is not None and pending.request != req:  # it answers other items: not this gate's evidence
+        pending.close()
+        pending = None
     try:
         try:
             result = pending.result() if pending is not None else run_vllm_golden(req)

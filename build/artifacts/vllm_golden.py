@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,10 +78,12 @@ class VllmGoldenRun:
     there yet: the build starts one when it begins and ``submit``s the request once int8-vllm/ is written, then
     goes on with its other exports and reads ``result`` last. vLLM's imports and engine start (about 25 s on the
     reference policy, 2 cores) so overlap the build's other stages instead of being waited out. ``close`` stops
-    it; the process also quits by itself when its parent is gone before the request came."""
+    it; the process also quits by itself (removing its work folder) whenever its parent is gone: a build killed
+    with no chance to close it does not leave vLLM running the golden set."""
 
     def __init__(self, timeout_s: float = 900.0) -> None:
         self.timeout_s, self._deadline = timeout_s, None
+        self.request: Optional[VllmGoldenRequest] = None
         self._tmp = tempfile.TemporaryDirectory(prefix="vllm-golden-")
         work = Path(self._tmp.name)
         self._req, self._out, self._log = work / "request.json", work / "result.json", work / "output.txt"
@@ -89,8 +93,11 @@ class VllmGoldenRun:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
 
     def submit(self, req: VllmGoldenRequest) -> "VllmGoldenRun":
-        """Hand the process its request (written whole, then renamed into place); the timeout counts from here."""
-        self._deadline = time.monotonic() + self.timeout_s
+        """Hand the process its request (written whole, then renamed into place); the timeout counts from here.
+        One request per process: ``request`` is what its result answers."""
+        if self._deadline is not None:
+            raise RuntimeError("VllmGoldenRun.submit: this process already has its request")
+        self.request, self._deadline = req, time.monotonic() + self.timeout_s
         part = self._req.with_suffix(".part")
         part.write_text(json.dumps(asdict(req)))
         part.rename(self._req)
@@ -98,9 +105,9 @@ class VllmGoldenRun:
 
     def result(self) -> VllmGoldenResult:
         """Wait for the submitted run; VllmRunError with vLLM's last error line (or the timeout) on failure."""
-        if self._deadline is None:
-            raise RuntimeError("VllmGoldenRun.result before submit")
         try:
+            if self._deadline is None:
+                raise RuntimeError("VllmGoldenRun.result before submit")
             try:
                 rc = self._proc.wait(timeout=max(0.0, self._deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -123,19 +130,30 @@ def run_vllm_golden(req: VllmGoldenRequest, timeout_s: float = 900.0) -> VllmGol
     return VllmGoldenRun(timeout_s).submit(req).result()
 
 
-def wait_for_request(path: Path, parent: int) -> VllmGoldenRequest:
-    """vLLM imported first (the slow part), then the request awaited; exits once ``parent`` (the pid of the build
-    that started it) is no longer its parent: the build is gone, even if it died before this process got here."""
+def quit_when_orphaned(parent: int, work: Path) -> None:
+    """A daemon thread for this process's whole life: once ``parent`` (the pid of the build that started it) is no
+    longer its parent, the build is gone (even if it died before this process got here): remove the work folder
+    and exit at once, whatever vLLM is doing."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        shutil.rmtree(work, ignore_errors=True)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="quit-when-orphaned", daemon=True).start()
+
+
+def wait_for_request(path: Path) -> VllmGoldenRequest:
+    """vLLM imported first (the slow part), then the request awaited."""
     apply_vllm_env_defaults()
     import vllm  # noqa: F401
 
     while not path.exists():
-        if os.getppid() != parent:
-            sys.exit("vllm_golden: the build that started this process is gone")
         time.sleep(0.05)
     return VllmGoldenRequest(**json.loads(path.read_text()))
 
 
 if __name__ == "__main__":
-    request = wait_for_request(Path(sys.argv[1]), int(sys.argv[3]))
+    quit_when_orphaned(int(sys.argv[3]), Path(sys.argv[1]).parent)
+    request = wait_for_request(Path(sys.argv[1]))
     Path(sys.argv[2]).write_text(json.dumps(asdict(run_in_process(request))))
