@@ -53,6 +53,12 @@ def small_bundle(tmp_path_factory, bentoml_home, reference_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def state(tmp_path_factory) -> Path:
+    """A folder per test module for its router servers' configs, state and logs (tests/serve_helpers.env_for)."""
+    return tmp_path_factory.mktemp("serve")
+
+
 def missing(what: str) -> None:
     """Skip a test whose real dependency is absent, except under CI (``POLICY_BUNDLE_CI=1``, set by .ci/run),
     where a missing dependency is a failure: nothing is silently left untested there."""
@@ -92,9 +98,9 @@ def pytest_runtest_makereport(item, call):
 # bundle (test_torchtitan trains and builds its own, test_w8a8_build builds its own), so those workers compute
 # while the first builds the small bundle instead of waiting on its lock. Within a file the order stays as written.
 LONGEST_FIRST = ("test_real_lm", "test_drills", "test_torchtitan", "test_w8a8_build", "test_drills_faults",
-                 "test_serve", "test_mesh", "test_build_cli", "test_container", "test_rollout_replicas", "test_watch",
+                 "test_serve", "test_serve_rollback", "test_mesh", "test_build_cli", "test_container", "test_rollout_replicas", "test_watch",
                  "test_serve_faults", "test_serve_failure_paths", "test_canary", "test_real_lm_quick",
-                 "test_serve_lifecycle", "test_serve_formats", "test_artifact_gate", "test_outliers", "test_bento",
+                 "test_serve_lifecycle", "test_serve_access", "test_serve_formats", "test_artifact_gate", "test_outliers", "test_bento",
                  "test_batching", "test_vllm_launch", "test_gguf_peer", "test_build_output", "test_tokenizer")
 
 

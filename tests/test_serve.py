@@ -2,43 +2,14 @@
 
 import asyncio
 import json
-import os
 import re
 
 import httpx
 import pytest
-import yaml
 
-from cli_helpers import needs_vllm, shared_tmp
-from policy_bundle.quantize.vllm_launch import vllm_available, vllm_env
-from serve_helpers import Server, bundle_version
-
-ADMIN = {"Authorization": "Bearer test-admin-token"}
-FORCE_INT8 = {"x-policy-variant": "int8", "x-admin-token": "test-admin-token"}
-
-
-def router_config(tmp_path, name, **overrides):
-    rollout = {"steps": [1, 5, 25, 50, 100], "analysis_interval_s": 3600, "golden_interval_s": 3600,
-               "min_samples": 10, "failure_limit": 2, "golden_items": 16, "shadow_fraction": 0.25,
-               **overrides.pop("rollout", {})}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"rollout": rollout, **overrides}))
-    return path
-
-
-def env_for(tmp_path, name, version, admin=True, vllm=True, **cfg):
-    env = {"POLICY_ROUTER_CONFIG": str(router_config(tmp_path, name, **cfg)),
-           "POLICY_BUNDLE_STATE_DIR": str(tmp_path / f"{name}-state"), "POLICY_BUNDLE_VERSION": version, **vllm_env()}
-    if admin:
-        env["POLICY_BUNDLE_ADMIN_TOKEN"] = "test-admin-token"
-    if not vllm:
-        env["POLICY_BUNDLE_DISABLE_VLLM"] = "1"
-    return env
-
-
-@pytest.fixture(scope="module")
-def state(tmp_path_factory):
-    return tmp_path_factory.mktemp("serve")
+from cli_helpers import needs_vllm
+from policy_bundle.quantize.vllm_launch import vllm_available
+from serve_helpers import ADMIN, FORCE_INT8, Server, admin, bundle_version, burst, complete, env_for
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +21,6 @@ def good(small_bundle, state):
                     state / "good.log").wait_ready()
     yield server
     server.stop()
-
-
-def admin(server, action, **extra):
-    r = httpx.post(f"{server.url}/admin/rollout", json={"action": action, **extra}, headers=ADMIN, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def complete(server, prompt="358+64=", headers=None, **body):
-    return httpx.post(f"{server.url}/v1/completions", headers=headers or {}, timeout=60,
-                      json={"model": "policy", "prompt": prompt, "temperature": 0, **body})
 
 
 def test_openai_client_completion_chat_and_streaming(good):
@@ -122,20 +82,11 @@ def test_fp16_variant_runs_on_vllm_when_installed(good):
     assert status["variants"]["fp16"]["engine"] == expected and status["ready"]
 
 
-async def _burst(url, bodies, headers=None, concurrency=8):
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=180) as client:
-        async def one(body):
-            async with sem:
-                return await client.post(f"{url}/v1/completions", json=body, headers=headers or {})
-        return await asyncio.gather(*[one(b) for b in bodies])
-
-
 def test_weighted_split_and_sticky_users(good):
     admin(good, "set-weight", weight=30)
     try:
         bodies = [{"model": "policy", "prompt": "12+34=", "temperature": 0, "max_tokens": 4} for _ in range(300)]
-        responses = asyncio.run(_burst(good.url, bodies))
+        responses = asyncio.run(burst(good.url, bodies))
         assert all(r.status_code == 200 for r in responses)
         share = sum(r.headers["x-policy-variant"] == "int8" for r in responses) / len(responses)
         assert 0.22 <= share <= 0.38
@@ -402,44 +353,6 @@ def test_restart_resumes_the_rollout_with_its_history(good, small_bundle, state)
         again.stop()
 
 
-# ---- a second server: API keys, no admin token, a concurrency cap of 1, no vLLM ---------------
-
-
-@pytest.fixture(scope="module")
-def locked(small_bundle, state):
-    env = env_for(state, "locked", bundle_version(small_bundle), admin=False, vllm=False, max_inflight=1)
-    env["POLICY_BUNDLE_API_KEYS"] = "key-one,key-two"
-    server = Server(env, state / "locked.log").wait_ready()
-    yield server
-    server.stop()
-
-
-def test_api_keys_guard_inference_routes(locked):
-    assert complete(locked).status_code == 401
-    assert complete(locked, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert complete(locked, headers={"Authorization": "Bearer key-two"}).status_code == 200
-    for path in ("/status", "/metrics", "/v1/models", "/docs.json"):  # what the service knows is not public either
-        assert httpx.get(f"{locked.url}{path}", timeout=30).status_code == 401, path
-        assert httpx.get(f"{locked.url}{path}", headers={"Authorization": "Bearer key-one"}, timeout=30).status_code == 200
-    assert httpx.get(f"{locked.url}/readyz", timeout=30).status_code == 200  # infrastructure probes stay open
-
-
-def test_admin_api_is_disabled_without_a_token(locked):
-    r = httpx.get(f"{locked.url}/admin/rollout", headers={"Authorization": "Bearer anything"})
-    assert r.status_code == 403 and "disabled" in r.json()["error"]["message"]
-    assert complete(locked, headers={"Authorization": "Bearer key-one", **FORCE_INT8}).status_code == 403
-
-
-def test_fp16_fallback_is_reported_without_vllm(locked):
-    key = {"Authorization": "Bearer key-one"}
-    status = httpx.get(f"{locked.url}/status", headers=key, timeout=30).json()
-    assert status["variants"]["fp16"]["engine"] == "policy-module-fp32"
-    assert "vllm is switched off (POLICY_BUNDLE_DISABLE_VLLM)" in status["variants"]["fp16"]["fallback"]
-    assert status["variants"]["fp16"]["expected_engine"] and status["ready"]  # switched off on purpose: ready
-    assert re.search(r"^policy_fp16_fallback(\{[^}]*\})? 1\.0", httpx.get(f"{locked.url}/metrics", headers=key).text,
-                     re.M)
-
-
 @needs_vllm
 def test_int8_served_by_vllm_on_the_w8a8_dir_reports_its_engine(small_bundle, state):
     server = Server(env_for(state, "int8vllm", bundle_version(small_bundle), int8_engine="vllm"),
@@ -453,109 +366,3 @@ def test_int8_served_by_vllm_on_the_w8a8_dir_reports_its_engine(small_bundle, st
                          httpx.get(f"{server.url}/metrics", timeout=30).text, re.M)
     finally:
         server.stop()
-
-
-def test_concurrency_cap_answers_429_with_retry_after(locked):
-    body = {"model": "policy", "prompt": "358+64=", "temperature": 0, "max_tokens": 6}
-    responses = asyncio.run(_burst(locked.url, [body] * 12, {"Authorization": "Bearer key-one"}, concurrency=12))
-    codes = [r.status_code for r in responses]
-    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
-    limited = next(r for r in responses if r.status_code == 429)
-    assert limited.headers["retry-after"] == "1" and limited.json()["error"]["limit"] == 1
-    # the cap held for the whole burst: never two calls in flight at once
-    metrics = httpx.get(f"{locked.url}/metrics", headers={"Authorization": "Bearer key-one"}).text
-    assert re.search(r"^policy_inflight_peak(\{[^}]*\})? 1\.0$", metrics, re.M), metrics[-2000:]
-
-
-# ---- a third server: a deliberately broken INT8 bundle must be rolled back --------------------
-
-
-@pytest.fixture(scope="module")
-def broken_version(tmp_path_factory, small_bundle, bentoml_home):
-    """The drills' broken bundle (gate off, one scale x400), shared with them: built once per run."""
-    from policy_bundle.loadtest.drill_kit import build_bundle
-
-    out = tmp_path_factory.mktemp("broken") / "bundle"
-    os.environ["POLICY_BUNDLE_DRILL_BUNDLES"] = str(shared_tmp(tmp_path_factory) / "drill-bundles")
-    try:
-        version = build_bundle(bentoml_home, out, broken=True)
-    finally:
-        del os.environ["POLICY_BUNDLE_DRILL_BUNDLES"]
-    assert json.loads((out / "bundle.json").read_text())["test_fault"] == "scale:layer=layers.0.mlp.down_proj:factor=400"
-    return version
-
-
-def test_a_new_bundle_starts_its_own_rollout_at_the_first_step(small_bundle, broken_version, state):
-    """A promoted pair's state never carries over to the next build; the earlier pair stays readable."""
-    old = Server(env_for(state, "pairs", bundle_version(small_bundle), vllm=False), state / "pairs-old.log")
-    try:
-        old.wait_ready()
-        for _ in range(5):
-            admin(old, "promote")
-        assert httpx.get(f"{old.url}/admin/rollout", headers=ADMIN).json()["state"]["status"] == "promoted"
-    finally:
-        old.stop()
-    new = Server(env_for(state, "pairs", broken_version, vllm=False), state / "pairs-new.log")
-    try:
-        new.wait_ready()
-        got = httpx.get(f"{new.url}/admin/rollout", headers=ADMIN).json()
-        assert (got["state"]["weight"], got["state"]["status"], got["pair"]["label"]) == (1.0, "progressing",
-                                                                                         broken_version)
-        pairs = httpx.get(f"{new.url}/admin/rollout/pairs", headers=ADMIN).json()["pairs"]
-        assert [(p["label"], p["state"]["status"]) for p in pairs] == [
-            (broken_version, "progressing"), (bundle_version(small_bundle), "promoted")]
-        history = httpx.get(f"{new.url}/admin/rollout/history", headers=ADMIN).json()["history"]
-        assert [e["event"] for e in history] == ["start"]
-    finally:
-        new.stop()
-
-
-def test_an_int8_and_fp16_entry_from_different_builds_are_refused(small_bundle, broken_version):
-    import bentoml
-
-    from policy_bundle.serve.store_entries import bundle_pair
-
-    with pytest.raises(SystemExit, match="come from different builds"):
-        bundle_pair(bentoml.models.BentoModel(f"policy-int8:{bundle_version(small_bundle)}"),
-                    bentoml.models.BentoModel(f"policy-fp16:{broken_version}"))
-
-
-def test_broken_bundle_is_rolled_back_while_every_request_succeeds(broken_version, state):
-    """Also: the build that had a test fault set records it in its manifest."""
-    server = Server(env_for(state, "broken", broken_version, vllm=False, rollout={"golden_items": 32}),
-                    state / "broken.log").wait_ready()
-    try:
-        # an operator's weight holds the rollout without switching off automatic rollback
-        assert admin(server, "set-weight", weight=50)["state"]["status"] == "held"
-        verdicts = []
-        for _ in range(2):
-            bodies = [{"model": "policy", "prompt": p, "temperature": 0, "max_tokens": 6, "user": f"u{i}"}
-                      for i, p in enumerate(["358+64=", "12+34=", "999+1=", "5+5="] * 5)]
-            responses = asyncio.run(_burst(server.url, bodies))
-            assert all(r.status_code == 200 for r in responses)
-            admin(server, "golden-canary")
-            verdicts.append(admin(server, "analyse")["verdict"])
-        state_now = httpx.get(f"{server.url}/admin/rollout", headers=ADMIN).json()["state"]
-        assert verdicts == ["fail", "fail"] and state_now["weight"] == 0.0 and state_now["status"] == "rolled-back"
-        history = httpx.get(f"{server.url}/admin/rollout/history", headers=ADMIN).json()["history"]
-        assert history[-1]["event"] == "rollback" and "failed analyses" in history[-1]["reason"]
-        assert all(complete(server, user=f"u{i}").headers["x-policy-variant"] == "fp16" for i in range(10))
-    finally:
-        server.stop()
-
-
-def test_tampered_store_entry_stops_the_variant_from_starting(small_bundle):
-    import bentoml
-
-    from policy_bundle.serve.store_entries import verified_artifact
-
-    model = bentoml.models.get(f"policy-int8:{bundle_version(small_bundle)}")
-    target = model.path_of("int8/config.json")
-    original = open(target).read()
-    try:
-        open(target, "w").write(original + " ")
-        with pytest.raises(SystemExit, match="failed verification"):
-            verified_artifact(bentoml.models.BentoModel(str(model.tag)), "int8")
-    finally:
-        open(target, "w").write(original)
-    json.loads(original)
