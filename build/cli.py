@@ -85,10 +85,10 @@ def cmd_canary(args: argparse.Namespace) -> int:
     if not (source / "config.json").is_file():
         print(f"note: FP32 source {source} is gone; using the bundle's FP16 weights upcast to FP32 as reference")
         source = layout.fp16_dir
-    import torch
+    from policy_bundle.quantize.script_runner import load_torchscript
 
     reference = load_policy(source, max_seq_len=cfg.policy.max_seq_len)
-    candidate = torch.jit.load(str(artifact))
+    candidate = load_torchscript(artifact)
     golden = read_golden_jsonl(layout.golden)
     report = measure_fidelity(reference, candidate, golden, **fidelity_kwargs(cfg, load_tokenizer(layout.int8_dir)))
     verdict = evaluate_gate(report, cfg.canary.gate)

@@ -25,6 +25,7 @@ from typing import List
 import torch
 
 from policy_bundle.bundle.layout import BundleLayout
+from policy_bundle.quantize.script_runner import load_torchscript
 from policy_bundle.quantize.percentile import percentile
 from policy_bundle.serve.batching import BatchedEngine
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
@@ -66,7 +67,7 @@ def measure(args) -> List[dict]:
     artifact = artifact_path(args)
     cfg = json.loads((artifact.parent / "config.json").read_text())
     ctx = args.prompt_len + args.new_tokens
-    module = torch.jit.load(str(artifact))
+    module = load_torchscript(artifact)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, cfg["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(64)]
     engine = BatchedEngine(module, ctx, "batched") if args.engine == "batched" else \

@@ -16,6 +16,7 @@ from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log
 from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
+from policy_bundle.quantize.script_runner import load_torchscript
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, measure_fidelity
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.model import CastPolicy, Policy
@@ -24,7 +25,7 @@ from policy_bundle.quantize.model import CastPolicy, Policy
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
     """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set."""
     kw, layout = fidelity_kwargs(cfg, tok), BundleLayout(bundle)
-    scripted = torch.jit.load(str(layout.int8_torchscript))
+    scripted = load_torchscript(layout.int8_torchscript)
     ref_outputs = [g.completion_ids for g in golden]
     out = {"int8_torchscript": gated(measure_fidelity(policy, scripted, golden, reference_outputs=ref_outputs, **kw),
                                      cfg.canary.gate)}
