@@ -58,7 +58,10 @@ def test_auto_defaults_to_the_recipes_that_pass_on_real_lms(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("policy:\n  source: /some/model\nrecipe:\n  scheme: auto\n")
     cfg = load_config(str(cfg_file))
-    assert cfg.recipe.candidates() == ["smooth-w8a8", "w8a8"] and cfg.recipe_config().scheme == "smooth-w8a8"
+    assert cfg.recipe.candidates() == ["smooth-w8a8 skip=[embed_tokens]", "smooth-w8a8", "w8a8"]
+    assert cfg.recipe_config().scheme == "smooth-w8a8"
+    first = cfg.recipe.candidate_config(cfg.recipe.candidates()[0])  # an int8 head, its top-64 rescored in float
+    assert first.skip == ("embed_tokens",) and first.lm_head_topk == 64
 
 
 def test_auto_scheme_gates_every_candidate_starting_with_the_first():

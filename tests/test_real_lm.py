@@ -54,6 +54,9 @@ def test_auto_with_the_defaults_passes_the_shipped_gate_on_held_out_prompts_with
     m = json.loads((out / "bundle.json").read_text())
     assert m["canary"]["verdict"] == "pass" and m["recipe"]["scheme"] in ("smooth-w8a8", "w8a8")
     assert {c["scheme"] for c in m["recipe"]["candidates"]} == {"smooth-w8a8", "w8a8"}  # the default candidates
+    # the first default candidate ships: its LM head in int8 (top-64 rescored in float), never ranked for fallback
+    assert m["recipe"]["candidates"][0]["candidate"] == "smooth-w8a8 skip=[embed_tokens]"
+    assert "lm_head" not in m["recipe"]["skip"] and "lm_head" not in m["recipe"]["fp32_layers"]
     assert len(m["recipe"]["fp32_layers"]) <= 8, m["recipe"]["fp32_layers"]  # canary.max_fp_layers' default
     split = m["canary"]["golden_split"]
     assert split["search"] >= 20 and split["gate"] >= 20  # disjoint prompts: the gate's were never searched on

@@ -201,6 +201,19 @@ def test_rescored_head_gives_exact_float_logits_for_its_top_k():
     assert torch.equal(torch.jit.script(rescored)(x), out)
 
 
+def test_rescored_head_over_many_rows_equals_it_on_all_rows_at_once():
+    """More than 64 rows go 64 at a time (bounded temporaries over the vocabulary): the same logits, bitwise, as
+    one pass over every row."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(32, 500, bias=False)
+    rescored = Int8RescoredHead(Int8TokenLinear.from_float(head), head.weight.detach(), topk=16)
+    x = torch.randn(2, 75, 32)  # 150 rows: two full chunks and a part
+    out = torch.jit.script(rescored)(x)
+    assert out.shape == (2, 75, 500)
+    assert torch.equal(out, rescored.scored(x.reshape(150, 32)).reshape(2, 75, 500))
+    assert torch.equal(out, rescored(x))
+
+
 def test_exported_int8_head_keeps_its_float_rows_tied_to_the_embedding(tmp_path):
     from dataclasses import replace
 
