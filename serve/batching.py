@@ -25,7 +25,7 @@ from typing import AsyncIterator, Deque, List, Optional
 import torch
 
 from policy_bundle.quantize.slots import SlotBatch
-from policy_bundle.serve.engines import SamplingParams, Step, last_position_logits, pick_token
+from policy_bundle.serve.engines import SamplingParams, Step, decode_thread_setup, last_position_logits, pick_token
 
 log = logging.getLogger("policy_bundle.serve")
 
@@ -59,7 +59,8 @@ def _leaves(r: _Request) -> bool:
 class BatchedEngine:
     """``generate(prompt_ids, params)`` like every engine; all requests share one batched decode."""
 
-    def __init__(self, module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64):
+    def __init__(self, module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64,
+                 threads: int = 1):
         from policy_bundle.bundle.faults import active_fault
 
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
@@ -73,6 +74,7 @@ class BatchedEngine:
         self.peak_batch = 0
         self.steps = 0
         self.loop_errors = 0
+        self.threads = threads  # intra-op threads of the decode thread (``engines.decode_thread_setup``)
         self._thread = threading.Thread(target=self._run, name=f"{name}-batch", daemon=True)
         self._thread.start()
 
@@ -108,7 +110,7 @@ class BatchedEngine:
     # ---- the decode thread ----
 
     def _run(self) -> None:
-        torch.set_grad_enabled(False)
+        decode_thread_setup(self.threads)
         while True:
             try:
                 with self._cv:
@@ -201,13 +203,14 @@ class BatchedEngine:
             time.sleep(self.delay_s)
 
 
-def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64):
+def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64, threads: int = 1):
     """The batched engine when the module has ``decode_batch`` (artifacts since batched decode), else
     the one-sequence-at-a-time engine, with one log line naming why."""
     from policy_bundle.serve.engines import CachedPolicyEngine
 
     if hasattr(module, "decode_batch"):
-        return BatchedEngine(module, max_seq_len, name, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        return BatchedEngine(module, max_seq_len, name, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                             threads=threads)
     log.warning("%s: the artifact has no decode_batch (exported before batched decode): decoding one "
                 "sequence at a time; rebuild the bundle for continuous batching", name)
-    return CachedPolicyEngine(module, max_seq_len, name + "-sequential")
+    return CachedPolicyEngine(module, max_seq_len, name + "-sequential", threads)

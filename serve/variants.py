@@ -100,7 +100,7 @@ def variant_health(variant, **extra) -> dict:
 
 def batching_settings() -> dict:
     s = settings_or_exit()
-    return {"max_batch": s.max_batch, "prefill_chunk": s.prefill_chunk}
+    return {"max_batch": s.max_batch, "prefill_chunk": s.prefill_chunk, "threads": s.engine_threads}
 
 
 def engine_stats(engine) -> Optional[dict]:

@@ -192,3 +192,34 @@ def test_served_int8_batches_concurrent_streams_and_frees_a_disconnected_ones_sl
     # (at least 5 decode steps before the end: not a row that merely joined one step late and ends early)
     assert any(s["active"] == 3 and s["steps"] <= health["batch"]["steps"] - 5 for s in seen), (seen, health)
     assert health["batch"]["active"] == 0
+
+
+class ThreadsSeen:
+    """A module that records, on each call, the calling thread's intra-op threads and grad mode."""
+
+    def __init__(self, artifact):
+        self.artifact, self.seen = artifact, []
+
+    def record(self, fn, *args):
+        self.seen.append((torch.get_num_threads(), torch.is_grad_enabled()))
+        return fn(*args)
+
+    def __call__(self, *args):
+        return self.record(self.artifact, *args)
+
+    def __getattr__(self, name):
+        attr = getattr(self.artifact, name)
+        return lambda *args: self.record(attr, *args)
+
+
+@pytest.mark.parametrize("engine_cls", [BatchedEngine, CachedPolicyEngine])
+def test_decode_thread_runs_with_the_configured_intra_op_threads_and_no_grad(artifact, engine_cls):
+    """One intra-op thread on the decode thread by default (a second OpenMP team over-subscribes the cores:
+    serve/engines.py), whatever the main thread uses; the setting raises it."""
+    main_threads = torch.get_num_threads()
+    for threads in (1, 2):
+        module = ThreadsSeen(artifact)
+        engine = engine_cls(module, 32, "int8", threads=threads)
+        assert len(asyncio.run(collect(engine, PROMPTS[0], 3))) == 3
+        assert module.seen and set(module.seen) == {(threads, False)}
+    assert torch.get_num_threads() == main_threads  # the caller's thread is left as it was

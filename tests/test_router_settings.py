@@ -51,3 +51,10 @@ def test_router_gate_thresholds_have_the_builds_ranges(tmp_path, monkeypatch, fi
 def test_router_gate_thresholds_in_range_are_kept(tmp_path, monkeypatch):
     s = settings_from(tmp_path, monkeypatch, "rollout:\n  thresholds:\n    min_top1_agreement: 0.9\n")
     assert s.rollout.thresholds.min_top1_agreement == 0.9
+
+
+def test_engine_threads_default_to_one_and_have_a_range(tmp_path, monkeypatch):
+    assert settings_from(tmp_path, monkeypatch, "model_name: policy\n").engine_threads == 1
+    assert settings_from(tmp_path, monkeypatch, "engine_threads: 4\n").engine_threads == 4
+    with pytest.raises(SettingsError, match=r"^engine_threads: .* is out of range \[1, 256\]$"):
+        settings_from(tmp_path, monkeypatch, "engine_threads: 0\n")
