@@ -201,16 +201,19 @@ def test_rescored_head_gives_exact_float_logits_for_its_top_k():
     assert torch.equal(torch.jit.script(rescored)(x), out)
 
 
-def test_rescored_head_over_many_rows_equals_it_on_all_rows_at_once():
-    """More than 64 rows go 64 at a time (bounded temporaries over the vocabulary): the same logits, bitwise, as
-    one pass over every row."""
+def test_rescored_head_gives_a_row_the_same_logits_alone_or_in_any_batch():
+    """Batched greedy decoding equals unbatched with an int8 head: one row (fbgemm) and many (``_int_mm``, 64 rows
+    at a time past 64) give each row the same logits, bitwise."""
     torch.manual_seed(1)
     head = torch.nn.Linear(32, 500, bias=False)
     rescored = Int8RescoredHead(Int8TokenLinear.from_float(head), head.weight.detach(), topk=16)
-    x = torch.randn(2, 75, 32)  # 150 rows: two full chunks and a part
-    out = torch.jit.script(rescored)(x)
+    scripted = torch.jit.script(rescored)
+    x = torch.randn(2, 75, 32)  # 150 rows: two full chunks of 64 and a part
+    out = scripted(x)
     assert out.shape == (2, 75, 500)
-    assert torch.equal(out, rescored.scored(x.reshape(150, 32)).reshape(2, 75, 500))
+    alone = torch.cat([scripted(row) for row in x.reshape(-1, 1, 32)]).reshape(2, 75, 500)
+    assert torch.equal(out, alone)
+    assert torch.equal(out, rescored.scored(x.reshape(150, 32)).reshape(2, 75, 500))  # chunked = one pass
     assert torch.equal(out, rescored(x))
 
 
