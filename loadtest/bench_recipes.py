@@ -23,6 +23,7 @@ from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_pl
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.loadtest.real_lm import smollm2_dir
+from policy_bundle.quantize.script_runner import ScriptRunner
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s, greedy_generate
 from policy_bundle.quantize.export import script_int8
@@ -52,7 +53,7 @@ def hf_generate_tps(path, new_tokens: int, repeats: int) -> float:
 
 def ts_decode_tps(model, new_tokens: int, repeats: int) -> float:
     """Decode tokens/s of ``model`` as TorchScript (what ships), 3 warm-up runs."""
-    return decode_tokens_per_s(script_int8(model), [1] * 8, new_tokens, repeats, warmup=3)
+    return decode_tokens_per_s(ScriptRunner(script_int8(model)), [1] * 8, new_tokens, repeats, warmup=3)
 
 
 def ao_recipe(policy, batches, scheme: str):
@@ -115,7 +116,7 @@ def main() -> None:
         report(f"{scheme} {rounding}", plan.convert(policy, names), "embed_tokens, lm_head")
     sens = plan_sensitivity(policy, plan, names, sensitivity_probe(batches))
     kept = {n for n, _ in sens[: args.float_layers]}
-    report(f"smooth-w8a8 gptq, {args.float_layers} most sensitive in float (shipped)",
+    report(f"smooth-w8a8 gptq, {args.float_layers} most sensitive in float (the float-head candidate)",
            plan.convert(policy, [n for n in names if n not in kept]), f"embed, lm_head + {args.float_layers}")
     lm_recipe = replace(cfg.recipe_config("smooth-w8a8"), skip=("embed_tokens",))
     lm_plan = make_plan(policy, collect_stats(None, policy, batches, lm_recipe), lm_recipe)

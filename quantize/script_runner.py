@@ -20,9 +20,9 @@ class ScriptRunner:
     def __init__(self, module: torch.jit.ScriptModule):
         self.module = module
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         with torch.jit.optimized_execution(False):
-            return self.module(*args)
+            return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str):
         if name == "module":  # not set yet (a copy being built): no recursion through ourselves
@@ -31,9 +31,9 @@ class ScriptRunner:
         if not callable(attr):
             return attr
 
-        def call(*args):
+        def call(*args, **kwargs):
             with torch.jit.optimized_execution(False):
-                return attr(*args)
+                return attr(*args, **kwargs)
         return call
 
 

@@ -248,7 +248,7 @@ class Int8RescoredHead(nn.Module):
         if rows <= 64:
             out = self.scored(flat)
         else:
-            out = torch.empty(rows, self.out_features)
+            out = flat.new_empty([rows, self.out_features])
             for start in range(0, rows, 64):
                 out[start:start + 64] = self.scored(flat[start:start + 64])
         return out.reshape(x.shape[:-1] + (self.out_features,))

@@ -25,7 +25,8 @@ from typing import AsyncIterator, Deque, List, Optional
 import torch
 
 from policy_bundle.quantize.slots import SlotBatch
-from policy_bundle.serve.engines import SamplingParams, Step, decode_thread_setup, last_position_logits, pick_token
+from policy_bundle.serve.engines import (SamplingParams, Step, check_threads, decode_thread_setup, last_position_logits,
+                                         pick_token)
 
 log = logging.getLogger("policy_bundle.serve")
 
@@ -74,7 +75,7 @@ class BatchedEngine:
         self.peak_batch = 0
         self.steps = 0
         self.loop_errors = 0
-        self.threads = threads  # intra-op threads of the decode thread (``engines.decode_thread_setup``)
+        self.threads = check_threads(threads)  # intra-op threads of the decode thread (``engines.decode_thread_setup``)
         self._thread = threading.Thread(target=self._run, name=f"{name}-batch", daemon=True)
         self._thread.start()
 

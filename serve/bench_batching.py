@@ -70,8 +70,8 @@ def measure(args) -> List[dict]:
     module = load_torchscript(artifact)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, cfg["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(64)]
-    engine = BatchedEngine(module, ctx, "batched") if args.engine == "batched" else \
-        CachedPolicyEngine(module, ctx, "sequential")
+    engine = BatchedEngine(module, ctx, "batched", threads=args.threads) if args.engine == "batched" else \
+        CachedPolicyEngine(module, ctx, "sequential", threads=args.threads)
     asyncio.run(level(engine, prompts, 2, 1.0, args.new_tokens))  # warm-up (TorchScript profiling runs)
     return [asyncio.run(level(engine, prompts, int(c), args.seconds, args.new_tokens)) for c in args.levels.split(",")]
 
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the decode thread (engine_threads)")
     ap.add_argument("--engine", choices=("sequential", "batched"), help=argparse.SUPPRESS)  # the child's part
     args = ap.parse_args()
     if args.engine:
@@ -96,7 +97,8 @@ def main() -> None:
                               "--engine", name], capture_output=True, text=True, check=True).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
     artifact = artifact_path(args)
-    print(f"{artifact}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.seconds:.0f} s per level")
+    print(f"{artifact}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.seconds:.0f} s per level, "
+          f"{args.threads} intra-op thread(s) on the decode thread")
     print(f"\n{'clients':>8s} | {'sequential tok/s':>16s} {'ITL p50/p99 ms':>15s} | {'batched tok/s':>13s} "
           f"{'ITL p50/p99 ms':>15s} | {'batched/seq':>11s}")
     for s, b in zip(results["sequential"], results["batched"]):

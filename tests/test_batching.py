@@ -223,3 +223,9 @@ def test_decode_thread_runs_with_the_configured_intra_op_threads_and_no_grad(art
         assert len(asyncio.run(collect(engine, PROMPTS[0], 3))) == 3
         assert module.seen and set(module.seen) == {(threads, False)}
     assert torch.get_num_threads() == main_threads  # the caller's thread is left as it was
+
+
+@pytest.mark.parametrize("engine_cls", [BatchedEngine, CachedPolicyEngine])
+def test_an_engine_with_no_decode_threads_is_refused_at_construction(artifact, engine_cls):
+    with pytest.raises(ValueError, match=r"^threads: 0 must be >= 1$"):
+        engine_cls(artifact, 32, "int8", threads=0)

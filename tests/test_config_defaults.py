@@ -41,7 +41,7 @@ def test_a_batch_larger_than_the_resolved_samples_is_one_line(tmp_path):
 
 
 def test_onnx_is_left_out_with_its_reason_when_every_candidate_is_per_token(tmp_path):
-    auto = general_lm(tmp_path, "recipe.scheme=auto")  # the default candidates: smooth-w8a8, w8a8
+    auto = general_lm(tmp_path, "recipe.scheme=auto")  # the default candidates: all w8a8 (int8 head first)
     assert not auto.onnx_export() and gate_artifacts(auto, {}, tmp_path) == ONNX_AUTO_OFF
     # a torch.ao candidate (which onnxruntime's static recipe matches), or export.onnx set, builds it
     assert general_lm(tmp_path, "recipe.scheme=auto", "recipe.auto_candidates=[static, w8a8]").onnx_export()

@@ -45,4 +45,5 @@ def test_runner_calls_skip_profiling_on_any_thread_and_raw_module_does_not(tmp_p
     method = on_thread(lambda: runner.prefill(x, 3.0))  # exported methods go through the same switch
     assert "prim::profile" not in method["kinds"]
     assert torch.equal(method["value"], x * 3.0)
+    assert torch.equal(runner.prefill(x, scale=2.0), x * 2.0)  # keyword arguments pass through too
     assert hasattr(runner, "prefill") and not hasattr(runner, "decode_batch")  # attributes pass through

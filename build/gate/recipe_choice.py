@@ -23,6 +23,7 @@ from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import script_int8
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
 from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.script_runner import ScriptRunner
 
 
 @dataclass
@@ -57,8 +58,8 @@ class ChosenRecipe:
 
 
 def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int = 3, warmup: int = 3) -> float:
-    """Batch-1 decode tokens/s of the candidate as TorchScript (what ships)."""
-    return decode_tokens_per_s(script_int8(int8), [1] * prompt_len, new_tokens, repeats, warmup)
+    """Batch-1 decode tokens/s of the candidate as TorchScript, run as every reader runs it (``ScriptRunner``)."""
+    return decode_tokens_per_s(ScriptRunner(script_int8(int8)), [1] * prompt_len, new_tokens, repeats, warmup)
 
 
 def best_so_far(trials: Sequence[Trial]) -> str:
@@ -119,7 +120,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
         settled = next((t for t in trials if t.outcome.verdict.passed and handler(t.recipe) is family), None)
         if settled is not None and family.shares_kernels:
             why = (f"not gated: {settled.name} passed, and the {family.name} family's candidates run the same "
-                   f"kernels (the earlier entry is preferred)")
+                   f"kernels (the earlier entry is preferred: list the one to prefer first, e.g. an int8 head)")
             summary.append(not_gated(name, recipe, why))
             log(f"[auto] candidate {i + 1}/{len(candidates)}: {name} {why}")
             continue
