@@ -21,12 +21,11 @@ from policy_bundle.build.calibrate.prompt_split import split_prompts
 from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
 from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan
 from policy_bundle.build.config.build_config import load_config
+from policy_bundle.build.gate.recipe_choice import decode_speed
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.loadtest.real_lm import smollm2_dir
-from policy_bundle.quantize.script_runner import ScriptRunner
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.decode import decode_tokens_per_s, greedy_generate
-from policy_bundle.quantize.export import script_int8
+from policy_bundle.quantize.decode import greedy_generate
 from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
@@ -49,11 +48,6 @@ def hf_generate_tps(path, new_tokens: int, repeats: int) -> float:
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             times.append(time.perf_counter() - t)
     return new_tokens / statistics.median(times[1:])
-
-
-def ts_decode_tps(model, new_tokens: int, repeats: int) -> float:
-    """Decode tokens/s of ``model`` as TorchScript (what ships), 3 warm-up runs."""
-    return decode_tokens_per_s(ScriptRunner(script_int8(model)), [1] * 8, new_tokens, repeats, warmup=3)
 
 
 def ao_recipe(policy, batches, scheme: str):
@@ -96,7 +90,7 @@ def main() -> None:
     def report(name, model, floats):
         rep = measure_fidelity(policy, model, golden, generate=False, **kw)
         same = sum(greedy_generate(model, p, 48, tok.eos_token_id) == r for p, r in zip(greedy_prompts, ref48))
-        tps = ts_decode_tps(model, 32, repeats)
+        tps = decode_speed(model, new_tokens=32, repeats=repeats)  # as the build times a candidate
         rows.append((name, rep.top1_agreement, rep.kl_mean, rep.kl_p99, same, tps, floats))
         print(f"[bench] {name}: top-1 {rep.top1_agreement:.4f}, KL {rep.kl_mean:.4g}, greedy {same}/10, "
               f"{tps:.1f} tok/s", flush=True)

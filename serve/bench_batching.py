@@ -25,8 +25,8 @@ from typing import List
 import torch
 
 from policy_bundle.bundle.layout import BundleLayout
-from policy_bundle.quantize.script_runner import load_torchscript
 from policy_bundle.quantize.percentile import percentile
+from policy_bundle.quantize.script_runner import load_torchscript
 from policy_bundle.serve.batching import BatchedEngine
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
 
@@ -72,7 +72,7 @@ def measure(args) -> List[dict]:
     prompts = [torch.randint(3, cfg["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(64)]
     engine = BatchedEngine(module, ctx, "batched", threads=args.threads) if args.engine == "batched" else \
         CachedPolicyEngine(module, ctx, "sequential", threads=args.threads)
-    asyncio.run(level(engine, prompts, 2, 1.0, args.new_tokens))  # warm-up (TorchScript profiling runs)
+    asyncio.run(level(engine, prompts, 2, 1.0, args.new_tokens))  # warm-up
     return [asyncio.run(level(engine, prompts, int(c), args.seconds, args.new_tokens)) for c in args.levels.split(",")]
 
 

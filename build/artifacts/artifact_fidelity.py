@@ -16,10 +16,10 @@ from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log
 from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
-from policy_bundle.quantize.script_runner import load_torchscript
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, measure_fidelity
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.model import CastPolicy, Policy
+from policy_bundle.quantize.script_runner import load_torchscript
 
 
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
