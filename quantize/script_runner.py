@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import torch
@@ -37,6 +39,22 @@ class ScriptRunner:
         return call
 
 
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; a no-op where there is none).
+
+    Loading the INT8 TorchScript reads each int8 weight from the file, packs it for fbgemm and drops the read copy:
+    on SmolLM2-135M that frees ~120 MB which glibc keeps in its heap (the loaded process stayed at 642 MB RSS; after
+    the trim 523 MB)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def load_torchscript(path: Path) -> ScriptRunner:
     """The INT8 TorchScript policy as every reader runs it (``ScriptRunner``): the gate, serving, the benchmarks."""
-    return ScriptRunner(torch.jit.load(str(path)))
+    module = torch.jit.load(str(path))
+    release_freed_memory()
+    return ScriptRunner(module)

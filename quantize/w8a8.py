@@ -11,107 +11,37 @@ chooses them, int8 weights per output channel (symmetric), int32 accumulation, o
 SmolLM2-135M, every linear in int8 and nothing else changed: top-1 0.941 / KL 0.018 against FP32, where a
 symmetric int8 row scale gave 0.898 / 0.031 (the asymmetric scale spends all 256 levels on the row's range).
 
-Two kernels, one result:
+Two entry points to one packed weight (``quantize/fbgemm_int8.py``), one result:
 
-- **one row** (a batch-1 decode step): fbgemm itself over its pre-packed weight, the cheapest int8 matmul on
-  this CPU (``quantize/bench_kernels.py``: 0.07-0.6x of fp32 ``F.linear`` at SmolLM2's shapes);
+- **one row** (a batch-1 decode step): fbgemm's dynamic linear over its pre-packed weight, the cheapest int8
+  matmul on this CPU (``quantize/bench_kernels.py``: 0.07-0.6x of fp32 ``F.linear`` at SmolLM2's shapes);
 - **several rows** (prefill, batched decode, the teacher-forced gate): the same quantization computed per row,
-  then ``torch._int_mm`` (int8 x int8 -> int32, exact) on ``x_u8 - 128`` with the zero-point term added back
-  from the weight's column sums. The integers equal fbgemm's and so do the floats, bitwise (tested).
+  then fbgemm's GEMM over those uint8 codes (``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``, input
+  scale 1), the zero-point term added back from the weight's column sums. The integers equal the one-row
+  kernel's and so do the floats, bitwise (tested): a row's output does not depend on its batch.
+
+The packed weight is the only copy of the int8 weight in RAM. Until 2026-12-03 a second, ``torch._int_mm``-shaped
+copy served several rows (127 MB more on SmolLM2-135M); ``_int_mm`` was about as fast as fbgemm's GEMM at 32 rows
+and faster at 512 (``quantize/bench_kernels.py``), so the saving costs some prefill speed (docs/recipes.md).
 
 Rows whose max |x| exceeds a threshold calibrated per layer (the sink) are split: their ``outlier_channels``
-largest channels are multiplied in float against those few weight columns (dequantized from int8, a gather of
-k columns, not the whole weight), the rest of the row is quantized as any other row.
+largest channels are multiplied in float against those few weight columns (dequantized from int8: fbgemm over
+one-hot rows, k columns, not the whole weight), the rest of the row is quantized as any other row.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch import Tensor, nn
 
+from policy_bundle.quantize.fbgemm_int8 import (  # noqa: F401 (quantize_weight, fake_quant_rows: re-exported)
+    FbgemmWeight, fake_quant_rows, quantize_rows, quantize_weight, sums_recoverable)
 from policy_bundle.quantize.rotation import (  # noqa: F401 (rotation_block, rotation_matrix: re-exported)
     kron_factors, rotation_block, rotation_matrix, rotation_signs)
 
-# TorchScript reads no module constants: the kernels below write fbgemm's two as literals, 255.0 (uint8
-# activation levels, no reduce_range) and 6.1e-5 (the smallest activation scale, quant_utils' SMALL_SCALE_THRESHOLD).
 OUTLIER_CHANNELS = 8  # channels of an outlier row computed in float
-
-
-def quantize_weight(w: Tensor) -> Tuple[Tensor, Tensor]:
-    """Per output channel symmetric int8 of a [out, in] weight: (int8 [out, in], scales [out])."""
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
-    return torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8), scales
-
-
-def row_qparams(flat: Tensor) -> Tuple[Tensor, Tensor]:
-    """Per row of a float [rows, in]: fbgemm's dynamic uint8 (scale float32 [rows, 1], zero point float64 [rows, 1]).
-
-    The range always holds 0; the scale is computed in double and used in float; an all-zero row takes
-    scale 0.1 and rows whose scale falls under 6.1e-5 are widened, as fbgemm does."""
-    mn, mx = torch.aminmax(flat, dim=-1, keepdim=True)
-    mn = mn.clamp_max(0.0).double()
-    mx = mx.clamp_min(0.0).double()
-    scale = (mx - mn) / 255.0
-    if bool((scale.float() < 6.1e-5).any()):
-        org = scale.float().double()
-        zero = org == 0.0  # an all-zero row: fbgemm takes scale 0.1 (then no widening)
-        small = (scale < 6.1e-5) & ~zero
-        amp = 6.1e-5 / org.clamp_min(1e-30)
-        both = small & (mn != 0) & (mx != 0)
-        new_mn = torch.where(both, mn * amp, torch.where(small & (mx == 0), torch.full_like(mn, -6.1e-5 * 255.0), mn))
-        mx = torch.where(both, mx * amp, torch.where(small & (mn == 0), torch.full_like(mx, 6.1e-5 * 255.0), mx))
-        mn = new_mn
-        scale = torch.where(zero, torch.full_like(scale, 0.1), torch.where(small, torch.full_like(scale, 6.1e-5), scale))
-    zp = torch.round((-mn / scale).clamp(0.0, 255.0))
-    return scale.float(), zp
-
-
-def quantize_rows(flat: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """uint8 codes (as float), scale and zero point per row, as fbgemm quantizes them."""
-    scale, zp = row_qparams(flat)
-    q = torch.round(flat / scale + zp.float()).clamp(0.0, 255.0)  # fbgemm's order: bitwise equal, tested
-    return q, scale, zp
-
-
-def fake_quant_rows(x: Tensor) -> Tensor:
-    """What the int8 kernel sees of ``x`` [..., in] (each row quantized then dequantized), in float."""
-    flat = x.reshape(-1, x.shape[-1]).float()
-    q, scale, zp = quantize_rows(flat)
-    return ((q - zp.float()) * scale).reshape(x.shape)
-
-
-def pack_int8(weight_int8: Tensor, scales: Tensor):
-    """fbgemm's pre-packed weight (no bias: both kernels add it after, so their sums are equal)."""
-    qw = torch._make_per_channel_quantized_tensor(weight_int8, scales.double(),
-                                                  torch.zeros(weight_int8.shape[0], dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None)
-
-
-class FbgemmWeight(nn.Module):
-    """fbgemm's pre-packed copy of an int8 weight. Saved as that int8 weight and its scales (the owner's own
-    tensors: a TorchScript file stores them once) and packed again where it is loaded or copied."""
-
-    def __init__(self, weight_int8: Tensor, scales: Tensor):
-        super().__init__()
-        self.weight_int8, self.scales = weight_int8, scales
-        with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
-            warnings.simplefilter("ignore")
-            self.packed = pack_int8(weight_int8, scales)
-
-    def __reduce__(self):  # eager copies and pickles: rebuilt from the int8 weight
-        return (FbgemmWeight, (self.weight_int8, self.scales))
-
-    @torch.jit.export
-    def __getstate__(self) -> Tuple[Tensor, Tensor, bool]:
-        return self.weight_int8, self.scales, self.training
-
-    @torch.jit.export
-    def __setstate__(self, state: Tuple[Tensor, Tensor, bool]) -> None:
-        self.weight_int8, self.scales, self.training = state[0], state[1], state[2]
-        self.packed = pack_int8(state[0], state[1])
 
 
 class Int8TokenLinear(nn.Module):
@@ -135,13 +65,15 @@ class Int8TokenLinear(nn.Module):
         self.register_buffer("rot_signs", rotation_signs(int(weight_int8.shape[1]))
                              if rot_block else torch.zeros(0))
         self.rot_a, self.rot_b = int(outer.shape[0]), int(inner.shape[0])
-        # [out, in] contiguous, passed to _int_mm as its transposed view: measured faster on AVX2 than an
-        # [in, out] contiguous copy.
-        self.register_buffer("weight_int8", weight_int8.contiguous())
+        # The int8 weight lives in fbgemm's packed copy; its scales and per-output-channel sums are kept beside it
+        # for the several-rows kernel. A weight whose sums fbgemm's GEMM cannot hand back exactly
+        # (``sums_recoverable``) keeps a second, [out, in] copy for exact int32 sums on ``torch._int_mm``.
+        weight_int8 = weight_int8.contiguous()
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("col_sums", weight_int8.sum(dim=1, dtype=torch.int32))
+        self.fbgemm = FbgemmWeight(weight_int8, self.scales, keep=not sums_recoverable(weight_int8))
+        self.register_buffer("int_mm_weight", self.fbgemm.kept)  # the same tensor: saved once
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
-        self.fbgemm = FbgemmWeight(self.weight_int8, self.scales)
         self.in_features = int(weight_int8.shape[1])
         self.out_features = int(weight_int8.shape[0])
         self.outlier_threshold = float(outlier_threshold)
@@ -166,12 +98,16 @@ class Int8TokenLinear(nn.Module):
         biases = [p.bias for p in parts]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
-        return cls(torch.cat([p.weight_int8 for p in parts]), torch.cat([p.scales for p in parts]), bias,
+        return cls(torch.cat([p.int8_weight() for p in parts]), torch.cat([p.scales for p in parts]), bias,
                    parts[0].outlier_threshold, parts[0].outlier_channels, parts[0].rot_block)
+
+    def int8_weight(self) -> Tensor:
+        """The int8 weight [out, in], unpacked from fbgemm's copy (a new tensor: for building, not for running)."""
+        return self.fbgemm.unpacked()[0]
 
     def dequantized_weight(self) -> Tensor:
         """[out, in] float weight as the int8 kernel sees it, in the input's own basis (rotation undone)."""
-        w = self.weight_int8.float() * self.scales.unsqueeze(1)
+        w = self.int8_weight().float() * self.scales.unsqueeze(1)
         return w @ rotation_matrix(self.in_features, self.rot_block).t() if self.rot_block else w
 
     def rotate(self, flat: Tensor) -> Tensor:
@@ -182,9 +118,18 @@ class Int8TokenLinear(nn.Module):
         return torch.matmul(x, self.rot_inner).view(-1, self.in_features)
 
     def rows(self, flat: Tensor) -> Tensor:
-        """Any number of rows: per-row quantization, ``_int_mm``, rescale (fbgemm's integers)."""
+        """Any number of rows: per-row quantization as fbgemm's, then fbgemm's GEMM over the codes themselves (input
+        scale 1 and zero point 128: the codes pass through unchanged). It returns ``fl(acc * scale_j)``: dividing the
+        scale out and rounding gives ``acc`` back exactly (``sums_recoverable``; a weight it does not hold for runs
+        ``torch._int_mm`` on its kept copy). The zero-point term is added back from the column sums and the float
+        result formed as the one-row kernel forms it: the same floats, bitwise (tested)."""
         q, scale, zp = quantize_rows(flat)
-        acc = torch._int_mm((q - 128.0).to(torch.int8), self.weight_int8.t())
+        if self.int_mm_weight.numel() > 0:
+            acc = torch._int_mm((q - 128.0).to(torch.int8), self.int_mm_weight.t())
+        else:
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q - 128.0, 1.0, 128,
+                                                                                  self.fbgemm.packed)
+            acc = torch.round(y / self.scales).to(torch.int32)
         acc = acc + (128 - zp.to(torch.int32)) * self.col_sums
         return acc.float() * (scale * self.scales)
 
@@ -215,8 +160,10 @@ class Int8TokenLinear(nn.Module):
         big = loud.gather(1, idx)
         rest = flat.index_copy(0, rows, loud.scatter(1, idx, torch.zeros_like(big)))
         out = self.rows(rest)
-        cols = self.weight_int8.t().index_select(0, idx.reshape(-1)).float()
-        cols = cols.view(idx.shape[0], self.outlier_channels, self.out_features) * self.scales
+        # the int8 weight's columns at those channels, times the scales: fbgemm over one-hot rows (codes 0 and 1)
+        onehot = torch.zeros(idx.numel(), self.in_features).scatter_(1, idx.reshape(-1, 1), 1.0)
+        cols = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(onehot, 1.0, 0, self.fbgemm.packed)
+        cols = cols.view(idx.shape[0], self.outlier_channels, self.out_features)  # fl(w * scale_j), as fbgemm's
         return out.index_add(0, rows, torch.bmm(big.unsqueeze(1), cols).squeeze(1))
 
 

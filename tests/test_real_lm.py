@@ -69,17 +69,20 @@ def test_auto_with_the_defaults_passes_the_shipped_gate_on_held_out_prompts_with
 
 
 @pytest.mark.real_lm
-def test_int8_artifact_decodes_with_fbgemm_at_one_row_and_int_mm_at_more(smollm2_bundle):
+def test_int8_artifact_decodes_on_one_packed_weight_copy_at_one_row_and_at_more(smollm2_bundle):
     out, _ = smollm2_bundle
     ts = torch.jit.load(str(out / "int8" / "policy.ts"))
-    int8 = [m for m in ts.modules() if m.original_name == "Int8TokenLinear"]
-    assert int8 and all("linear_dynamic" in m.code and "_int_mm" in m.rows.code for m in int8)
+    int8 = {n: m for n, m in ts.named_modules() if m.original_name == "Int8TokenLinear"}
+    assert int8 and all("linear_dynamic" in m.code and "linear_with_input_q_dq_qweight_dq_output_fp32" in m.rows.code
+                        for m in int8.values())
+    # one int8 copy (fbgemm's) but in down_proj, whose 1536-wide sums fbgemm's GEMM cannot hand back exactly
+    assert all((m.int_mm_weight.numel() > 0) == n.endswith("down_proj") for n, m in int8.items())
     prompt = torch.tensor([[1, 9690, 198, 2683, 359, 253]])
     k, v = ts.new_cache(1, 24)
     logits = ts.prefill(prompt, k, v)
     nxt = ts.decode(logits[:, -1:].argmax(-1), 6, k, v)
     assert torch.isfinite(nxt).all() and nxt.shape[-1] == 49152
-    # the same step for two rows at once (a decode batch: _int_mm, fbgemm's integers) gives the logits of alone
+    # the same step for two rows at once (a decode batch: fbgemm's GEMM over the codes) gives the logits of alone
     k2, v2 = ts.new_cache(2, 24)
     ts.prefill(prompt, k2[:, :1], v2[:, :1])
     ts.prefill(prompt, k2[:, 1:], v2[:, 1:])

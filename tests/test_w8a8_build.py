@@ -22,7 +22,9 @@ def test_smooth_w8a8_build_over_the_mesh_ships_per_token_int8_and_says_what_onnx
     assert "fp16_hf" in m["fidelity"] and "Exported artifacts vs FP32" in (out / "canary_report.md").read_text()
     ts = torch.jit.load(str(out / "int8" / "policy.ts"))
     int8 = [m for m in ts.modules() if m.original_name == "Int8TokenLinear"]
-    assert int8 and all("linear_dynamic" in m.code and "_int_mm" in m.rows.code for m in int8)  # fbgemm, _int_mm
+    # one row and several both on fbgemm's packed weight, the only copy of the int8 weight
+    assert int8 and all("linear_dynamic" in m.code and "linear_with_input_q_dq_qweight_dq_output_fp32" in m.rows.code
+                        for m in int8)
 
 
 def test_auto_rejects_candidates_that_cannot_pass_within_the_fallback_budget(tmp_path, bentoml_home):
