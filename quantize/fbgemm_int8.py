@@ -47,9 +47,10 @@ def row_qparams(flat: Tensor) -> Tuple[Tensor, Tensor]:
 
 def quantize_rows(flat: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """uint8 codes (as float), scale and zero point per row, as fbgemm quantizes them: its AVX2 loop rounds
-    ``fma(x, 1 / scale, zero_point)`` once to float, then to the nearest even integer. The fused multiply-add is
-    computed here in double (the product of two floats is exact there) and rounded to float once. ``x / scale +
-    zp`` rounds twice and gave a different code in about 1 of 3000 rows of 576 (tested on 4000)."""
+    ``fma(x, 1 / scale, zero_point)`` once to float, then to the nearest even integer. Here the product is exact in
+    double and the sum rounds in double, then to float: the same float unless the exact sum lies within 2^-46 of a
+    halfway point between two floats (a constructed row can; none of 4000 rows of real shapes did). ``x / scale +
+    zp`` rounds twice in float and gave a different code in about 1 of 3000 rows of 576 (tested on 4000)."""
     scale, zp = row_qparams(flat)
     inv = (1.0 / scale).double()
     q = torch.round((flat.double() * inv + zp).float()).clamp(0.0, 255.0)
@@ -63,8 +64,21 @@ def fake_quant_rows(x: Tensor) -> Tensor:
     return ((q - zp.float()) * scale).reshape(x.shape)
 
 
+def use_fbgemm() -> None:
+    """Make fbgemm (``x86``) the quantized engine where it is another: ``linear_prepack`` packs for the engine in
+    force, and only fbgemm's packed weight has the several-rows entry point this kernel calls (a torch.ao recipe
+    with ``backend: qnnpack`` earlier in the process, or an ARM host's default, would leave another one)."""
+    if torch.backends.quantized.engine in ("x86", "fbgemm"):
+        return
+    engines = torch.backends.quantized.supported_engines
+    if "x86" not in engines and "fbgemm" not in engines:
+        raise RuntimeError(f"the w8a8 int8 kernel needs fbgemm (x86); this torch has the engines {engines}")
+    torch.backends.quantized.engine = "x86" if "x86" in engines else "fbgemm"
+
+
 def pack_int8(weight_int8: Tensor, scales: Tensor):
-    """fbgemm's pre-packed weight (no bias: both kernels add it after, so their sums are equal)."""
+    """fbgemm's pre-packed weight (no bias: both kernels add it after, so their sums are equal). The engine must be
+    fbgemm's (``use_fbgemm``: ``FbgemmWeight`` and the TorchScript loader see to it)."""
     qw = torch._make_per_channel_quantized_tensor(weight_int8, scales.double(),
                                                   torch.zeros(weight_int8.shape[0], dtype=torch.long), 0)
     return torch.ops.quantized.linear_prepack(qw, None)
@@ -75,7 +89,7 @@ def sums_recoverable(weight_int8: Tensor) -> bool:
     exactly: it gives ``fl(acc * scale_j)``, and ``round(fl(that / scale_j))`` is ``acc`` while |acc| < 2^22, where
     |acc| <= 128 * (the largest sum of |w| over an output row). On SmolLM2-135M it holds for every projection but
     ``down_proj`` (in = 1536: 128 * 57k, 1.7x the bound)."""
-    return 128 * int(weight_int8.abs().sum(dim=1, dtype=torch.int64).max()) < 2 ** 22
+    return 128 * int(weight_int8.to(torch.int64).abs().sum(dim=1).max()) < 2 ** 22  # int64 first: |-128| fits
 
 
 class FbgemmWeight(nn.Module):
@@ -87,6 +101,7 @@ class FbgemmWeight(nn.Module):
     def __init__(self, weight_int8: Tensor, scales: Tensor, keep: bool = False):
         super().__init__()
         self.kept = weight_int8 if keep else torch.zeros(0, 0, dtype=torch.int8)
+        use_fbgemm()
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
             warnings.simplefilter("ignore")
             self.packed = pack_int8(weight_int8, scales)
@@ -96,9 +111,10 @@ class FbgemmWeight(nn.Module):
         w, _ = torch.ops.quantized.linear_unpack(self.packed)
         return w.int_repr(), w.q_per_channel_scales().float()
 
-    def __reduce__(self):  # eager copies and pickles: rebuilt from the int8 weight
-        w, s = self.unpacked()
-        return (FbgemmWeight, (w, s, self.kept.numel() > 0))
+    def __reduce__(self):  # eager copies and pickles: rebuilt from the int8 weight (the kept tensor itself, so a
+        w, s = self.unpacked()  # deep copy shares it with the owner's buffer as the original does)
+        keep = self.kept.numel() > 0
+        return (FbgemmWeight, (self.kept if keep else w, s, keep))
 
     @torch.jit.export
     def __getstate__(self) -> Tuple[Tensor, Tensor, bool, bool]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from pathlib import Path
 
 import torch
+
+from policy_bundle.quantize.fbgemm_int8 import use_fbgemm
 
 
 class ScriptRunner:
@@ -46,15 +47,15 @@ def release_freed_memory() -> None:
     on SmolLM2-135M that frees ~120 MB which glibc keeps in its heap (the loaded process stayed at 642 MB RSS; after
     the trim 523 MB)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols: glibc's where it is the C library
+    except (OSError, AttributeError, TypeError):
         return
     trim(0)
 
 
 def load_torchscript(path: Path) -> ScriptRunner:
     """The INT8 TorchScript policy as every reader runs it (``ScriptRunner``): the gate, serving, the benchmarks."""
+    use_fbgemm()  # the file's int8 weights are packed again as it loads: for fbgemm, whatever engine ran before
     module = torch.jit.load(str(path))
     release_freed_memory()
     return ScriptRunner(module)

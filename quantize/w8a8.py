@@ -176,8 +176,7 @@ class Int8RescoredHead(nn.Module):
     weight rows (shared with the tied embedding, not copied) score them exactly: greedy decoding is
     exact whenever the float top-1 is among the int8 top-k, and the tail keeps int8 logits.
 
-    A row's logits are the same bitwise alone or in any batch (fbgemm at one row and ``_int_mm`` at more give
-    the same integers; the rescoring is a per-row product and sum), so batched greedy decoding equals unbatched.
+    A row's logits are the same bitwise alone or in any batch (fbgemm's two entry points give the same integers; the rescoring is a per-row product and sum), so batched greedy decoding equals unbatched.
     Many rows (a teacher-forced batch) go 64 at a time into the output: the int32/float temporaries over the
     vocabulary stay 64 rows' (SmolLM2-135M, 512 rows: 100 MB each otherwise).
     """

@@ -111,6 +111,37 @@ def test_a_weight_whose_sums_fbgemm_cannot_hand_back_keeps_exact_int32_sums(tmp_
     loaded = torch.jit.load(str(path))
     assert loaded.int_mm_weight.data_ptr() == loaded.fbgemm.kept.data_ptr()  # and loaded once
     assert torch.equal(loaded(x), together) and torch.equal(loaded(x[:1]), together[:1])
+    twin = copy.deepcopy(m)  # an eager copy (the gate converts copies) holds it once too
+    assert twin.int_mm_weight.data_ptr() == twin.fbgemm.kept.data_ptr() != m.int_mm_weight.data_ptr()
+    assert torch.equal(twin(x), together)
+
+
+@pytest.mark.skipif("qnnpack" not in torch.backends.quantized.supported_engines, reason="no qnnpack in this torch")
+def test_the_kernel_packs_for_fbgemm_whatever_engine_an_earlier_recipe_left(tmp_path):
+    """A torch.ao recipe with ``backend: qnnpack`` sets the process's quantized engine and leaves it. Packing for
+    qnnpack gives a weight without fbgemm's several-rows entry point (the negative control); building or loading the
+    int8 kernel switches the engine back to fbgemm's."""
+    from policy_bundle.quantize.fbgemm_int8 import pack_int8
+
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(5, 64)
+    ref = Int8TokenLinear.from_float(lin)
+    path = tmp_path / "m.ts"
+    torch.jit.save(torch.jit.script(ref), str(path))
+    before = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "qnnpack"
+        w, s = quantize_weight(lin.weight.detach())
+        with pytest.raises(RuntimeError, match="not implemented"):
+            torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128, pack_int8(w, s))
+        assert torch.equal(Int8TokenLinear.from_float(lin)(x), ref(x))
+        torch.backends.quantized.engine = "qnnpack"
+        from policy_bundle.quantize.script_runner import load_torchscript
+
+        assert torch.equal(load_torchscript(path)(x), ref(x))
+    finally:
+        torch.backends.quantized.engine = before
 
 
 def test_the_int8_weight_is_saved_once_and_loaded_only_into_fbgemms_packed_copy(tmp_path):
