@@ -92,11 +92,24 @@ def sums_recoverable(weight_int8: Tensor) -> bool:
     return 128 * int(weight_int8.to(torch.int64).abs().sum(dim=1).max()) < 2 ** 22  # int64 first: |-128| fits
 
 
+def fbgemm_saturates() -> bool:
+    """Whether this CPU's fbgemm sums uint8 x int8 products in int16 pairs and saturates them (AVX2 without VNNI;
+    with VNNI, as on this project's machines, the sums are exact int32): a probe of 16 x 256 weights of 127 against
+    codes of 255, whose exact sums (8290560) fit a float. Where it saturates, the one-row and several-rows fbgemm
+    calls still saturate alike, but a weight with a kept ``torch._int_mm`` copy (exact) must not take fbgemm's one-row
+    path (``FbgemmWeight.exact_one_row``)."""
+    packed = pack_int8(torch.full([16, 256], 127, dtype=torch.int8), torch.ones(16))
+    y = torch.ops.quantized.linear_dynamic(torch.full([1, 256], 255.0), packed, False)
+    return bool((y != 8290560.0).any())
+
+
 class FbgemmWeight(nn.Module):
     """fbgemm's pre-packed int8 weight (``pack_int8``). Saved as the int8 weight and its scales and packed again where
     it is loaded or copied. ``keep``: the int8 weight itself is kept too (``kept``, for ``torch._int_mm``: see
     ``sums_recoverable``) and saved as that same tensor, so a file holds each weight once; otherwise the packed copy
-    is the only one a loaded policy holds, and the weight is unpacked when it is saved."""
+    is the only one a loaded policy holds, and the weight is unpacked when it is saved. ``exact_one_row``: a kept
+    weight on a CPU where fbgemm saturates (``fbgemm_saturates``, checked where the weight is built or loaded) runs
+    one row on the exact path too, so a row's output never depends on its batch."""
 
     def __init__(self, weight_int8: Tensor, scales: Tensor, keep: bool = False):
         super().__init__()
@@ -105,6 +118,7 @@ class FbgemmWeight(nn.Module):
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
             warnings.simplefilter("ignore")
             self.packed = pack_int8(weight_int8, scales)
+            self.exact_one_row = keep and fbgemm_saturates()
 
     def unpacked(self) -> Tuple[Tensor, Tensor]:
         """The int8 weight [out, in] and its scales [out] that were packed, exactly (new tensors)."""
@@ -127,3 +141,4 @@ class FbgemmWeight(nn.Module):
         self.kept = state[0] if state[2] else torch.zeros(0, 0, dtype=torch.int8)
         self.training = state[3]
         self.packed = pack_int8(state[0], state[1])
+        self.exact_one_row = state[2] and fbgemm_saturates()

@@ -146,7 +146,7 @@ class Int8TokenLinear(nn.Module):
                 rows = (flat.abs().amax(dim=-1) > self.outlier_threshold).nonzero().squeeze(1)
         if rows.numel() > 0:
             out = self._with_outliers(flat, rows)
-        elif flat.shape[0] == 1:
+        elif flat.shape[0] == 1 and not self.fbgemm.exact_one_row:
             out = torch.ops.quantized.linear_dynamic(flat, self.fbgemm.packed, False)
         else:
             out = self.rows(flat)

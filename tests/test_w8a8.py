@@ -116,6 +116,46 @@ def test_a_weight_whose_sums_fbgemm_cannot_hand_back_keeps_exact_int32_sums(tmp_
     assert torch.equal(twin(x), together)
 
 
+AVX2_ONLY_SCRIPT = """
+import torch
+from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
+from policy_bundle.quantize.w8a8 import Int8TokenLinear
+assert fbgemm_saturates()
+g = torch.Generator().manual_seed(2)
+wide = torch.nn.Linear(1100, 64, bias=False)
+with torch.no_grad():
+    wide.weight.copy_(torch.randint(120, 128, (64, 1100), generator=g).float())
+x = torch.rand(40, 1100, generator=g) * 5
+m = Int8TokenLinear.from_float(wide)
+together = m(x)
+# the negative control: fbgemm's own one-row kernel saturates here, the exact rows do not
+assert not torch.equal(torch.ops.quantized.linear_dynamic(x[:1], m.fbgemm.packed, False), together[:1])
+assert m.fbgemm.exact_one_row
+for model in (m, torch.jit.script(m)):
+    assert torch.equal(torch.cat([model(row) for row in x.split(1)]), together)
+print("ok")
+"""
+
+
+def test_a_cpu_whose_fbgemm_saturates_runs_a_kept_weights_single_row_on_the_exact_path():
+    """Without VNNI (AVX2 only) fbgemm adds u8 x s8 products in int16 pairs and saturates. This machine has VNNI, so
+    the test runs in a process told to use fbgemm's AVX2 kernels: a weight whose sums keep the ``_int_mm`` copy then
+    gives a row alone what it gives the row in a batch (the exact sums), where fbgemm's one-row kernel would not."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", AVX2_ONLY_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
+
+    here = Int8TokenLinear.from_float(torch.nn.Linear(64, 8))
+    assert here.fbgemm.exact_one_row is False  # a weight without a kept copy always takes fbgemm's one-row kernel
+    assert isinstance(fbgemm_saturates(), bool)
+
+
 @pytest.mark.skipif("qnnpack" not in torch.backends.quantized.supported_engines, reason="no qnnpack in this torch")
 def test_the_kernel_packs_for_fbgemm_whatever_engine_an_earlier_recipe_left(tmp_path):
     """A torch.ao recipe with ``backend: qnnpack`` sets the process's quantized engine and leaves it. Packing for
