@@ -125,10 +125,9 @@ class FbgemmWeight(nn.Module):
         w, _ = torch.ops.quantized.linear_unpack(self.packed)
         return w.int_repr(), w.q_per_channel_scales().float()
 
-    def __reduce__(self):  # eager copies and pickles: rebuilt from the int8 weight (the kept tensor itself, so a
-        w, s = self.unpacked()  # deep copy shares it with the owner's buffer as the original does)
-        keep = self.kept.numel() > 0
-        return (FbgemmWeight, (self.kept if keep else w, s, keep))
+    def __reduce__(self):  # eager copies and pickles: rebuilt from the saved state (the kept tensor itself, so a
+        w, s, keep, _ = self.__getstate__()  # deep copy shares it with the owner's buffer as the original does)
+        return (FbgemmWeight, (w, s, keep))
 
     @torch.jit.export
     def __getstate__(self) -> Tuple[Tensor, Tensor, bool, bool]:

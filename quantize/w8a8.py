@@ -20,8 +20,9 @@ Two entry points to one packed weight (``quantize/fbgemm_int8.py``), one result:
   scale 1), the zero-point term added back from the weight's column sums. The integers equal the one-row
   kernel's and so do the floats, bitwise (tested): a row's output does not depend on its batch.
 
-The packed weight is the only copy of the int8 weight in RAM. Until 2026-12-03 a second, ``torch._int_mm``-shaped
-copy served several rows (127 MB more on SmolLM2-135M); ``_int_mm`` was about as fast as fbgemm's GEMM at 32 rows
+The packed weight is the only copy of the int8 weight in RAM, but for a weight whose sums fbgemm's GEMM cannot hand
+back exactly (``sums_recoverable``: SmolLM2-135M's ``down_proj``s, 26.5 MB), which keeps an ``[out, in]`` copy for
+``torch._int_mm``. Until 2026-12-03 every weight had that second copy (134 MB on SmolLM2-135M); ``_int_mm`` was about as fast as fbgemm's GEMM at 32 rows
 and faster at 512 (``quantize/bench_kernels.py``), so the saving costs some prefill speed (docs/recipes.md).
 
 Rows whose max |x| exceeds a threshold calibrated per layer (the sink) are split: their ``outlier_channels``

@@ -1,0 +1,155 @@
+"""fbgemm's two entry points to one packed int8 weight (``quantize/fbgemm_int8.py``, ``Int8TokenLinear``): one row and
+several rows give the same floats bitwise, the weight is held and saved once, and that holds whatever quantized
+engine ran before and on a CPU whose fbgemm saturates."""
+
+import copy
+
+import pytest
+import torch
+
+from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
+
+
+def rows_alone_and_together(m, x):
+    return m(x), torch.cat([m(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576)])
+def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch):
+    """A batch-1 decode step (fbgemm's dynamic linear) and the same row inside a prefill or a decode batch (fbgemm's
+    GEMM over our own quantization) give the same floats: a request's tokens do not depend on what else the engine
+    is running. 4000 rows: the quantization as it was written until 2026-12-03 (``x / scale + zp``, two roundings
+    where fbgemm's fused multiply-add has one) gave another code in about 1 row of 3000, and fails here."""
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(*shape, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(shape[1], shape[0], generator=g))
+    m = Int8TokenLinear.from_float(lin)
+    # 576 inputs: the packed weight is the only int8 copy; 1536: sums fbgemm cannot hand back, a kept copy
+    assert (m.int_mm_weight.numel() == 0) == (shape[0] == 576)
+    x = torch.randn(4000, shape[0], generator=g) * torch.rand(4000, 1, generator=g) * 10
+    x[::3] = x[::3].abs()  # one-sided rows: zero point 0
+    x[1::7, :6] *= 40  # a few loud channels
+    x[5] = 0.0  # fbgemm's all-zero row (scale 0.1)
+    x[9] *= 1e-6  # and its smallest-scale widening
+    together, alone = rows_alone_and_together(m, x)
+    assert torch.equal(together, alone)
+
+    from policy_bundle.quantize import w8a8
+    from policy_bundle.quantize.fbgemm_int8 import row_qparams
+
+    def two_roundings(flat):  # the negative control: the formula this kernel had
+        scale, zp = row_qparams(flat)
+        return torch.round(flat / scale + zp.float()).clamp(0.0, 255.0), scale, zp
+
+    monkeypatch.setattr(w8a8, "quantize_rows", two_roundings)
+    together, alone = rows_alone_and_together(m, x)
+    assert not torch.equal(together, alone)
+
+
+def test_a_weight_whose_sums_fbgemm_cannot_hand_back_keeps_exact_int32_sums(tmp_path):
+    """fbgemm's GEMM returns each int32 sum times the channel's scale, in float: the sum comes back exactly only below
+    2^22. A weight whose sums could pass it (wide, large int8 values) keeps a second copy for ``torch._int_mm``; the
+    rows still equal alone, bitwise."""
+    g = torch.Generator().manual_seed(2)
+    wide = torch.nn.Linear(1100, 64, bias=False)
+    with torch.no_grad():
+        wide.weight.copy_(torch.randint(120, 128, (64, 1100), generator=g).float())  # sums near 255 * 127 * 1100
+    m = Int8TokenLinear.from_float(wide)
+    assert m.int_mm_weight.shape == (64, 1100)
+    x = torch.rand(300, 1100, generator=g) * 5  # all positive: codes near 255, sums near the bound
+    together, alone = rows_alone_and_together(m, x)
+    assert torch.equal(together, alone) and together.abs().max() > 0
+    assert torch.equal(torch.jit.script(m)(x), together)
+    path = tmp_path / "wide.ts"
+    torch.jit.save(torch.jit.script(m), str(path))
+    assert 64 * 1100 < path.stat().st_size < 2 * 64 * 1100  # the kept copy and the packed one: saved once
+    loaded = torch.jit.load(str(path))
+    assert loaded.int_mm_weight.data_ptr() == loaded.fbgemm.kept.data_ptr()  # and loaded once
+    assert torch.equal(loaded(x), together) and torch.equal(loaded(x[:1]), together[:1])
+    twin = copy.deepcopy(m)  # an eager copy (the gate converts copies) holds it once too
+    assert twin.int_mm_weight.data_ptr() == twin.fbgemm.kept.data_ptr() != m.int_mm_weight.data_ptr()
+    assert torch.equal(twin(x), together)
+
+
+AVX2_ONLY_SCRIPT = """
+import torch
+from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
+from policy_bundle.quantize.w8a8 import Int8TokenLinear
+assert fbgemm_saturates()
+g = torch.Generator().manual_seed(2)
+wide = torch.nn.Linear(1100, 64, bias=False)
+with torch.no_grad():
+    wide.weight.copy_(torch.randint(120, 128, (64, 1100), generator=g).float())
+x = torch.rand(40, 1100, generator=g) * 5
+m = Int8TokenLinear.from_float(wide)
+together = m(x)
+# the negative control: fbgemm's own one-row kernel saturates here, the exact rows do not
+assert not torch.equal(torch.ops.quantized.linear_dynamic(x[:1], m.fbgemm.packed, False), together[:1])
+assert m.fbgemm.exact_one_row
+for model in (m, torch.jit.script(m)):
+    assert torch.equal(torch.cat([model(row) for row in x.split(1)]), together)
+print("ok")
+"""
+
+
+def test_a_cpu_whose_fbgemm_saturates_runs_a_kept_weights_single_row_on_the_exact_path():
+    """Without VNNI (AVX2 only) fbgemm adds u8 x s8 products in int16 pairs and saturates. This machine has VNNI, so
+    the test runs in a process told to use fbgemm's AVX2 kernels: a weight whose sums keep the ``_int_mm`` copy then
+    gives a row alone what it gives the row in a batch (the exact sums), where fbgemm's one-row kernel would not."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", AVX2_ONLY_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
+
+    here = Int8TokenLinear.from_float(torch.nn.Linear(64, 8))
+    assert here.fbgemm.exact_one_row is False  # a weight without a kept copy always takes fbgemm's one-row kernel
+    assert isinstance(fbgemm_saturates(), bool)
+
+
+@pytest.mark.skipif("qnnpack" not in torch.backends.quantized.supported_engines, reason="no qnnpack in this torch")
+def test_the_kernel_packs_for_fbgemm_whatever_engine_an_earlier_recipe_left(tmp_path):
+    """A torch.ao recipe with ``backend: qnnpack`` sets the process's quantized engine and leaves it. Packing for
+    qnnpack gives a weight without fbgemm's several-rows entry point (the negative control); building or loading the
+    int8 kernel switches the engine back to fbgemm's."""
+    from policy_bundle.quantize.fbgemm_int8 import pack_int8
+
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(5, 64)
+    ref = Int8TokenLinear.from_float(lin)
+    path = tmp_path / "m.ts"
+    torch.jit.save(torch.jit.script(ref), str(path))
+    before = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "qnnpack"
+        w, s = quantize_weight(lin.weight.detach())
+        with pytest.raises(RuntimeError, match="not implemented"):
+            torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128, pack_int8(w, s))
+        assert torch.equal(Int8TokenLinear.from_float(lin)(x), ref(x))
+        torch.backends.quantized.engine = "qnnpack"
+        from policy_bundle.quantize.script_runner import load_torchscript
+
+        assert torch.equal(load_torchscript(path)(x), ref(x))
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def test_the_int8_weight_is_saved_once_and_loaded_only_into_fbgemms_packed_copy(tmp_path):
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(576, 960, bias=False)
+    m = Int8TokenLinear.from_float(lin, rot_block=64)
+    path = tmp_path / "m.ts"
+    torch.jit.save(torch.jit.script(m), str(path))
+    assert 960 * 576 < path.stat().st_size < 1.2 * 960 * 576  # the int8 weight once (not twice, not in float)
+    loaded = torch.jit.load(str(path))
+    assert all(t.dtype != torch.int8 or t.numel() == 0 for t in loaded.state_dict().values())
+    assert torch.equal(loaded.fbgemm.unpacked()[0], m.int8_weight())
+    x = torch.randn(7, 576)
+    assert torch.equal(loaded(x), m(x)) and torch.equal(loaded(x[:1]), m(x[:1]))
