@@ -2,7 +2,9 @@
 (ratios, not asserts).
 
 Per model: decode tokens/s at batch 1 (prefill, then one token per step; onnxruntime has no KV
-cache, so its "decode" recomputes the sequence each token), forward (prefill) throughput at batch 8,
+cache, so its "decode" recomputes the sequence each token), prefill throughput at batch 8 (the prompt into the
+cache and the next token's logits: the LM head at the last position only, as a server and vLLM compute it; onnxruntime's
+full-sequence graph still computes every position's),
 ``--bundle DIR`` benchmarks a built bundle instead (the real LM: build ``build/configs/smollm2.yaml``),
 peak resident memory (each variant runs in a fresh process, so VmHWM is that variant's alone) and
 artifact size. Throughput at 8 and 32 concurrent requests through the served bundle is
@@ -127,7 +129,7 @@ def worker(args) -> None:
         module = (load_policy(Path(args.artifact), max_seq_len=128) if args.worker == "fp32 eager"
                   else load_torchscript(Path(args.artifact)))
         dec = decode_tps(module, plen, new, vocab, r)
-        fwd = forward_tps(lambda x: module(x, 0, *module.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r)
+        fwd = forward_tps(lambda x: module.prefill(x, *module.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r)
         batch = batch_decode_tps(module, BATCH_ROWS, plen, new, vocab, r)
     elif args.worker == "int8 onnxruntime":
         import onnxruntime as ort
@@ -187,7 +189,7 @@ def bench(name: str, policy_dir: Path, args) -> None:
     print(f"\n== {name} ({params:.1f}M params; decode: prompt {prompt_len}, {new_tokens} new tokens, batch 1; "
           f"forward: batch 8 x {seq}; each variant in its own process)")
     base = figures["fp32 eager"]
-    print(f"{'variant':20s} {'decode tok/s':>13s} {'ratio':>6s} {'forward tok/s':>14s} {'ratio':>6s} "
+    print(f"{'variant':20s} {'decode tok/s':>13s} {'ratio':>6s} {'prefill tok/s':>14s} {'ratio':>6s} "
           f"{'peak RSS MB':>12s} {'artifact MB':>12s}")
     for v, f in figures.items():
         if f:
@@ -232,7 +234,7 @@ def bench_bundle(bundle: Path, args) -> None:
           "manifest's held-out golden set (from the manifest; llama.cpp measured here; fp16 vllm: the FP16 weights in "
           "torch)")
     print(f"{'variant':20s} {'decode tok/s':>13s} {'vs eager':>8s} {'vs HF':>6s} {f'b={BATCH_ROWS} tok/s':>12s} "
-          f"{'vs eager':>8s} {'forward tok/s':>14s} {'peak RSS MB':>12s} {'artifact MB':>12s} {'top-1':>7s} {'KL':>8s}")
+          f"{'vs eager':>8s} {'prefill tok/s':>14s} {'peak RSS MB':>12s} {'artifact MB':>12s} {'top-1':>7s} {'KL':>8s}")
     base = figures["fp32 eager"]
     for v, f in figures.items():
         if f:

@@ -73,18 +73,24 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
 def speed_figures(path: Path, prompt_len: int, new_tokens: int, seq: int, vocab: int, repeats: int) -> tuple:
     """Decode tokens/s at batch 1 (prefill untimed, greedy argmax of the logits each step, as our decode loops)
     and prefill tokens/s (8 sequences of ``seq`` tokens, one after another: llama.cpp's batch is one sequence).
-    ``logits_all``: ``scores`` holds every evaluated position's logits (without it llama-cpp-python leaves them
-    unwritten for ``eval``), and prefill computes the head at every position, as our forward does."""
-    llm = load(path, n_ctx=max(prompt_len + new_tokens, seq) + 8, logits_all=True)
+    As our ``prefill``, llama.cpp computes the LM head at each evaluated batch's last position only (no
+    ``logits_all``); its logits are read from the context (``llama_get_logits_ith``: llama-cpp-python's ``scores``
+    stays unwritten without ``logits_all``)."""
+    import llama_cpp
+
+    llm = load(path, n_ctx=max(prompt_len + new_tokens, seq) + 8)
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, vocab, prompt_len).tolist()
+
+    def last_logits() -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
 
     def decode() -> float:
         llm.reset()
         llm.eval(prompt)
         t = time.perf_counter()
         for _ in range(new_tokens):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([int(np.argmax(last_logits()))])
         return time.perf_counter() - t
 
     rows = [rng.integers(3, vocab, seq).tolist() for _ in range(8)]

@@ -113,7 +113,7 @@ def greedy_generate_batch(module, prompts: Sequence[Sequence[int]], max_new_toke
     while waiting or len(batch):
         while waiting and len(batch) < batch.max_capacity:
             i = waiting.popleft()
-            outs[i].append(int(batch.prefill(prompts[i])[-1].argmax()))
+            outs[i].append(int(batch.prefill(prompts[i]).argmax()))
             if finished(i):
                 done(i)
             else:

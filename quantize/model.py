@@ -12,140 +12,12 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from policy_bundle.quantize.blocks import Block, RMSNorm, additive_mask
 from policy_bundle.quantize.decode import greedy_generate  # re-exported (see __all__)
 from policy_bundle.quantize.policy_config import (  # noqa: F401 (re-exported: the model's public names)
     SUPPORTED_ARCHITECTURES, PolicyConfig, UnsupportedModelError, rope_inv_freq)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: PolicyConfig):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, q, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.dim, kv, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.dim, kv, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.dim, bias=False)
-        self.use_qk_norm = cfg.qk_norm
-        # An int8 export may replace q/k/v by one projection over the concatenated weights (one activation
-        # quantization, one matmul: ``quantize.w8a8.fuse_projections``); q_proj/k_proj/v_proj then become Identity.
-        self.fused_qkv = False
-        self.qkv_proj: nn.Module = nn.Identity()
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-
-    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """Rotated queries and keys, and values, as [B, heads, T, head_dim]."""
-        b, t, _ = x.shape
-        if self.fused_qkv:
-            qkv = self.qkv_proj(x)
-            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q = qkv[:, :, :nq].reshape(b, t, self.n_heads, self.head_dim)
-            k = qkv[:, :, nq : nq + nkv].reshape(b, t, self.n_kv_heads, self.head_dim)
-            v = qkv[:, :, nq + nkv :].reshape(b, t, self.n_kv_heads, self.head_dim)
-        else:
-            q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-            k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-            v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(k).transpose(1, 2)
-        v = v.transpose(1, 2)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        b, t = q.shape[0], q.shape[2]
-        if self.n_kv_heads != self.n_heads:
-            # Grouped-query attention without copying the cache per query head: the ``rep`` query heads
-            # of one kv head attend as ``rep * t`` rows of that head (head h reads kv head h // rep).
-            # ``mask`` is [rep * t, S] here (``Policy.forward`` repeats it once per forward, not once per layer).
-            rep = self.n_heads // self.n_kv_heads
-            q = q.reshape(b, self.n_kv_heads, rep * t, self.head_dim)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            out = out.reshape(b, self.n_heads, t, self.head_dim)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
-    ) -> Tensor:
-        q, k, v = self._qkv(x, cos, sin)
-        t = x.shape[1]
-        # Write this step's keys/values into the caller's preallocated cache, then attend over it.
-        k_cache[:, :, start_pos : start_pos + t] = k
-        v_cache[:, :, start_pos : start_pos + t] = v
-        return self._attend(q, k_cache, v_cache, mask)
-
-    def forward_rows(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
-    ) -> Tensor:
-        """One token per row, each row at its own position ``pos[b]`` (batched decode)."""
-        q, k, v = self._qkv(x, cos, sin)
-        rows = torch.arange(x.shape[0])
-        # [B, S, kv_heads, head_dim] views of the cache: (row, pos) picks the slot this row writes.
-        k_cache.transpose(1, 2).index_put_([rows, pos], k[:, :, 0])
-        v_cache.transpose(1, 2).index_put_([rows, pos], v[:, :, 0])
-        return self._attend(q, k_cache, v_cache, mask)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: PolicyConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
-        self.intermediate_size = cfg.intermediate_size
-        self.fused_gate_up = False  # as Attention.fused_qkv: gate/up as one projection in an int8 export
-        self.gate_up_proj: nn.Module = nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.fused_gate_up:
-            gu = self.gate_up_proj(x)
-            n = self.intermediate_size
-            return self.down_proj(F.silu(gu[..., :n]) * gu[..., n:])
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: PolicyConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_rows(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
-    ) -> Tensor:
-        x = x + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Policy(nn.Module):
@@ -166,7 +38,8 @@ class Policy(nn.Module):
         freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        # sin with its first half negated: what ``rope`` multiplies the rolled halves by
+        self.register_buffer("rope_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     @torch.jit.export
     def new_cache(self, batch_size: int, max_len: int = 0) -> Tuple[Tensor, Tensor]:
@@ -176,6 +49,18 @@ class Policy(nn.Module):
         return torch.zeros(shape), torch.zeros(shape)
 
     def forward(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.lm_head(self.norm(self.hidden(tokens, start_pos, k_cache, v_cache)))
+
+    @torch.jit.export
+    def next_logits(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """``forward``'s logits at the last position only, [B, 1, V]: a prompt's prefill as a server or a decode
+        loop needs it. The LM head runs on one row per sequence, not on every position (SmolLM2-135M: 28M of the
+        134M multiply-adds per token, and a [B, T, 49152] float output, 100 MB at 8 x 64)."""
+        x = self.hidden(tokens, start_pos, k_cache, v_cache)
+        return self.lm_head(self.norm(x[:, -1:]))
+
+    def hidden(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """The last layer's output [B, T, dim] (before the final norm), the cache written at ``start_pos..``."""
         t = tokens.shape[1]
         cache_len = k_cache.shape[3]
         cos = self.rope_cos[start_pos : start_pos + t].to(k_cache.dtype)
@@ -185,14 +70,16 @@ class Policy(nn.Module):
         mask = torch.arange(cache_len).unsqueeze(0) <= q_pos
         if self.gqa_rep > 1:  # the same [t, S] mask for each of a kv head's query heads (``Attention._attend``)
             mask = mask.repeat(self.gqa_rep, 1)
+        mask = additive_mask(mask, k_cache.dtype)
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, start_pos, k_cache[i], v_cache[i])
-        return self.lm_head(self.norm(x))
+        return x
 
     @torch.jit.export
     def prefill(self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.forward(tokens, 0, k_cache, v_cache)
+        """The prompt into a fresh cache; the next token's logits [B, 1, V] (``next_logits``)."""
+        return self.next_logits(tokens, 0, k_cache, v_cache)
 
     @torch.jit.export
     def decode(self, token: Tensor, pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
@@ -206,7 +93,8 @@ class Policy(nn.Module):
         cache_len = k_cache.shape[3]
         cos = self.rope_cos.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
         sin = self.rope_sin.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
-        mask = (torch.arange(cache_len).unsqueeze(0) <= pos.unsqueeze(1)).view(pos.shape[0], 1, 1, cache_len)
+        mask = additive_mask((torch.arange(cache_len).unsqueeze(0) <= pos.unsqueeze(1)).view(pos.shape[0], 1, 1, cache_len),
+                             k_cache.dtype)
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             x = layer.forward_rows(x, cos, sin, mask, pos, k_cache[i], v_cache[i])
@@ -243,8 +131,11 @@ class CastPolicy(nn.Module):
     def forward(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         return self.policy(tokens, start_pos, k_cache, v_cache).float()
 
+    def next_logits(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.policy.next_logits(tokens, start_pos, k_cache, v_cache).float()
+
     def prefill(self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.forward(tokens, 0, k_cache, v_cache)
+        return self.next_logits(tokens, 0, k_cache, v_cache)
 
     def decode(self, token: Tensor, pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         return self.forward(token, pos, k_cache, v_cache)

@@ -51,15 +51,18 @@ class SlotBatch(Generic[R]):
 
     def prefill(self, ids: Sequence[int], start: int = 0) -> Tensor:
         """Write the prompt tokens ``ids`` at positions ``start..`` of the next free slot (its positions
-        ``0..start-1`` hold the prompt's earlier tokens); returns their logits [len(ids), V]."""
+        ``0..start-1`` hold the prompt's earlier tokens); returns the logits after its last token [V]: the
+        module's ``next_logits`` (the LM head on that row alone), or the last row of its ``forward`` where it has
+        none (a policy exported before 2026-12-04)."""
         slot, end = len(self.rows), start + len(ids)
         if slot >= self.capacity:
             raise ValueError(f"no free slot: {slot} rows fill the cache's {self.capacity} slots (grow it first)")
         self.filling = 0
-        logits = self.module(torch.tensor([list(ids)]), start, self.k[:, slot : slot + 1, :, :end],
-                             self.v[:, slot : slot + 1, :, :end])
+        run = getattr(self.module, "next_logits", self.module)
+        logits = run(torch.tensor([list(ids)]), start, self.k[:, slot : slot + 1, :, :end],
+                     self.v[:, slot : slot + 1, :, :end])
         self.filling = end
-        return logits[0]
+        return logits[0, -1]
 
     def join(self, row: R) -> None:
         """The next free slot, its prompt prefilled, becomes ``row``: its next token goes after the prompt."""

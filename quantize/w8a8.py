@@ -113,10 +113,10 @@ class Int8TokenLinear(nn.Module):
 
     def rotate(self, flat: Tensor) -> Tensor:
         """``flat @ R`` block by block: each block as X [a, b] becomes ``H_a @ X @ H_b``."""
-        x = (flat * self.rot_signs).view(-1, self.rot_a, self.rot_b)
+        x = flat * self.rot_signs
         if self.rot_a > 1:
-            x = torch.matmul(self.rot_outer, x)
-        return torch.matmul(x, self.rot_inner).view(-1, self.in_features)
+            x = torch.matmul(self.rot_outer, x.view(-1, self.rot_a, self.rot_b))
+        return torch.mm(x.view(-1, self.rot_b), self.rot_inner).view(-1, self.in_features)  # matmul's own folding
 
     def rows(self, flat: Tensor) -> Tensor:
         """Any number of rows: per-row quantization as fbgemm's, then fbgemm's GEMM over the codes themselves (input
@@ -138,19 +138,19 @@ class Int8TokenLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).float()
         if self.rot_block > 0:
             flat = self.rotate(flat)
-        rows = torch.empty(0, dtype=torch.long)
-        if self.outlier_threshold > 0.0:
-            if flat.shape[0] == 1:  # a decode step: one reduction and one compare, no index tensor unless loud
-                if float(torch.linalg.vector_norm(flat, float("inf"))) > self.outlier_threshold:
-                    rows = torch.zeros(1, dtype=torch.long)
+        if flat.shape[0] == 1:  # a decode step: one reduction and one compare, no index tensor unless loud
+            if (self.outlier_threshold > 0.0
+                    and float(torch.linalg.vector_norm(flat, float("inf"))) > self.outlier_threshold):
+                out = self._with_outliers(flat, torch.zeros(1, dtype=torch.long))
+            elif self.fbgemm.exact_one_row:
+                out = self.rows(flat)
             else:
-                rows = (flat.abs().amax(dim=-1) > self.outlier_threshold).nonzero().squeeze(1)
-        if rows.numel() > 0:
-            out = self._with_outliers(flat, rows)
-        elif flat.shape[0] == 1 and not self.fbgemm.exact_one_row:
-            out = torch.ops.quantized.linear_dynamic(flat, self.fbgemm.packed, False)
+                out = torch.ops.quantized.linear_dynamic(flat, self.fbgemm.packed, False)
         else:
-            out = self.rows(flat)
+            rows = torch.empty(0, dtype=torch.long)
+            if self.outlier_threshold > 0.0:
+                rows = (flat.abs().amax(dim=-1) > self.outlier_threshold).nonzero().squeeze(1)
+            out = self._with_outliers(flat, rows) if rows.numel() > 0 else self.rows(flat)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(x.shape[:-1] + (self.out_features,))

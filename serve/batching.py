@@ -169,7 +169,7 @@ class BatchedEngine:
                 self._filling = r
                 break
             self.slots.join(r)
-            self._advance(r, logits[-1])
+            self._advance(r, logits)
         self.slots.drop(_leaves)
 
     def _step(self) -> None:

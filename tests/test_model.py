@@ -61,6 +61,23 @@ def test_torchscript_fp32_policy_equals_eager(tmp_path):
     assert greedy_generate(scripted, x[0].tolist(), 8) == greedy_generate(ours, x[0].tolist(), 8)
 
 
+def test_rotary_and_attention_mask_rewrites_equal_hf_forms_bitwise():
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from policy_bundle.quantize.blocks import additive_mask, rope
+
+    g = torch.Generator().manual_seed(0)
+    x, freqs = torch.randn(2, 3, 5, 24, generator=g), torch.randn(5, 12, generator=g)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    hf = x * cos + torch.cat((-x[..., 12:], x[..., :12]), -1) * sin  # transformers' rotate_half form
+    assert torch.equal(rope(x, cos, torch.cat((-freqs.sin(), freqs.sin()), -1)), hf)
+    assert not torch.equal(rope(x, cos, sin), hf)  # the negated half is what makes it so
+    allowed = torch.rand(5, 7, generator=g) > 0.4
+    allowed[:, 0] = True
+    q, k, v = (torch.randn(2, 3, n, 24, generator=g) for n in (5, 7, 7))
+    assert torch.equal(sdpa(q, k, v, attn_mask=additive_mask(allowed, torch.float32)), sdpa(q, k, v, attn_mask=allowed))
+
+
 def test_gpt2_directory_is_rejected_by_name(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 

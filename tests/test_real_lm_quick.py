@@ -103,3 +103,21 @@ def test_the_real_lm_int8_torchscript_decodes_with_int8_kernels_like_eager(real,
         eager_nxt = int8.decode(eager[:, -1:].argmax(-1), ids.shape[1], ek, ev)
     assert nxt.shape[-1] == 49152 and torch.isfinite(nxt).all()
     assert torch.allclose(logits, eager, atol=1e-4) and torch.allclose(nxt, eager_nxt, atol=1e-4)
+
+
+def test_a_prefill_gives_the_full_forwards_last_row_bitwise_with_the_int8_head(real):
+    """``prefill`` runs the LM head on the last position alone; with the shipped int8 head (a row's int8 logits do
+    not depend on its batch) that is the full forward's last row, bitwise. The float head is the control: its GEMV
+    and GEMM round apart."""
+    from policy_bundle.quantize.w8a8 import Int8RescoredHead, Int8TokenLinear
+
+    int8 = real["plan"].convert(real["policy"], real["names"])
+    float_ts = torch.jit.script(int8)
+    int8.lm_head = Int8RescoredHead(Int8TokenLinear.from_float(int8.lm_head), int8.lm_head.weight.detach(), 64)
+    ids = real["held"][0][:, :12]
+    with torch.no_grad():
+        for ts, bitwise in ((torch.jit.script(int8), True), (float_ts, False)):
+            full = ts(ids, 0, *ts.new_cache(1, 12))
+            last = ts.prefill(ids, *ts.new_cache(1, 12))
+            assert last.shape == (1, 1, 49152) and torch.allclose(last, full[:, -1:], atol=1e-4)
+            assert torch.equal(last, full[:, -1:]) == bitwise

@@ -35,7 +35,7 @@ def solo(policy, prompts, n=12):
 
 def admit(batch, prompt, row, outs):
     """Prefill ``prompt`` into the next free slot, take its first token, join it as ``row``."""
-    outs[row] = [int(batch.prefill(prompt)[-1].argmax())]
+    outs[row] = [int(batch.prefill(prompt).argmax())]
     batch.join(row)
 
 
@@ -80,8 +80,8 @@ def test_a_part_prefilled_prompt_follows_the_rows_when_a_slot_is_released(policy
     head = batch.prefill(picked[2][:5])  # the first chunk of the newcomer's prompt, in slot 2
     batch.release([0])  # row 1 moves to slot 0; the newcomer's chunk to slot 1
     logits = batch.prefill(picked[2][5:], start=5)
-    assert head.shape[0] == 5 and batch.rows == [1]
-    outs[2] = [int(logits[-1].argmax())]
+    assert head.shape == logits.shape == (policy.lm_head.out_features,) and batch.rows == [1]
+    outs[2] = [int(logits.argmax())]
     batch.join(2)
     advance(batch, outs, 6)
     assert [outs[1], outs[2]] == [expected[1][:9], expected[2][:7]]

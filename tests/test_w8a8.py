@@ -149,6 +149,14 @@ def test_w8a8_plan_tracks_fp32_and_exports_to_torchscript(scheme, rounding, tmp_
     torch.jit.save(scripted, str(tmp_path / "p.ts"))
     loaded = torch.jit.load(str(tmp_path / "p.ts"))
     assert greedy_generate(loaded, [3, 14, 15, 9], 12) == greedy_generate(int8, [3, 14, 15, 9], 12)
+    with torch.no_grad():  # a prefill's logits (the head on the last row alone) are that row of the full forward's
+        full = loaded(x, 0, *loaded.new_cache(2, 16))  # (within rounding: this head is float, whose GEMM and GEMV
+        k, v = loaded.new_cache(2, 16)                 # round apart; an int8 row is the same alone: test_real_lm_quick)
+        assert torch.allclose(loaded.prefill(x, k, v), full[:, -1:], rtol=0, atol=1e-5)
+        k2, v2 = loaded.new_cache(2, 16)
+        loaded.prefill(x[:, :9], k2, v2)
+        assert torch.allclose(loaded.next_logits(x[:, 9:], 9, k2, v2), full[:, -1:], rtol=0, atol=1e-5)
+        assert not torch.allclose(loaded.next_logits(x[:, 9:], 9, *loaded.new_cache(2, 16)), full[:, -1:], atol=1e-3)
     kept = plan.convert(policy, names[1:])  # the fallback re-converts without the data
     assert isinstance(kept.get_submodule(names[0]), torch.nn.Linear)
 

@@ -1,0 +1,155 @@
+"""The policy's layers: RMSNorm, rotary embedding, attention over a caller's KV cache, the gated MLP, and the
+decoder block (``quantize/model.py`` puts them together)."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from policy_bundle.quantize.policy_config import PolicyConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, HF's ``x * cos + rotate_half(x) * sin`` in two fewer ops: ``sin`` comes with its first half
+    negated (``Policy.rope_sin``), so ``rotate_half(x) * sin`` is ``roll(x, half) * sin``, bitwise (a sign moves from
+    one factor to the other; every product and sum is the same)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask as the float one (0 / -inf) ``scaled_dot_product_attention`` makes of it, made once
+    per forward instead of once per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(allowed.logical_not(), float("-inf"))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, q, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.dim, kv, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.dim, kv, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.dim, bias=False)
+        self.use_qk_norm = cfg.qk_norm
+        # An int8 export may replace q/k/v by one projection over the concatenated weights (one activation
+        # quantization, one matmul: ``quantize.w8a8.fuse_projections``); q_proj/k_proj/v_proj then become Identity.
+        self.fused_qkv = False
+        self.qkv_proj: nn.Module = nn.Identity()
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries and keys, and values, as [B, heads, T, head_dim]."""
+        b, t, _ = x.shape
+        if self.fused_qkv and not self.use_qk_norm:
+            # queries and keys side by side, as the fused projection returns them: one rotary pass for both
+            qkv = self.qkv_proj(x)
+            nqk = (self.n_heads + self.n_kv_heads) * self.head_dim
+            qk = rope(qkv[:, :, :nqk].reshape(b, t, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2),
+                      cos, sin)
+            v = qkv[:, :, nqk:].reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            return qk[:, : self.n_heads], qk[:, self.n_heads :], v
+        if self.fused_qkv:
+            qkv = self.qkv_proj(x)
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q = qkv[:, :, :nq].reshape(b, t, self.n_heads, self.head_dim)
+            k = qkv[:, :, nq : nq + nkv].reshape(b, t, self.n_kv_heads, self.head_dim)
+            v = qkv[:, :, nq + nkv :].reshape(b, t, self.n_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        b, t = q.shape[0], q.shape[2]
+        if self.n_kv_heads != self.n_heads:
+            # Grouped-query attention without copying the cache per query head: the ``rep`` query heads
+            # of one kv head attend as ``rep * t`` rows of that head (head h reads kv head h // rep).
+            # ``mask`` is [rep * t, S] here (``Policy.forward`` repeats it once per forward, not once per layer).
+            rep = self.n_heads // self.n_kv_heads
+            q = q.reshape(b, self.n_kv_heads, rep * t, self.head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            out = out.reshape(b, self.n_heads, t, self.head_dim)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        t = x.shape[1]
+        # Write this step's keys/values into the caller's preallocated cache, then attend over it.
+        k_cache[:, :, start_pos : start_pos + t] = k
+        v_cache[:, :, start_pos : start_pos + t] = v
+        return self._attend(q, k_cache, v_cache, mask)
+
+    def forward_rows(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        """One token per row, each row at its own position ``pos[b]`` (batched decode)."""
+        q, k, v = self._qkv(x, cos, sin)
+        rows = torch.arange(x.shape[0])
+        # [B, S, kv_heads, head_dim] views of the cache: (row, pos) picks the slot this row writes.
+        k_cache.transpose(1, 2).index_put_([rows, pos], k[:, :, 0])
+        v_cache.transpose(1, 2).index_put_([rows, pos], v[:, :, 0])
+        return self._attend(q, k_cache, v_cache, mask)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.fused_gate_up = False  # as Attention.fused_qkv: gate/up as one projection in an int8 export
+        self.gate_up_proj: nn.Module = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fused_gate_up:
+            gu = self.gate_up_proj(x)
+            n = self.intermediate_size
+            return self.down_proj(F.silu(gu[..., :n]) * gu[..., n:])
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_rows(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        x = x + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
