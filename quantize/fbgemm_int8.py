@@ -92,6 +92,14 @@ def sums_recoverable(weight_int8: Tensor) -> bool:
     return 128 * int(weight_int8.to(torch.int64).abs().sum(dim=1).max()) < 2 ** 22  # int64 first: |-128| fits
 
 
+def sums_exact_in_float(weight_int8: Tensor) -> bool:
+    """Whether this weight's int32 sums over centred codes are exact as floats (|acc| < 2^24, the same bound as
+    ``sums_recoverable`` without the scale): packed with unit scales, fbgemm's GEMM then hands them back as they
+    are, so the weight needs no second copy (``Int8TokenLinear.unit_scales``; SmolLM2-135M's ``down_proj``: 128 x
+    57k, under half the bound)."""
+    return 128 * int(weight_int8.to(torch.int64).abs().sum(dim=1).max()) < 2 ** 24
+
+
 def fbgemm_saturates() -> bool:
     """Whether this CPU's fbgemm sums uint8 x int8 products in int16 pairs and saturates them (AVX2 without VNNI;
     with VNNI, as on this project's machines, the sums are exact int32): a probe of 16 x 256 weights of 127 against

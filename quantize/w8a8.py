@@ -20,10 +20,12 @@ Two entry points to one packed weight (``quantize/fbgemm_int8.py``), one result:
   scale 1), the zero-point term added back from the weight's column sums. The integers equal the one-row
   kernel's and so do the floats, bitwise (tested): a row's output does not depend on its batch.
 
-The packed weight is the only copy of the int8 weight in RAM, but for a weight whose sums fbgemm's GEMM cannot hand
-back exactly (``sums_recoverable``: SmolLM2-135M's ``down_proj``s, 26.5 MB), which keeps an ``[out, in]`` copy for
-``torch._int_mm``. Until 2026-12-03 every weight had that second copy (134 MB on SmolLM2-135M); ``_int_mm`` was about as fast as fbgemm's GEMM at 32 rows
-and faster at 512 (``quantize/bench_kernels.py``), so the saving costs some prefill speed (docs/recipes.md).
+The packed weight is the only copy of the int8 weight in RAM. fbgemm's GEMM returns each sum times the channel's
+scale; where that cannot be divided back exactly (``sums_recoverable``: SmolLM2-135M's ``down_proj``s) the weight is
+packed with unit scales and its own applied after the kernel, at one row and at more alike (``unit_scales``); only a
+weight whose plain sums could pass 2^24 (none on SmolLM2-135M) keeps an ``[out, in]`` copy for ``torch._int_mm``.
+Until 2026-12-03 every weight had that second copy (134 MB on SmolLM2-135M), until 2026-12-04 the ``down_proj``s
+(26.5 MB).
 
 Rows whose max |x| exceeds a threshold calibrated per layer (the sink) are split: their ``outlier_channels``
 largest channels are multiplied in float against those few weight columns (dequantized from int8: fbgemm over
@@ -38,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from policy_bundle.quantize.fbgemm_int8 import (  # noqa: F401 (quantize_weight, fake_quant_rows: re-exported)
-    FbgemmWeight, fake_quant_rows, quantize_rows, quantize_weight, sums_recoverable)
+    FbgemmWeight, fake_quant_rows, quantize_rows, quantize_weight, sums_exact_in_float, sums_recoverable)
 from policy_bundle.quantize.rotation import (  # noqa: F401 (rotation_block, rotation_matrix: re-exported)
     kron_factors, rotation_block, rotation_matrix, rotation_signs)
 
@@ -67,12 +69,17 @@ class Int8TokenLinear(nn.Module):
                              if rot_block else torch.zeros(0))
         self.rot_a, self.rot_b = int(outer.shape[0]), int(inner.shape[0])
         # The int8 weight lives in fbgemm's packed copy; its scales and per-output-channel sums are kept beside it
-        # for the several-rows kernel. A weight whose sums fbgemm's GEMM cannot hand back exactly
-        # (``sums_recoverable``) keeps a second, [out, in] copy for exact int32 sums on ``torch._int_mm``.
+        # for the several-rows kernel. A weight whose plain sums could pass 2^24 (``sums_exact_in_float``) keeps a
+        # second, [out, in] copy for exact int32 sums on ``torch._int_mm``.
         weight_int8 = weight_int8.contiguous()
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("col_sums", weight_int8.sum(dim=1, dtype=torch.int32))
-        self.fbgemm = FbgemmWeight(weight_int8, self.scales, keep=not sums_recoverable(weight_int8))
+        # A weight whose scaled sums are not recoverable but whose plain sums are exact floats is packed with unit
+        # scales, its own applied after the kernel at one row and at more alike (``unit_scales``): no second copy.
+        recoverable = sums_recoverable(weight_int8)
+        self.unit_scales = not recoverable and sums_exact_in_float(weight_int8)
+        self.fbgemm = FbgemmWeight(weight_int8, torch.ones_like(self.scales) if self.unit_scales else self.scales,
+                                   keep=not recoverable and not self.unit_scales)
         self.register_buffer("int_mm_weight", self.fbgemm.kept)  # the same tensor: saved once
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.in_features = int(weight_int8.shape[1])
@@ -130,8 +137,10 @@ class Int8TokenLinear(nn.Module):
         else:
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q - 128.0, 1.0, 128,
                                                                                   self.fbgemm.packed)
-            acc = torch.round(y / self.scales).to(torch.int32)
+            acc = (y if self.unit_scales else torch.round(y / self.scales)).to(torch.int32)
         acc = acc + (128 - zp.to(torch.int32)) * self.col_sums
+        if self.unit_scales:  # as fbgemm's one row with unit scales (its sum times the row's scale), then ours
+            return acc.float() * scale * self.scales
         return acc.float() * (scale * self.scales)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -146,6 +155,8 @@ class Int8TokenLinear(nn.Module):
                 out = self.rows(flat)
             else:
                 out = torch.ops.quantized.linear_dynamic(flat, self.fbgemm.packed, False)
+                if self.unit_scales:
+                    out = out * self.scales
         else:
             rows = torch.empty(0, dtype=torch.long)
             if self.outlier_threshold > 0.0:
@@ -164,6 +175,8 @@ class Int8TokenLinear(nn.Module):
         # the int8 weight's columns at those channels, times the scales: fbgemm over one-hot rows (codes 0 and 1)
         onehot = torch.zeros(idx.numel(), self.in_features).scatter_(1, idx.reshape(-1, 1), 1.0)
         cols = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(onehot, 1.0, 0, self.fbgemm.packed)
+        if self.unit_scales:  # w itself (exact), times the scale: the same floats as a scaled packing gives
+            cols = cols * self.scales
         cols = cols.view(idx.shape[0], self.outlier_channels, self.out_features)  # fl(w * scale_j), as fbgemm's
         return out.index_add(0, rows, torch.bmm(big.unsqueeze(1), cols).squeeze(1))
 

@@ -26,8 +26,8 @@ def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(shape[1], shape[0], generator=g))
     m = Int8TokenLinear.from_float(lin)
-    # 576 inputs: the packed weight is the only int8 copy; 1536: sums fbgemm cannot hand back, a kept copy
-    assert (m.int_mm_weight.numel() == 0) == (shape[0] == 576)
+    # the packed weight is the only int8 copy; 1536 inputs: scaled sums fbgemm cannot hand back, unit scales
+    assert m.int_mm_weight.numel() == 0 and m.unit_scales == (shape[0] == 1536)
     x = torch.randn(4000, shape[0], generator=g) * torch.rand(4000, 1, generator=g) * 10
     x[::3] = x[::3].abs()  # one-sided rows: zero point 0
     x[1::7, :6] *= 40  # a few loud channels
@@ -50,14 +50,21 @@ def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch)
 
 def test_a_weight_whose_sums_fbgemm_cannot_hand_back_keeps_exact_int32_sums(tmp_path):
     """fbgemm's GEMM returns each int32 sum times the channel's scale, in float: the sum comes back exactly only below
-    2^22. A weight whose sums could pass it (wide, large int8 values) keeps a second copy for ``torch._int_mm``; the
-    rows still equal alone, bitwise."""
+    2^22, and unscaled (unit scales) below 2^24. A weight whose sums could pass that (wide, large int8 values) keeps
+    a second copy for ``torch._int_mm``; the rows still equal alone, bitwise."""
     g = torch.Generator().manual_seed(2)
     wide = torch.nn.Linear(1100, 64, bias=False)
     with torch.no_grad():
         wide.weight.copy_(torch.randint(120, 128, (64, 1100), generator=g).float())  # sums near 255 * 127 * 1100
     m = Int8TokenLinear.from_float(wide)
-    assert m.int_mm_weight.shape == (64, 1100)
+    assert m.int_mm_weight.shape == (64, 1100) and not m.unit_scales
+    with torch.no_grad():
+        narrower = torch.nn.Linear(1000, 64, bias=False)
+        narrower.weight.copy_(torch.randint(120, 128, (64, 1000), generator=g).float())  # 128 x 123.5k < 2^24
+    narrower = Int8TokenLinear.from_float(narrower)
+    assert narrower.unit_scales and narrower.int_mm_weight.numel() == 0
+    together, alone = rows_alone_and_together(narrower, torch.rand(300, 1000, generator=g) * 5)
+    assert torch.equal(together, alone)
     x = torch.rand(300, 1100, generator=g) * 5  # all positive: codes near 255, sums near the bound
     together, alone = rows_alone_and_together(m, x)
     assert torch.equal(together, alone) and together.abs().max() > 0

@@ -75,8 +75,8 @@ def test_int8_artifact_decodes_on_one_packed_weight_copy_at_one_row_and_at_more(
     int8 = {n: m for n, m in ts.named_modules() if m.original_name == "Int8TokenLinear"}
     assert int8 and all("linear_dynamic" in m.code and "linear_with_input_q_dq_qweight_dq_output_fp32" in m.rows.code
                         for m in int8.values())
-    # one int8 copy (fbgemm's) but in down_proj, whose 1536-wide sums fbgemm's GEMM cannot hand back exactly
-    assert all((m.int_mm_weight.numel() > 0) == n.endswith("down_proj") for n, m in int8.items())
+    # one int8 copy (fbgemm's); down_proj, whose 1536-wide scaled sums fbgemm cannot hand back, with unit scales
+    assert all(m.int_mm_weight.numel() == 0 and m.unit_scales == n.endswith("down_proj") for n, m in int8.items())
     prompt = torch.tensor([[1, 9690, 198, 2683, 359, 253]])
     k, v = ts.new_cache(1, 24)
     logits = ts.prefill(prompt, k, v)

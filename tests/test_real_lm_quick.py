@@ -89,10 +89,10 @@ def test_the_real_lm_int8_torchscript_decodes_with_int8_kernels_like_eager(real,
     ts = torch.jit.load(str(export_torchscript(int8, tmp_path / "policy.ts")))
     kernels = {n: m for n, m in ts.named_modules() if m.original_name == "Int8TokenLinear"}
     # q/k/v and gate/up fused: 30 layers x (qkv, o, gate_up, down); one row and more on fbgemm's packed copy, the
-    # only int8 copy but in down_proj (1536-wide sums fbgemm's GEMM cannot hand back exactly: a kept _int_mm copy)
+    # only int8 copy (down_proj's 1536-wide scaled sums fbgemm cannot hand back exactly: packed with unit scales)
     assert len(kernels) == 120 and all("linear_dynamic" in m.code and "linear_with_input_q_dq_qweight_dq_output_fp32"
                                        in m.rows.code for m in kernels.values())
-    assert all((m.int_mm_weight.numel() > 0) == n.endswith("down_proj") for n, m in kernels.items())
+    assert all(m.int_mm_weight.numel() == 0 and m.unit_scales == n.endswith("down_proj") for n, m in kernels.items())
     ids = real["held"][0][:, :12]
     with torch.no_grad():
         k, v = ts.new_cache(1, 24)

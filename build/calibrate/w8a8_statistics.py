@@ -103,7 +103,9 @@ def stats_summary(stats: ls.LinearStats) -> Dict[str, dict]:
 
 
 def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
-    return {"activations": "int8 symmetric per token, at run time (torch._int_mm); outlier rows in float",
+    return {"activations": ("uint8 per token at run time, a scale and zero point per row as fbgemm's dynamic "
+                            "quantization (fbgemm's int8 GEMM); inputs Hadamard-rotated where rotation_block allows; rows "
+                            "over a calibrated threshold keep their largest channels in float"),
             "weights": f"int8 symmetric per output channel, {plan.rounding} rounding",
             "outlier_ratio": recipe.outlier_ratio, "lm_head_topk": recipe.lm_head_topk, "rounding": recipe.rounding, "gptq_damp": recipe.gptq_damp,
             "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None}
