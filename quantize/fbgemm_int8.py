@@ -27,7 +27,9 @@ def row_qparams(flat: Tensor) -> Tuple[Tensor, Tensor]:
 
     The range always holds 0; the scale is computed in double and used in float; an all-zero row takes
     scale 0.1 and rows whose scale falls under 6.1e-5 are widened, as fbgemm does."""
-    mn, mx = torch.aminmax(flat, dim=-1, keepdim=True)
+    # amin and amax, not aminmax: the same values, and aminmax over a dim was 15x slower here (512 x 1536: 900 us vs
+    # 59 us; 9 % of a SmolLM2-135M 8 x 64 prefill)
+    mn, mx = flat.amin(dim=-1, keepdim=True), flat.amax(dim=-1, keepdim=True)
     mn = mn.clamp_max(0.0).double()
     mx = mx.clamp_min(0.0).double()
     scale = (mx - mn) / 255.0

@@ -147,9 +147,12 @@ class Int8TokenLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).float()
         if self.rot_block > 0:
             flat = self.rotate(flat)
-        if flat.shape[0] == 1:  # a decode step: one reduction and one compare, no index tensor unless loud
-            if (self.outlier_threshold > 0.0
-                    and float(torch.linalg.vector_norm(flat, float("inf"))) > self.outlier_threshold):
+        if flat.shape[0] == 1:  # a decode step: one reduction and a compare, no index tensor unless loud
+            loud = False
+            if self.outlier_threshold > 0.0:  # max |x| as max(max, -min): aminmax is 1.4 us here, the inf-norm 6-8
+                lo, hi = torch.aminmax(flat)
+                loud = float(hi) > self.outlier_threshold or -float(lo) > self.outlier_threshold
+            if loud:
                 out = self._with_outliers(flat, torch.zeros(1, dtype=torch.long))
             elif self.fbgemm.exact_one_row:
                 out = self.rows(flat)
