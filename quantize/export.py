@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from policy_bundle.quantize.hf_weights import save_hf_weights
 from policy_bundle.quantize.model import FullSequence, Policy, PolicyConfig
-from policy_bundle.quantize.w8a8 import fuse_projections
+from policy_bundle.quantize.w8a8 import fuse_projections, stabilize_float_linears
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
@@ -26,9 +26,11 @@ def copy_tokenizer_files(source_dir: Path, out: Path) -> None:
 
 def script_int8(int8: nn.Module) -> torch.jit.ScriptModule:
     """The INT8 policy as it ships, scripted: its int8 q/k/v and gate/up projections are fused in place first (the
-    same outputs, one activation quantization and one matmul per input). In place, not on a copy: a deep copy
+    same outputs, one activation quantization and one matmul per input), and its float fallback linears made
+    row-stable (``stabilize_float_linears``: a decode batch's rows as alone). In place, not on a copy: a deep copy
     turns the int8 LM head's float rows, an alias of the tied embedding, into a second 113 MB tensor."""
     fuse_projections(int8)
+    stabilize_float_linears(int8)
     return torch.jit.script(int8)
 
 

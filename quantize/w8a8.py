@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from policy_bundle.quantize.fbgemm_int8 import (  # noqa: F401 (quantize_weight, fake_quant_rows: re-exported)
@@ -248,3 +249,38 @@ def fuse_projections(model: nn.Module) -> int:
             mod.fused_gate_up = True
             fused += 1
     return fused
+
+
+class RowStableLinear(nn.Module):
+    """A float linear kept in an int8 policy (a fallback layer) whose rows in a decode batch come out as they do
+    alone. A float GEMM over B rows sums in another order than the one-row product (1-ulp differences), and the int8
+    layers after it turn such a difference into another activation code now and then: on SmolLM2-135M with one
+    float ``down_proj`` a two-row decode step's logits differed from the one-row step's by up to 0.55. So a decode
+    step's rows (``x`` [B, 1, in]) each take the one-row call; a prefill or a teacher-forced forward (T > 1) runs the
+    GEMM as before."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias: Optional[Tensor] = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 3 and x.shape[1] == 1 and x.shape[0] > 1:
+            return torch.cat([F.linear(x[i : i + 1], self.weight, self.bias) for i in range(x.shape[0])])
+        return F.linear(x, self.weight, self.bias)
+
+
+def stabilize_float_linears(model: nn.Module) -> int:
+    """In place, in a policy with ``Int8TokenLinear``s: each float ``nn.Linear`` but the LM head becomes a
+    ``RowStableLinear`` (the same weight, not a copy), so a row decodes the same alone or in a batch. The head is
+    left as it is: nothing after it rounds, a 1-ulp logit difference flips only an exact tie, and a per-row loop
+    over its 49152 x 576 weight would cost 32x at batch 32. Returns the linears wrapped."""
+    if not any(isinstance(m, Int8TokenLinear) for m in model.modules()):
+        return 0
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if type(mod) is nn.Linear and name != "lm_head" and not name.endswith(".lm_head")]
+    for name, mod in targets:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, RowStableLinear(mod))
+    return len(targets)

@@ -160,3 +160,22 @@ def test_the_int8_weight_is_saved_once_and_loaded_only_into_fbgemms_packed_copy(
     assert torch.equal(loaded.fbgemm.unpacked()[0], m.int8_weight())
     x = torch.randn(7, 576)
     assert torch.equal(loaded(x), m(x)) and torch.equal(loaded(x[:1]), m(x[:1]))
+
+
+def test_a_float_fallback_linear_gives_a_decode_batchs_rows_as_alone():
+    """A float linear kept in an int8 policy: a decode step over B rows ([B, 1, in]) gives each row what the one-row
+    step gives it (the int8 layers after it would turn a 1-ulp difference into another activation code); the plain
+    GEMM over the same rows is the control, and a prefill (T > 1) keeps the GEMM."""
+    from policy_bundle.quantize.w8a8 import RowStableLinear
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(1536, 576, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(576, 1536, generator=g) * 0.02)
+        x = torch.randn(8, 1, 1536, generator=g)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(8)])
+        assert not torch.equal(lin(x), alone)  # the float GEMM over 8 rows sums in another order
+        stable = torch.jit.script(RowStableLinear(lin))
+        assert torch.equal(stable(x), alone)
+        y = torch.randn(1, 8, 1536, generator=g)
+        assert torch.equal(stable(y), lin(y))

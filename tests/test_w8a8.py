@@ -159,6 +159,11 @@ def test_w8a8_plan_tracks_fp32_and_exports_to_torchscript(scheme, rounding, tmp_
         assert not torch.allclose(loaded.next_logits(x[:, 9:], 9, *loaded.new_cache(2, 16)), full[:, -1:], atol=1e-3)
     kept = plan.convert(policy, names[1:])  # the fallback re-converts without the data
     assert isinstance(kept.get_submodule(names[0]), torch.nn.Linear)
+    from policy_bundle.quantize.w8a8 import RowStableLinear, stabilize_float_linears
+
+    head = kept.lm_head
+    assert stabilize_float_linears(kept) >= 1 and isinstance(kept.get_submodule(names[0]), RowStableLinear)
+    assert kept.lm_head is head and stabilize_float_linears(policy) == 0  # the head, and a float policy, as they are
 
 
 @pytest.mark.parametrize("field,value,msg", [
