@@ -1,10 +1,7 @@
-"""FP32 eager vs INT8 TorchScript vs INT8 onnxruntime vs FP16 via vLLM, side by side in one run
-(ratios, not asserts).
-
+"""FP32 eager vs INT8 TorchScript vs INT8 onnxruntime vs FP16 via vLLM, side by side in one run (ratios, not asserts).
 Per model: decode tokens/s at batch 1 (prefill, then one token per step; onnxruntime has no KV
-cache, so its "decode" recomputes the sequence each token), prefill throughput at batch 8 (the prompt into the
-cache and the next token's logits: the LM head at the last position only, as a server and vLLM compute it; onnxruntime's
-full-sequence graph still computes every position's),
+cache, so its "decode" recomputes the sequence each token), prefill throughput at batch 8 (the next token's logits:
+the head at the last position only, as a server and vLLM compute it; onnxruntime's graph computes every position's),
 ``--bundle DIR`` benchmarks a built bundle instead (the real LM: build ``build/configs/smollm2.yaml``),
 peak resident memory (each variant runs in a fresh process, so VmHWM is that variant's alone) and
 artifact size. Throughput at 8 and 32 concurrent requests through the served bundle is

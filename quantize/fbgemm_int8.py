@@ -86,20 +86,24 @@ def pack_int8(weight_int8: Tensor, scales: Tensor):
     return torch.ops.quantized.linear_prepack(qw, None)
 
 
-def sums_recoverable(weight_int8: Tensor) -> bool:
-    """Whether fbgemm's GEMM over centred codes (``q - 128``) returns sums this weight's scales can be divided out of
-    exactly: it gives ``fl(acc * scale_j)``, and ``round(fl(that / scale_j))`` is ``acc`` while |acc| < 2^22, where
-    |acc| <= 128 * (the largest sum of |w| over an output row). On SmolLM2-135M it holds for every projection but
-    ``down_proj`` (in = 1536: 128 * 57k, 1.7x the bound)."""
-    return 128 * int(weight_int8.to(torch.int64).abs().sum(dim=1).max()) < 2 ** 22  # int64 first: |-128| fits
+def centred_sum_bound(weight_int8: Tensor) -> int:
+    """The largest |int32 sum| fbgemm's GEMM over centred codes (``q - 128``) can reach with this weight: 128 x the
+    largest sum of |w| over an output row (in int64 first: |-128| fits). SmolLM2-135M's ``down_proj``: 128 x 57k."""
+    return 128 * int(weight_int8.to(torch.int64).abs().sum(dim=1).max())
 
 
-def sums_exact_in_float(weight_int8: Tensor) -> bool:
-    """Whether this weight's int32 sums over centred codes are exact as floats (|acc| < 2^24, the same bound as
-    ``sums_recoverable`` without the scale): packed with unit scales, fbgemm's GEMM then hands them back as they
-    are, so the weight needs no second copy (``Int8TokenLinear.unit_scales``; SmolLM2-135M's ``down_proj``: 128 x
-    57k, under half the bound)."""
-    return 128 * int(weight_int8.to(torch.int64).abs().sum(dim=1).max()) < 2 ** 24
+def sums_recoverable(bound: int) -> bool:
+    """Whether a weight of ``centred_sum_bound`` ``bound`` gets its sums back exactly from fbgemm's GEMM with its own
+    scales: it gives ``fl(acc * scale_j)``, and ``round(fl(that / scale_j))`` is ``acc`` while |acc| < 2^22. On
+    SmolLM2-135M it holds for every projection but ``down_proj`` (in = 1536: 1.7x the bound)."""
+    return bound < 2 ** 22
+
+
+def sums_exact_in_float(bound: int) -> bool:
+    """Whether the int32 sums of a weight of ``centred_sum_bound`` ``bound`` are exact as floats (|acc| < 2^24):
+    packed with unit scales, fbgemm's GEMM then hands them back as they are, so the weight needs no second copy
+    (``Int8TokenLinear.unit_scales``; SmolLM2-135M's ``down_proj``: under half the bound)."""
+    return bound < 2 ** 24
 
 
 def fbgemm_saturates() -> bool:

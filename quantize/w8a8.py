@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from policy_bundle.quantize.fbgemm_int8 import (  # noqa: F401 (quantize_weight, fake_quant_rows: re-exported)
-    FbgemmWeight, fake_quant_rows, quantize_rows, quantize_weight, sums_exact_in_float, sums_recoverable)
+    FbgemmWeight, centred_sum_bound, fake_quant_rows, quantize_rows, quantize_weight, sums_exact_in_float,
+    sums_recoverable)
 from policy_bundle.quantize.rotation import (  # noqa: F401 (rotation_block, rotation_matrix: re-exported)
     kron_factors, rotation_block, rotation_matrix, rotation_signs)
 
@@ -77,8 +78,9 @@ class Int8TokenLinear(nn.Module):
         self.register_buffer("col_sums", weight_int8.sum(dim=1, dtype=torch.int32))
         # A weight whose scaled sums are not recoverable but whose plain sums are exact floats is packed with unit
         # scales, its own applied after the kernel at one row and at more alike (``unit_scales``): no second copy.
-        recoverable = sums_recoverable(weight_int8)
-        self.unit_scales = not recoverable and sums_exact_in_float(weight_int8)
+        bound = centred_sum_bound(weight_int8)
+        recoverable = sums_recoverable(bound)
+        self.unit_scales = not recoverable and sums_exact_in_float(bound)
         self.fbgemm = FbgemmWeight(weight_int8, torch.ones_like(self.scales) if self.unit_scales else self.scales,
                                    keep=not recoverable and not self.unit_scales)
         self.register_buffer("int_mm_weight", self.fbgemm.kept)  # the same tensor: saved once
@@ -281,6 +283,5 @@ def stabilize_float_linears(model: nn.Module) -> int:
     targets = [(name, mod) for name, mod in model.named_modules()
                if type(mod) is nn.Linear and name != "lm_head" and not name.endswith(".lm_head")]
     for name, mod in targets:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, RowStableLinear(mod))
+        model.set_submodule(name, RowStableLinear(mod))
     return len(targets)
