@@ -135,16 +135,16 @@ class Int8TokenLinear(nn.Module):
         ``torch._int_mm`` on its kept copy). The zero-point term is added back from the column sums and the float
         result formed as the one-row kernel forms it: the same floats, bitwise (tested)."""
         q, scale, zp = quantize_rows(flat)
+        q = q.sub_(128.0)  # in place here and below: the same elementwise operations, fewer [rows, n] buffers
         if self.int_mm_weight.numel() > 0:
-            acc = torch._int_mm((q - 128.0).to(torch.int8), self.int_mm_weight.t())
+            acc = torch._int_mm(q.to(torch.int8), self.int_mm_weight.t())
         else:
-            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q - 128.0, 1.0, 128,
-                                                                                  self.fbgemm.packed)
-            acc = (y if self.unit_scales else torch.round(y / self.scales)).to(torch.int32)
-        acc = acc + (128 - zp.to(torch.int32)) * self.col_sums
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128, self.fbgemm.packed)
+            acc = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)
+        acc = acc.add_((128 - zp.to(torch.int32)) * self.col_sums).float()
         if self.unit_scales:  # as fbgemm's one row with unit scales (its sum times the row's scale), then ours
-            return acc.float() * scale * self.scales
-        return acc.float() * (scale * self.scales)
+            return acc.mul_(scale).mul_(self.scales)
+        return acc.mul_(scale * self.scales)
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).float()
@@ -184,7 +184,7 @@ class Int8TokenLinear(nn.Module):
         if self.unit_scales:  # w itself (exact), times the scale: the same floats as a scaled packing gives
             cols = cols * self.scales
         cols = cols.view(idx.shape[0], self.outlier_channels, self.out_features)  # fl(w * scale_j), as fbgemm's
-        return out.index_add(0, rows, torch.bmm(big.unsqueeze(1), cols).squeeze(1))
+        return out.index_add_(0, rows, torch.bmm(big.unsqueeze(1), cols).squeeze(1))  # out: rows()'s own tensor
 
 
 class Int8RescoredHead(nn.Module):
