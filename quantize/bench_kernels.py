@@ -17,6 +17,12 @@ times, in one process, one after the other, and prints the median microseconds a
 
 Also each one's relative error against fp32 on the same inputs (activations with a few large channels, as
 real LMs have). Weights and inputs are seeded random at the real shapes: timings depend on shapes, not values.
+
+``--stream``: a batch-1 decode step's linears as they meet the memory, each with its own weight (SmolLM2-135M: 30
+layers of fused q/k/v, o, fused gate/up and down, then the head; 134 MB of int8), so the weights come from DRAM
+and not from a cache as above. It prints each kernel's milliseconds per step and GB/s of int8 (float) weights,
+beside a plain read of the same int8 bytes: how far the one-row kernel is from this machine's memory bandwidth,
+which bounds any int8 decode step.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import warnings
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -78,13 +85,57 @@ def median_us(fn: Callable[[], torch.Tensor], repeat: int) -> float:
     return 1e6 * statistics.median(times)
 
 
+STEP_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2-135M's layer, q/k/v and gate/up fused
+
+
+def stream(layers: int, repeat: int) -> None:
+    """One decode step's one-row linears, every weight its own (streamed from DRAM): ms per step and GB/s."""
+    g = torch.Generator().manual_seed(0)
+    shapes = STEP_SHAPES * layers + [SMOLLM2_SHAPES["lm_head"]]
+    weights = [torch.randn(n_out, n_in, generator=g) for n_in, n_out in shapes]
+    int8 = [per_channel_int8(w) for w in weights]
+    with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
+        warnings.simplefilter("ignore")
+        fbgemm = [torch.ops.quantized.linear_prepack(torch.quantize_per_channel(
+            q.float() * s.unsqueeze(1), s.double(), torch.zeros(q.shape[0], dtype=torch.long), 0, torch.qint8), None)
+            for q, s in int8]
+    onednn = [(torch.ops.onednn.qlinear_prepack(q, [1, q.shape[1]]), torch.ones(q.shape[0]),
+               torch.zeros(q.shape[0], dtype=torch.long)) for q, _ in int8]
+    xs = {n: torch.randn(1, n, generator=g) for n, _ in shapes}
+    qx = {n: torch.randint(0, 256, (1, n), dtype=torch.uint8, generator=g) for n, _ in shapes}
+    flat = torch.cat([q.reshape(-1) for q, _ in int8]).view(torch.uint8)
+    int8_gb = flat.numel() / 1e9
+    runs = {
+        "int8 bytes read (max)": (lambda: flat.max(), int8_gb),
+        "fbgemm one row (linear_dynamic)": (lambda: [torch.ops.quantized.linear_dynamic(xs[s[0]], p, False)
+                                                     for s, p in zip(shapes, fbgemm)], int8_gb),
+        "oneDNN one row (qlinear, input pre-quantized)": (lambda: [torch.ops.onednn.qlinear_pointwise(
+            qx[s[0]], 1.0, 128, p, one, zero, None, 1.0, 0, torch.float32, "none", [], "")
+            for s, (p, one, zero) in zip(shapes, onednn)], int8_gb),
+        "fp32 F.linear": (lambda: [F.linear(xs[s[0]], w) for s, w in zip(shapes, weights)], 4 * int8_gb),
+    }
+    print(f"one decode step's linears, {layers} layers + head, {int8_gb * 1e3:.0f} MB of int8, "
+          f"{torch.get_num_threads()} threads; median of {repeat} steps")
+    base = None
+    for name, (fn, gb) in runs.items():
+        ms = median_us(fn, repeat) / 1e3
+        base = base or ms
+        print(f"  {name:<46s} {ms:8.2f} ms  {gb / ms * 1e3:6.1f} GB/s  ({ms / base:4.2f}x the read)", flush=True)
+
+
 def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument("--stream", action="store_true", help="a decode step's linears with their weights from DRAM")
+    ap.add_argument("--layers", type=int, default=30, help="with --stream: decoder layers (SmolLM2-135M: 30)")
     args = ap.parse_args(argv)
     if torch.backends.quantized.engine not in ("x86", "fbgemm"):
         torch.backends.quantized.engine = "x86"
+    if args.stream:
+        with torch.inference_mode():
+            stream(args.layers, args.repeat)
+        return 0
     g = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quantized engine "
           f"{torch.backends.quantized.engine}; median us over {args.repeat} calls (ratio to fp32); rel. error vs fp32")

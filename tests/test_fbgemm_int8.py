@@ -179,3 +179,20 @@ def test_a_float_fallback_linear_gives_a_decode_batchs_rows_as_alone():
         assert torch.equal(stable(x), alone)
         y = torch.randn(1, 8, 1536, generator=g)
         assert torch.equal(stable(y), lin(y))
+
+
+def test_bench_kernels_stream_reports_each_kernel_against_a_plain_read(capsys):
+    """``bench_kernels --stream`` (how far the one-row int8 kernel is from the memory bandwidth, the bound of a decode
+    step) prints, per kernel, milliseconds per step and GB/s of weights, the plain read of the same bytes first."""
+    from policy_bundle.quantize.bench_kernels import main
+
+    assert main(["--stream", "--layers", "1", "--repeat", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "1 layers + head" in lines[0] and "MB of int8" in lines[0]
+    rows = {line.split("  ")[1].strip(): line for line in lines[1:]}
+    assert list(rows) == ["int8 bytes read (max)", "fbgemm one row (linear_dynamic)",
+                          "oneDNN one row (qlinear, input pre-quantized)", "fp32 F.linear"]
+    for line in rows.values():
+        ms, gbs = float(line.split(" ms")[0].split()[-1]), float(line.split(" GB/s")[0].split()[-1])
+        assert ms > 0 and gbs > 0 and "x the read)" in line
+    assert "(1.00x the read)" in rows["int8 bytes read (max)"]
