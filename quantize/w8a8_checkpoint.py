@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from policy_bundle.quantize.export import write_serving_files
 from policy_bundle.quantize.model import Policy, PolicyConfig
 from policy_bundle.quantize.hf_weights import save_hf_weights
+from policy_bundle.quantize.w8a8_transforms import add_rotations, hf_name
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one matmul each in vLLM
 Int8Weights = Dict[str, Tuple[Tensor, Tensor]]  # linear (our name) -> (int8 [out, in], scales [out])
@@ -49,11 +50,6 @@ def quantization_config(ignore: List[str]):
                               quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
 
 
-def hf_name(ours: str) -> str:
-    """A module's name in the HF layout (the names vLLM matches ``ignore`` against)."""
-    return ours if ours.startswith("lm_head") else "model." + ours
-
-
 def vllm_float_linears(policy: nn.Module, quantized: Iterable[str]) -> List[str]:
     """Every linear the checkpoint keeps in float: those not in ``quantized``, their fused siblings, lm_head."""
     linears = [n for n, m in policy.named_modules() if isinstance(m, nn.Linear)]
@@ -67,12 +63,14 @@ def vllm_float_linears(policy: nn.Module, quantized: Iterable[str]) -> List[str]
 
 
 def export_w8a8_checkpoint(float_policy: Policy, cfg: PolicyConfig, int8: Int8Weights, source_dir: Path, out: Path,
-                           dtype: torch.dtype) -> List[str]:
+                           dtype: torch.dtype, rot_blocks: Optional[Dict[str, int]] = None) -> List[str]:
     """Write the HF directory (config.json with ``quantization_config``, model.safetensors, tokenizer,
     generation_config); returns the linears kept in float.
 
     ``float_policy`` holds every float weight (smoothing already folded in); ``int8`` the quantized
     linears' weights. Linears ``vllm_float_linears`` keeps in float are written from ``float_policy``.
+    ``rot_blocks``: the quantized linears whose ``int8`` weight is of a rotated input (linear -> Hadamard block,
+    ``W8A8Plan.rot_blocks``); vLLM rotates their inputs online (``quantize.w8a8_transforms``).
     """
     from safetensors.torch import load_file, save_file
 
@@ -86,9 +84,14 @@ def export_w8a8_checkpoint(float_policy: Policy, cfg: PolicyConfig, int8: Int8We
         key = hf_name(name) + ".weight"
         tensors[key] = q.to(torch.int8).contiguous()
         tensors[key + "_scale"] = scales.float().reshape(-1, 1).contiguous()
+    widths = {n: m.in_features for n, m in float_policy.named_modules() if isinstance(m, nn.Linear)}
+    rotated = {n: (widths[n], b) for n, b in (rot_blocks or {}).items() if b and n in int8 and n not in floating}
+    transforms = add_rotations(tensors, rotated, dtype) if rotated else None
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = json.loads((out / "config.json").read_text())
     hf["quantization_config"] = quantization_config([hf_name(n) for n in floating]).to_dict()
+    if transforms:
+        hf["quantization_config"]["transform_config"] = transforms
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     write_serving_files(cfg, Path(source_dir), out)
     return floating

@@ -90,19 +90,19 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, smoothing_scales,
     names = selected_linears(policy, recipe)
     if plan is not None:
         float_policy = plan.convert(policy, [])
-        # vLLM's kernel has no input rotation: a rotated linear's int8 weight (W @ R) is of no use there, so it
-        # gets nearest rounding of its smoothed float weight
-        int8 = {n: (plan.weights[n] if not plan.rot_blocks.get(n)
-                    else quantize_weight(float_policy.get_submodule(n).weight.detach().float())) for n in names}
+        # the TorchScript artifact's int8 weights, those of rotated inputs too: vLLM rotates the inputs online
+        int8 = {n: plan.weights[n] for n in names}
+        rot_blocks = dict(plan.rot_blocks)
         weights = f"the TorchScript artifact's int8 weights and scales ({plan.rounding} rounding)"
         if plan.rot_blocks:
-            weights = ("int8 per output channel, nearest rounding of the smoothed float weights (the TorchScript "
-                       "artifact's are of Hadamard-rotated inputs, which vLLM's kernel does not rotate)")
+            weights += (", of Hadamard-rotated inputs: vLLM applies the same rotations online (compressed-tensors "
+                        "input transforms; their signs folded into the norms and up_proj rows, o_proj's dense)")
         activations = ("int8 per token at run time with a zero point, as the TorchScript artifact, but with no outlier "
                        "channels in float: vLLM's W8A8 kernel quantizes every row whole (judge it by fidelity.int8_vllm)")
     else:
         float_policy = apply_smoothing(policy, smoothing_scales) if recipe.smooth else policy
         int8 = {n: quantize_weight(float_policy.get_submodule(n).weight.detach().float()) for n in names}
+        rot_blocks = {}
         weights = ("int8 per output channel, symmetric, nearest rounding of the "
                    + ("smoothed " if recipe.smooth else "") + "float weights")
         activations = "int8 per token with a zero point, dynamic (vLLM's W8A8), not " + AO_ACTIVATIONS[recipe.base_mode]
@@ -110,7 +110,7 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, smoothing_scales,
         if modes:
             activations += f"; per-layer overrides {modes} are W8A8 here too"
     floating = export_w8a8_checkpoint(float_policy, load_hf_config(policy_dir), int8, policy_dir, out,
-                                      getattr(torch, DTYPE))
+                                      getattr(torch, DTYPE), rot_blocks)
     return {"format": "compressed-tensors int-quantized (W8A8)", "dtype": DTYPE, "weights": weights,
             "activations": activations, "smoothing": "folded into the float weights" if recipe.smooth else None,
             "float_linears": floating, "float_here_only": sorted(set(floating) - set(_recipe_float(policy, names)))}
