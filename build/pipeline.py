@@ -238,7 +238,7 @@ def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: Chose
     policy, policy_dir, recipe, out = loaded.policy, loaded.policy_dir, chosen.recipe, BundleLayout(tmp)
     with stages.run("export INT8 (TorchScript, ONNX, W8A8 for vLLM) + FP16 HF") as s:
         if not int8_vllm.skipped:
-            int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated.scales, out.int8_vllm_dir)
+            int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated, out.int8_vllm_dir)
             start_int8_vllm_check(cfg, policy, rollouts.golden.gate, tmp, int8_vllm)
         export_torchscript(chosen.outcome.int8, out.int8_torchscript)
         shutil.copy(policy_dir / "config.json", out.int8_dir / "config.json")

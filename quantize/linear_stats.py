@@ -73,6 +73,14 @@ def collect_token_absmax(policy: nn.Module, batches: Iterable[Tensor], layers: O
     return {g: torch.cat(v) if v else torch.zeros(0) for g, v in seen.items()}
 
 
+def outlier_linears(stats: "LinearStats", policy: nn.Module) -> List[str]:
+    """The linears whose calibration inputs had rows over their group's outlier threshold (the attention sink's
+    massive activations: SmolLM2-135M's down_proj in 9 of 30 layers), which the int8 kernel computes partly in
+    float; in the order of ``input_groups``."""
+    loud = {g for g, s in stats.items() if s.outliers is not None and s.outliers.shape[0] > 0}
+    return [c for g, consumers in input_groups(policy).items() if g in loud for c in consumers]
+
+
 def outlier_thresholds(token_absmax: Dict[str, Tensor], ratio: float) -> Dict[str, float]:
     """Per group: ``ratio`` x the median row max |x| (0 when ``ratio`` is 0: no outlier rows)."""
     if ratio <= 0:

@@ -93,3 +93,18 @@ def test_vllm_rotates_the_inputs_and_runs_the_float_policy(reference_dir, tmp_pa
     rotated, control = agreement(tmp_path / "ck"), agreement(stripped)
     assert rotated >= 0.95, rotated
     assert control <= rotated - 0.3, (rotated, control)
+
+
+def test_outlier_linears_are_the_consumers_of_groups_with_outlier_rows():
+    """int8-vllm/ keeps in float the linears whose calibration inputs had rows over the outlier threshold (vLLM's
+    kernel would quantize those rows whole): a group's consumers, and only those of groups with such rows."""
+    from policy_bundle.quantize.hf_weights import init_random_policy
+    from policy_bundle.quantize.model import PolicyConfig
+
+    policy = init_random_policy(PolicyConfig(family="llama", vocab_size=32, dim=32, n_layers=2, n_heads=2,
+                                             n_kv_heads=1, head_dim=16, intermediate_size=64, max_seq_len=16), seed=0)
+    groups = ls.input_groups(policy)
+    stats = {g: ls.GroupStats(threshold=1.0) for g in groups}
+    stats["layers.1.mlp.up_proj"].outliers = torch.zeros(2, 64)  # the down_proj input of layer 1: two sink rows
+    stats["layers.0.input_layernorm"].outliers = torch.zeros(0, 32)  # a group with none
+    assert ls.outlier_linears(stats, policy) == groups["layers.1.mlp.up_proj"] == ["layers.1.mlp.down_proj"]

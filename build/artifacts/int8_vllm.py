@@ -30,6 +30,7 @@ from policy_bundle.build.progress import log
 from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
 from policy_bundle.quantize.hf_weights import load_hf_config
+from policy_bundle.quantize.linear_stats import outlier_linears
 from policy_bundle.quantize.model import Policy, full_logits
 from policy_bundle.quantize.recipes import selected_linears
 from policy_bundle.quantize.smooth import apply_smoothing
@@ -84,21 +85,25 @@ def planned(cfg: BuildConfig) -> Int8Vllm:
     return Int8Vllm(skipped="vLLM is not installed here (export.int8_vllm: auto)")
 
 
-def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, smoothing_scales, out: Path) -> dict:
-    """Write the checkpoint for the chosen recipe (``chosen.plan`` for w8a8); returns the recipe note."""
-    recipe, plan = chosen.recipe, chosen.plan
+def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, calibrated, out: Path) -> dict:
+    """Write the checkpoint for the chosen recipe (``chosen.plan`` for w8a8); returns the recipe note. A w8a8
+    linear whose calibration inputs had outlier rows (``linear_stats.outlier_linears``, from ``calibrated``'s
+    statistics) stays in float here: vLLM's kernel would quantize those rows whole."""
+    recipe, plan, smoothing_scales = chosen.recipe, chosen.plan, calibrated.scales
     names = selected_linears(policy, recipe)
     if plan is not None:
         float_policy = plan.convert(policy, [])
+        loud = set(outlier_linears(calibrated.linear_stats(recipe), policy))
         # the TorchScript artifact's int8 weights, those of rotated inputs too: vLLM rotates the inputs online
-        int8 = {n: plan.weights[n] for n in names}
+        int8 = {n: plan.weights[n] for n in names if n not in loud}
         rot_blocks = dict(plan.rot_blocks)
         weights = f"the TorchScript artifact's int8 weights and scales ({plan.rounding} rounding)"
         if plan.rot_blocks:
             weights += (", of Hadamard-rotated inputs: vLLM applies the same rotations online (compressed-tensors "
                         "input transforms; their signs folded into the norms and up_proj rows, o_proj's dense)")
-        activations = ("int8 per token at run time with a zero point, as the TorchScript artifact, but with no outlier "
-                       "channels in float: vLLM's W8A8 kernel quantizes every row whole (judge it by fidelity.int8_vllm)")
+        activations = ("int8 per token at run time with a zero point, as the TorchScript artifact; vLLM's W8A8 kernel "
+                       "quantizes every row whole, so the linears whose calibration inputs had outlier rows (which the "
+                       "TorchScript kernel computes partly in float) stay in float here (float_here_only)")
     else:
         float_policy = apply_smoothing(policy, smoothing_scales) if recipe.smooth else policy
         int8 = {n: quantize_weight(float_policy.get_submodule(n).weight.detach().float()) for n in names}
