@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from policy_bundle.quantize.export import write_serving_files
+from policy_bundle.quantize.fbgemm_int8 import quantize_weight
 from policy_bundle.quantize.model import Policy, PolicyConfig
 from policy_bundle.quantize.hf_weights import save_hf_weights
 from policy_bundle.quantize.w8a8_transforms import add_rotations, hf_name
@@ -50,15 +51,22 @@ def quantization_config(ignore: List[str]):
                               quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
 
 
-def vllm_float_linears(policy: nn.Module, quantized: Iterable[str]) -> List[str]:
-    """Every linear the checkpoint keeps in float: those not in ``quantized``, their fused siblings, lm_head."""
-    linears = [n for n, m in policy.named_modules() if isinstance(m, nn.Linear)]
-    floating = {n for n in linears if n not in set(quantized)} | {n for n in linears if n.startswith("lm_head")}
-    for name in list(floating):
+def with_fused_siblings(names: Iterable[str]) -> set:
+    """``names`` and, for each, the linears vLLM runs in one matmul with it (q/k/v, gate/up)."""
+    out = set(names)
+    for name in list(out):
         parent, _, child = name.rpartition(".")
         for group in FUSED:
             if child in group:
-                floating |= {f"{parent}.{sibling}" for sibling in group}
+                out |= {f"{parent}.{sibling}" for sibling in group}
+    return out
+
+
+def vllm_float_linears(policy: nn.Module, quantized: Iterable[str]) -> List[str]:
+    """Every linear the checkpoint keeps in float: those not in ``quantized``, their fused siblings, lm_head."""
+    linears = [n for n, m in policy.named_modules() if isinstance(m, nn.Linear)]
+    floating = with_fused_siblings({n for n in linears if n not in set(quantized)} |
+                                   {n for n in linears if n.startswith("lm_head")})
     return [n for n in linears if n in floating]
 
 
@@ -70,11 +78,17 @@ def export_w8a8_checkpoint(float_policy: Policy, cfg: PolicyConfig, int8: Int8We
     ``float_policy`` holds every float weight (smoothing already folded in); ``int8`` the quantized
     linears' weights. Linears ``vllm_float_linears`` keeps in float are written from ``float_policy``.
     ``rot_blocks``: the quantized linears whose ``int8`` weight is of a rotated input (linear -> Hadamard block,
-    ``W8A8Plan.rot_blocks``); vLLM rotates their inputs online (``quantize.w8a8_transforms``).
+    ``W8A8Plan.rot_blocks``); vLLM rotates their inputs online (``quantize.w8a8_transforms``). vLLM's transforms
+    assert their layer has no bias (Qwen2's q/k/v have one), so a rotated linear with a bias, and its fused
+    siblings, get nearest rounding of their unrotated (smoothed) float weight instead, and no transform.
     """
     from safetensors.torch import load_file, save_file
 
     out = Path(out)
+    rot_blocks = {n: b for n, b in (rot_blocks or {}).items() if b}
+    biased = with_fused_siblings(n for n in int8 if float_policy.get_submodule(n).bias is not None) & set(rot_blocks)
+    int8 = {n: (quantize_weight(float_policy.get_submodule(n).weight.detach().float()) if n in biased else w)
+            for n, w in int8.items()}
     floating = vllm_float_linears(float_policy, int8)
     save_hf_weights(float_policy, cfg, out, dtype)
     tensors = load_file(str(out / "model.safetensors"))
@@ -85,7 +99,7 @@ def export_w8a8_checkpoint(float_policy: Policy, cfg: PolicyConfig, int8: Int8We
         tensors[key] = q.to(torch.int8).contiguous()
         tensors[key + "_scale"] = scales.float().reshape(-1, 1).contiguous()
     widths = {n: m.in_features for n, m in float_policy.named_modules() if isinstance(m, nn.Linear)}
-    rotated = {n: (widths[n], b) for n, b in (rot_blocks or {}).items() if b and n in int8 and n not in floating}
+    rotated = {n: (widths[n], b) for n, b in rot_blocks.items() if n in int8 and n not in set(floating) | biased}
     transforms = add_rotations(tensors, rotated, dtype) if rotated else None
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = json.loads((out / "config.json").read_text())

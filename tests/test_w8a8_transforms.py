@@ -10,7 +10,7 @@ from cli_helpers import needs_vllm
 from policy_bundle.quantize import linear_stats as ls
 from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
-from policy_bundle.quantize.rotation import rotation_signs
+from policy_bundle.quantize.rotation import hadamard, rotation_matrix, rotation_signs
 from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint
 from policy_bundle.quantize.w8a8_plan import build_plan
 
@@ -50,14 +50,52 @@ def test_the_checkpoint_carries_each_rotation_as_a_transform_and_its_signs_folde
         w = smoothed.get_submodule(name)
         if name.endswith("o_proj"):  # grouped-query attention: no exact place for the signs, the dense rotation
             assert head_dim is None and t.shape == (w.in_features, w.in_features)
+            r = rotation_matrix(w.in_features, plan.rot_blocks[name]) * w.in_features ** 0.5
+            assert torch.equal(t, r.half().float())  # R itself (x @ R in vLLM), times sqrt(size)
         else:  # a Hadamard block, times sqrt(size) (vLLM divides it out): entries +-1
-            assert head_dim == plan.rot_blocks[name] and t.shape == (head_dim, head_dim) and set(t.unique().tolist()) == {-1.0, 1.0}
+            assert head_dim == plan.rot_blocks[name] and t.shape == (head_dim, head_dim)
+            assert torch.equal(t, (hadamard(head_dim) * head_dim ** 0.5).half().float()) and set(t.unique().tolist()) == {-1.0, 1.0}
         assert torch.equal(tensors[f"model.{name}.weight"], plan.weights[name][0] if not name.endswith("up_proj")
                            else torch.where(rotation_signs(w.out_features).unsqueeze(1) < 0, -plan.weights[name][0],
                                             plan.weights[name][0]))
-    norm = "model.layers.0.input_layernorm.weight"  # the q/k/v rotation's signs, exactly
-    signs = rotation_signs(smoothed.layers[0].input_layernorm.weight.numel())
-    assert torch.equal(tensors[norm], (smoothed.layers[0].input_layernorm.weight * signs).half())
+    for norm in ("input_layernorm", "post_attention_layernorm"):  # the q/k/v and gate/up rotations' signs, exactly
+        gamma = getattr(smoothed.layers[0], norm).weight
+        assert torch.equal(tensors[f"model.layers.0.{norm}.weight"], (gamma * rotation_signs(gamma.numel())).half())
+
+
+def test_a_linear_with_a_bias_is_not_rotated_for_vllm(tmp_path):
+    """vLLM's input transforms assert their layer has no bias: Qwen2's q/k/v (biased) get nearest rounding of their
+    unrotated smoothed weight and no transform (nor a fold into their norm); the other linears keep theirs."""
+    from policy_bundle.quantize.hf_weights import init_random_policy
+    from policy_bundle.quantize.model import PolicyConfig
+    from policy_bundle.quantize.w8a8 import quantize_weight
+
+    cfg = PolicyConfig(family="qwen2", vocab_size=64, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32,
+                       intermediate_size=128, max_seq_len=32, attention_bias=True)
+    policy = init_random_policy(cfg, seed=2)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 64, (4, 12), generator=g) for _ in range(4)]
+    stats = ls.collect_group_stats(policy, data, ls.outlier_thresholds(ls.collect_token_absmax(policy, data), 8.0))
+    names = selected_linears(policy, RecipeConfig(scheme="smooth-w8a8", rounding="gptq"))
+    plan = build_plan(policy, stats, ls.input_groups(policy), names, smooth=True, alphas=[0.5], rounding="gptq",
+                      gptq_damp=0.01, outlier_ratio=8.0, max_rot_block=512)
+    assert {"layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj"} <= set(plan.rot_blocks)
+    smoothed = plan.convert(policy, [])
+    export_w8a8_checkpoint(smoothed, cfg, {n: plan.weights[n] for n in names}, tmp_path, tmp_path / "ck",
+                           torch.float16, plan.rot_blocks)
+    qc = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
+    targets = {t for s in qc["transform_config"]["config_groups"].values() for a in s["apply"] for t in a["targets"]}
+    tensors = load_file(str(tmp_path / "ck" / "model.safetensors"))
+    for i in range(2):
+        for p in ("q_proj", "k_proj", "v_proj"):
+            name = f"layers.{i}.self_attn.{p}"
+            assert "model." + name not in targets and not any(k.startswith(f"model.{name}.") and "_input" in k
+                                                              for k in tensors)
+            assert torch.equal(tensors[f"model.{name}.weight"],
+                               quantize_weight(smoothed.get_submodule(name).weight.detach().float())[0])
+        assert f"model.layers.{i}.self_attn.o_proj" in targets and f"model.layers.{i}.mlp.down_proj" in targets
+        gamma = smoothed.layers[i].input_layernorm.weight  # no fold where nothing is rotated
+        assert torch.equal(tensors[f"model.layers.{i}.input_layernorm.weight"], gamma.half())
 
 
 @needs_vllm

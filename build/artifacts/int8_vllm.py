@@ -2,8 +2,10 @@
 
 The same calibration and recipe as the TorchScript artifact, within what vLLM's W8A8 kernel runs:
 - ``w8a8`` / ``smooth-w8a8``: the plan's smoothed float policy (scales folded into the norms, v_proj
-  and up_proj, so the HF weights alone carry it), its int8 weights and scales, its float layers.
-  vLLM has no outlier-rows-in-float path: massive-activation rows are quantized like the others.
+  and up_proj, so the HF weights alone carry it), its int8 weights and scales, its float layers, its input
+  rotations as transforms vLLM applies online (``quantize/w8a8_transforms.py``; not for a linear with a bias,
+  which vLLM's transforms refuse: those get nearest rounding of the unrotated weight). vLLM has no
+  outlier-rows-in-float path, so the linears whose calibration inputs had outlier rows stay in float.
 - torch.ao recipes (``static``, ``dynamic``, their ``smooth-`` forms): per-channel nearest rounding of
   the (smoothed) float weights, the same float layers; activations per token at run time instead of
   the recipe's per-tensor scales.
@@ -94,13 +96,16 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, calibrated, out: 
     if plan is not None:
         float_policy = plan.convert(policy, [])
         loud = set(outlier_linears(calibrated.linear_stats(recipe), policy))
-        # the TorchScript artifact's int8 weights, those of rotated inputs too: vLLM rotates the inputs online
+        # the TorchScript artifact's int8 weights, those of rotated inputs too: vLLM rotates the inputs online (but
+        # for a linear with a bias: export_w8a8_checkpoint)
         int8 = {n: plan.weights[n] for n in names if n not in loud}
         rot_blocks = dict(plan.rot_blocks)
         weights = f"the TorchScript artifact's int8 weights and scales ({plan.rounding} rounding)"
-        if plan.rot_blocks:
+        if rot_blocks:
             weights += (", of Hadamard-rotated inputs: vLLM applies the same rotations online (compressed-tensors "
-                        "input transforms; their signs folded into the norms and up_proj rows, o_proj's dense)")
+                        "input transforms; their signs folded into the norms and up_proj rows, o_proj's dense), but "
+                        "for a linear with a bias and its fused siblings (vLLM's transforms take no bias): nearest "
+                        "rounding of its unrotated smoothed weight")
         activations = ("int8 per token at run time with a zero point, as the TorchScript artifact; vLLM's W8A8 kernel "
                        "quantizes every row whole, so the linears whose calibration inputs had outlier rows (which the "
                        "TorchScript kernel computes partly in float) stay in float here (float_here_only)")
