@@ -36,6 +36,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
+from policy_bundle.quantize.fbgemm_int8 import pack_int8
+
 SMOLLM2_SHAPES = {"q_proj": (576, 576), "k_proj": (576, 192), "gate_proj": (576, 1536), "down_proj": (1536, 576),
                   "lm_head": (576, 49152)}
 
@@ -47,9 +49,7 @@ def per_channel_int8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def kernels(w: torch.Tensor) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     q, scales = per_channel_int8(w)
-    qw = torch.quantize_per_channel(q.float() * scales.unsqueeze(1), scales.double(),
-                                    torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-    packed = torch.ops.quantized.linear_prepack(qw, None)
+    packed = packed_fbgemm(q, scales)
     qt = q.t()
 
     def int_mm(x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +74,14 @@ def kernels(w: torch.Tensor) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]
             "fbgemm-norm": fbgemm_norm, "fbgemm-dyn/row": fbgemm_rows}
 
 
+def packed_fbgemm(q: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's pre-packed weight of an int8 [out, in] and its scales (``fbgemm_int8.pack_int8``, warnings off:
+    quantized tensors are deprecated as a user type, the packing needs one)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pack_int8(q, scales)
+
+
 def median_us(fn: Callable[[], torch.Tensor], repeat: int) -> float:
     for _ in range(max(3, repeat // 10)):
         fn()
@@ -94,11 +102,7 @@ def stream(layers: int, repeat: int) -> None:
     shapes = STEP_SHAPES * layers + [SMOLLM2_SHAPES["lm_head"]]
     weights = [torch.randn(n_out, n_in, generator=g) for n_in, n_out in shapes]
     int8 = [per_channel_int8(w) for w in weights]
-    with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
-        warnings.simplefilter("ignore")
-        fbgemm = [torch.ops.quantized.linear_prepack(torch.quantize_per_channel(
-            q.float() * s.unsqueeze(1), s.double(), torch.zeros(q.shape[0], dtype=torch.long), 0, torch.qint8), None)
-            for q, s in int8]
+    fbgemm = [packed_fbgemm(q, s) for q, s in int8]
     onednn = [(torch.ops.onednn.qlinear_prepack(q, [1, q.shape[1]]), torch.ones(q.shape[0]),
                torch.zeros(q.shape[0], dtype=torch.long)) for q, _ in int8]
     xs = {n: torch.randn(1, n, generator=g) for n, _ in shapes}

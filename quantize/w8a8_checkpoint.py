@@ -98,8 +98,8 @@ def export_w8a8_checkpoint(float_policy: Policy, cfg: PolicyConfig, int8: Int8We
         key = hf_name(name) + ".weight"
         tensors[key] = q.to(torch.int8).contiguous()
         tensors[key + "_scale"] = scales.float().reshape(-1, 1).contiguous()
-    widths = {n: m.in_features for n, m in float_policy.named_modules() if isinstance(m, nn.Linear)}
-    rotated = {n: (widths[n], b) for n, b in rot_blocks.items() if n in int8 and n not in set(floating) | biased}
+    rotated = {n: (float_policy.get_submodule(n).in_features, b) for n, b in rot_blocks.items()
+               if n in int8 and n not in set(floating) | biased}
     transforms = add_rotations(tensors, rotated, dtype) if rotated else None
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = json.loads((out / "config.json").read_text())

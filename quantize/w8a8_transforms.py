@@ -47,11 +47,10 @@ def add_rotations(tensors: Dict[str, Tensor], rotations: Dict[str, Tuple[int, in
     folded = set()
     for name, (width, block) in sorted(rotations.items()):
         layer, _, child = name.rpartition(".")
-        signs = rotation_signs(width)
         if child == "o_proj":
             matrix, head_dim = rotation_matrix(width, block), None
         else:
-            matrix, head_dim = hadamard(block), block
+            matrix, head_dim, signs = hadamard(block), block, rotation_signs(width)
             if child in NORM_OF:
                 target = hf_name(layer.rpartition(".")[0] + "." + NORM_OF[child]) + ".weight"
                 if target not in folded:

@@ -15,30 +15,36 @@ from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint
 from policy_bundle.quantize.w8a8_plan import build_plan
 
 
-def rotated_plan(reference_dir):
-    policy = load_policy(reference_dir, max_seq_len=32)
+def rotated_plan(policy):
+    """smooth-w8a8 with every input rotated (blocks up to 512), calibrated on seeded random tokens."""
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(3, policy.embed_tokens.num_embeddings, (8, 16), generator=g) for _ in range(4)]
     stats = ls.collect_group_stats(policy, data, ls.outlier_thresholds(ls.collect_token_absmax(policy, data), 8.0))
     names = selected_linears(policy, RecipeConfig(scheme="smooth-w8a8", rounding="gptq"))
     plan = build_plan(policy, stats, ls.input_groups(policy), names, smooth=True, alphas=[0.5], rounding="gptq",
                       gptq_damp=0.01, outlier_ratio=8.0, max_rot_block=512)
-    return policy, plan, names
+    return plan, names
 
 
-def export(policy, plan, names, reference_dir, out, rotations=True):
+def export(policy, cfg, plan, names, source_dir, out):
+    """The checkpoint of ``plan`` with its rotations; returns the smoothed float policy it was written from."""
     smoothed = plan.convert(policy, [])
-    export_w8a8_checkpoint(smoothed, load_hf_config(reference_dir), {n: plan.weights[n] for n in names},
-                           reference_dir, out, torch.float16, plan.rot_blocks if rotations else None)
+    export_w8a8_checkpoint(smoothed, cfg, {n: plan.weights[n] for n in names}, source_dir, out, torch.float16,
+                           plan.rot_blocks)
     return smoothed
+
+
+def reference_plan(reference_dir):
+    policy = load_policy(reference_dir, max_seq_len=32)
+    return (policy, *rotated_plan(policy))
 
 
 def test_the_checkpoint_carries_each_rotation_as_a_transform_and_its_signs_folded(reference_dir, tmp_path):
     from compressed_tensors.transform import TransformConfig
 
-    policy, plan, names = rotated_plan(reference_dir)
+    policy, plan, names = reference_plan(reference_dir)
     assert plan.rot_blocks and set(plan.rot_blocks) == set(names)
-    smoothed = export(policy, plan, names, reference_dir, tmp_path / "ck")
+    smoothed = export(policy, load_hf_config(reference_dir), plan, names, reference_dir, tmp_path / "ck")
     qc = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
     tc = TransformConfig.model_validate(qc["transform_config"])
     targets = {t: (name, s.head_dim) for name, s in tc.config_groups.items() for a in s.apply for t in a.targets}
@@ -73,16 +79,9 @@ def test_a_linear_with_a_bias_is_not_rotated_for_vllm(tmp_path):
     cfg = PolicyConfig(family="qwen2", vocab_size=64, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32,
                        intermediate_size=128, max_seq_len=32, attention_bias=True)
     policy = init_random_policy(cfg, seed=2)
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 64, (4, 12), generator=g) for _ in range(4)]
-    stats = ls.collect_group_stats(policy, data, ls.outlier_thresholds(ls.collect_token_absmax(policy, data), 8.0))
-    names = selected_linears(policy, RecipeConfig(scheme="smooth-w8a8", rounding="gptq"))
-    plan = build_plan(policy, stats, ls.input_groups(policy), names, smooth=True, alphas=[0.5], rounding="gptq",
-                      gptq_damp=0.01, outlier_ratio=8.0, max_rot_block=512)
+    plan, names = rotated_plan(policy)
     assert {"layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj"} <= set(plan.rot_blocks)
-    smoothed = plan.convert(policy, [])
-    export_w8a8_checkpoint(smoothed, cfg, {n: plan.weights[n] for n in names}, tmp_path, tmp_path / "ck",
-                           torch.float16, plan.rot_blocks)
+    smoothed = export(policy, cfg, plan, names, tmp_path, tmp_path / "ck")
     qc = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
     targets = {t for s in qc["transform_config"]["config_groups"].values() for a in s["apply"] for t in a["targets"]}
     tensors = load_file(str(tmp_path / "ck" / "model.safetensors"))
@@ -105,10 +104,11 @@ def test_vllm_rotates_the_inputs_and_runs_the_float_policy(reference_dir, tmp_pa
     multiplies unrotated inputs by rotated weights and does not."""
     from policy_bundle.build.artifacts.vllm_golden import VllmGoldenRequest, run_vllm_golden
 
-    policy, plan, names = rotated_plan(reference_dir)
-    export(policy, plan, names, reference_dir, tmp_path / "ck")
+    policy, plan, names = reference_plan(reference_dir)
+    cfg = load_hf_config(reference_dir)
+    export(policy, cfg, plan, names, reference_dir, tmp_path / "ck")
     stripped = tmp_path / "stripped"
-    export(policy, plan, names, reference_dir, stripped)
+    export(policy, cfg, plan, names, reference_dir, stripped)
     hf = json.loads((stripped / "config.json").read_text())
     del hf["quantization_config"]["transform_config"]
     (stripped / "config.json").write_text(json.dumps(hf))

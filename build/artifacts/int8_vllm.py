@@ -99,7 +99,7 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, calibrated, out: 
         # the TorchScript artifact's int8 weights, those of rotated inputs too: vLLM rotates the inputs online (but
         # for a linear with a bias: export_w8a8_checkpoint)
         int8 = {n: plan.weights[n] for n in names if n not in loud}
-        rot_blocks = dict(plan.rot_blocks)
+        rot_blocks = plan.rot_blocks
         weights = f"the TorchScript artifact's int8 weights and scales ({plan.rounding} rounding)"
         if rot_blocks:
             weights += (", of Hadamard-rotated inputs: vLLM applies the same rotations online (compressed-tensors "
