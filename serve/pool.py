@@ -77,7 +77,7 @@ class Admission:
 
     def __init__(self, cap: int, background_cap: int, on_change: Callable[[int, int], None]):
         self.cap, self.background_cap, self.on_change = cap, background_cap, on_change
-        self.inflight = self.background = self.peak = 0
+        self.inflight = self.background = self.peak = self.background_peak = 0
 
     def try_acquire(self, background: bool = False) -> bool:
         if self.inflight >= self.cap or (background and self.background >= self.background_cap):
@@ -85,6 +85,7 @@ class Admission:
         self.inflight += 1
         self.background += int(background)
         self.peak = max(self.peak, self.inflight)
+        self.background_peak = max(self.background_peak, self.background)
         self.on_change(self.inflight, self.peak)
         return True
 

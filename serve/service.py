@@ -229,8 +229,8 @@ class PolicyRouter:
         self.ensure_loops()
         return self._guarded(request) or {
             "ready": self.pool.ready(), "variants": self.pool.health, "rollout": asdict(self.controller.state),
-            "pair": asdict(self.pair), "state_version": self.controller.version,
-            "inflight": self.admission.inflight, "context_tokens": self.info.max_seq_len,
+            "pair": asdict(self.pair), "state_version": self.controller.version, "inflight": self.admission.inflight,
+            "background_inflight_peak": self.admission.background_peak, "context_tokens": self.info.max_seq_len,
             "loops": {name: not task.done() for name, task in self.canary.tasks.items()},
             "test_fault": self.fault is not None}
 

@@ -317,24 +317,12 @@ def test_golden_canary_calls_count_against_the_cap(good):
                       httpx.get(f"{good.url}/metrics").text, re.M)
         return float(m.group(1)) if m else 0.0
 
-    import threading
-
-    seen, done = [], threading.Event()
-
-    def sample_inflight():  # what /status counts while the run is going (no client traffic meanwhile)
-        while not done.is_set():
-            seen.append(httpx.get(f"{good.url}/status", timeout=10).json()["inflight"])
-
     before = golden_calls()
-    sampler = threading.Thread(target=sample_inflight)
-    sampler.start()
-    try:
-        admin(good, "golden-canary")  # 16 golden items through each variant, at most 2 calls at once
-    finally:
-        done.set()
-        sampler.join()
-    assert golden_calls() == before + 32
-    assert max(seen) >= 1 and max(seen) <= 2, seen  # counted in flight, never past background_slots
+    admin(good, "golden-canary")  # 16 golden items through each variant, at most 2 calls at once
+    assert golden_calls() == before + 32  # each admitted through the in-flight count as a background call
+    # the server's own high-water mark (a poll from here can fall between the calls): never past background_slots
+    peak = httpx.get(f"{good.url}/status", timeout=10).json()["background_inflight_peak"]
+    assert 1 <= peak <= 2, peak
 
 
 def test_restart_resumes_the_rollout_with_its_history(good, small_bundle, state):
