@@ -62,10 +62,10 @@ class Attention(nn.Module):
             # queries and keys side by side, as the fused projection returns them: one rotary pass for both
             qkv = self.qkv_proj(x)
             nqk = (self.n_heads + self.n_kv_heads) * self.head_dim
-            qk = rope(qkv[:, :, :nqk].reshape(b, t, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2),
+            qk = rope(qkv.narrow(2, 0, nqk).reshape(b, t, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2),
                       cos, sin)
-            v = qkv[:, :, nqk:].reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            return qk[:, : self.n_heads], qk[:, self.n_heads :], v
+            v = qkv.narrow(2, nqk, qkv.shape[2] - nqk).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            return qk.narrow(1, 0, self.n_heads), qk.narrow(1, self.n_heads, self.n_kv_heads), v
         if self.fused_qkv:
             qkv = self.qkv_proj(x)
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -100,8 +100,8 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         t = x.shape[1]
         # Write this step's keys/values into the caller's preallocated cache, then attend over it.
-        k_cache[:, :, start_pos : start_pos + t] = k
-        v_cache[:, :, start_pos : start_pos + t] = v
+        k_cache.narrow(2, start_pos, t).copy_(k)  # narrow: one op where [:, :, a:b] is a slice per dimension
+        v_cache.narrow(2, start_pos, t).copy_(v)
         return self._attend(q, k_cache, v_cache, mask)
 
     def forward_rows(
@@ -130,7 +130,7 @@ class MLP(nn.Module):
         if self.fused_gate_up:
             gu = self.gate_up_proj(x)
             n = self.intermediate_size
-            return self.down_proj(F.silu(gu[..., :n]) * gu[..., n:])
+            return self.down_proj(F.silu(gu.narrow(-1, 0, n)) * gu.narrow(-1, n, n))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
