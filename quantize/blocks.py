@@ -111,8 +111,8 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         rows = torch.arange(x.shape[0])
         # [B, S, kv_heads, head_dim] views of the cache: (row, pos) picks the slot this row writes.
-        k_cache.transpose(1, 2).index_put_([rows, pos], k[:, :, 0])
-        v_cache.transpose(1, 2).index_put_([rows, pos], v[:, :, 0])
+        k_cache.transpose(1, 2).index_put_([rows, pos], k.select(2, 0))
+        v_cache.transpose(1, 2).index_put_([rows, pos], v.select(2, 0))
         return self._attend(q, k_cache, v_cache, mask)
 
 

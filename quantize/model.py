@@ -57,7 +57,7 @@ class Policy(nn.Module):
         loop needs it. The LM head runs on one row per sequence, not on every position (SmolLM2-135M: 28M of the
         134M multiply-adds per token, and a [B, T, 49152] float output, 100 MB at 8 x 64)."""
         x = self.hidden(tokens, start_pos, k_cache, v_cache)
-        return self.lm_head(self.norm(x[:, -1:]))
+        return self.lm_head(self.norm(x.narrow(1, x.shape[1] - 1, 1)))
 
     def hidden(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """The last layer's output [B, T, dim] (before the final norm), the cache written at ``start_pos..``."""
