@@ -31,6 +31,9 @@ def script_int8(int8: nn.Module) -> torch.jit.ScriptModule:
     turns the int8 LM head's float rows, an alias of the tied embedding, into a second 113 MB tensor."""
     fuse_projections(int8)
     stabilize_float_linears(int8)
+    # for inference: no parameter asks for gradients (a caller without no_grad paid autograd's bookkeeping on every
+    # op: a SmolLM2-135M decode step 18 ms instead of 13), and the fused modules (new, so in training mode) in eval
+    int8.eval().requires_grad_(False)
     return torch.jit.script(int8)
 
 

@@ -147,12 +147,9 @@ class Int8TokenLinear(nn.Module):
         return acc.mul_(scale * self.scales)
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features)  # float32: the int8 policy's activations are (fbgemm refuses others)
-        if self.rot_block > 0:  # ``rotate``, inline: a method call is a frame of TorchScript's interpreter per linear
-            flat = flat * self.rot_signs
-            if self.rot_a > 1:
-                flat = torch.matmul(self.rot_outer, flat.view(-1, self.rot_a, self.rot_b))
-            flat = torch.mm(flat.view(-1, self.rot_b), self.rot_inner).view(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features).float()
+        if self.rot_block > 0:
+            flat = self.rotate(flat)
         if flat.shape[0] == 1:  # a decode step: one reduction and a compare, no index tensor unless loud
             loud = False
             if self.outlier_threshold > 0.0:  # max |x| as max(max, -min): aminmax is 1.4 us here, the inf-norm 6-8

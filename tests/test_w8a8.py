@@ -229,3 +229,22 @@ def test_exported_int8_head_keeps_its_float_rows_tied_to_the_embedding(tmp_path)
     emb, rows = loaded.embed_tokens.weight, loaded.lm_head.float_weight
     assert rows.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr()  # one copy in the file and in RAM
     assert torch.equal(full_logits(loaded, x), before)
+
+
+def test_exported_int8_policy_is_for_inference_without_a_no_grad_block(tmp_path):
+    from policy_bundle.quantize.export import export_torchscript
+
+    policy = init_random_policy(CFG, seed=5)
+    int8 = copy.deepcopy(policy)
+    for n in [n for n, mod in policy.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"]:
+        parent, _, child = n.rpartition(".")
+        setattr(int8.get_submodule(parent), child, Int8TokenLinear.from_float(policy.get_submodule(n), rot_block=16))
+    int8.eval()
+    x = torch.randint(0, 64, (1, 6))
+    assert full_logits(int8, x).requires_grad  # the control: the eager policy's parameters ask for gradients
+    loaded = torch.jit.load(str(export_torchscript(int8, tmp_path / "p.ts")))
+    assert not any(p.requires_grad for p in loaded.parameters())
+    assert not any(m.training for m in loaded.modules())  # the fused q/k/v and gate/up too (new modules)
+    k, v = loaded.new_cache(1, 8)
+    out = loaded.prefill(x, k, v)  # no torch.no_grad() here: a plain caller records no autograd graph
+    assert not out.requires_grad and out.grad_fn is None
