@@ -125,11 +125,17 @@ class FbgemmWeight(nn.Module):
     ``sums_recoverable``) and saved as that same tensor, so a file holds each weight once; otherwise the packed copy
     is the only one a loaded policy holds, and the weight is unpacked when it is saved. ``exact_one_row``: a kept
     weight on a CPU where fbgemm saturates (``fbgemm_saturates``, checked where the weight is built or loaded) runs
-    one row on the exact path too, so a row's output never depends on its batch."""
+    one row on the exact path too, so a row's output never depends on its batch.
+
+    Loaded from a file, a weight without ``keep`` is packed at its first use (``pack_pending``), not as it is read:
+    ``torch.jit.load`` holds every tensor it read until the whole file is read, so packing as it reads held each int8
+    weight twice (SmolLM2-135M: the load peaked at 674 MB for a 497 MB process). ``load_torchscript`` packs them all
+    right after the load, one at a time, each read copy freed as its packed one is made."""
 
     def __init__(self, weight_int8: Tensor, scales: Tensor, keep: bool = False):
         super().__init__()
         self.kept = weight_int8 if keep else torch.zeros(0, 0, dtype=torch.int8)
+        self.pending, self.pending_scales = torch.zeros(0, 0, dtype=torch.int8), torch.zeros(0)  # read, not packed
         use_fbgemm()
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
             warnings.simplefilter("ignore")
@@ -138,6 +144,8 @@ class FbgemmWeight(nn.Module):
 
     def unpacked(self) -> Tuple[Tensor, Tensor]:
         """The int8 weight [out, in] and its scales [out] that were packed, exactly (new tensors)."""
+        if self.pending.numel() > 0:
+            return self.pending.clone(), self.pending_scales.clone()
         w, _ = torch.ops.quantized.linear_unpack(self.packed)
         return w.int_repr(), w.q_per_channel_scales().float()
 
@@ -155,5 +163,20 @@ class FbgemmWeight(nn.Module):
     def __setstate__(self, state: Tuple[Tensor, Tensor, bool, bool]) -> None:
         self.kept = state[0] if state[2] else torch.zeros(0, 0, dtype=torch.int8)
         self.training = state[3]
-        self.packed = pack_int8(state[0], state[1])
         self.exact_one_row = state[2] and fbgemm_saturates()
+        if state[2]:  # the read copy is kept anyway: packed now
+            self.pending = torch.zeros(0, 0, dtype=torch.int8)
+            self.pending_scales = torch.zeros(0)
+            self.packed = pack_int8(state[0], state[1])
+        else:  # packed at the first use; until then a 1 x 1 stand-in that no real input fits (a loud shape error)
+            self.pending = state[0]
+            self.pending_scales = state[1]
+            self.packed = pack_int8(torch.zeros(1, 1, dtype=torch.int8), torch.ones(1))
+
+    @torch.jit.export
+    def pack_pending(self) -> None:
+        """Pack a weight read from a file (``__setstate__``) and drop the read copy; nothing when it is packed."""
+        if self.pending.numel() > 0:
+            self.packed = pack_int8(self.pending, self.pending_scales)
+            self.pending = torch.zeros(0, 0, dtype=torch.int8)
+            self.pending_scales = torch.zeros(0)

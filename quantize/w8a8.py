@@ -147,6 +147,8 @@ class Int8TokenLinear(nn.Module):
         return acc.mul_(scale * self.scales)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fbgemm.pending.numel() > 0:  # loaded and not yet packed (``FbgemmWeight.pack_pending``)
+            self.fbgemm.pack_pending()
         flat = x.reshape(-1, self.in_features).float()
         if self.rot_block > 0:
             flat = self.rotate(flat)

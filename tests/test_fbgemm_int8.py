@@ -162,6 +162,27 @@ def test_the_int8_weight_is_saved_once_and_loaded_only_into_fbgemms_packed_copy(
     assert torch.equal(loaded(x), m(x)) and torch.equal(loaded(x[:1]), m(x[:1]))
 
 
+def test_a_loaded_weight_is_packed_at_its_first_use_or_by_the_loader_and_its_read_copy_dropped(tmp_path):
+    """``torch.jit.load`` holds every tensor it read until the whole file is read, so a weight packed as it is read
+    was held twice at the load's peak: it is packed at its first use, or by ``load_torchscript`` one at a time."""
+    from policy_bundle.quantize.script_runner import load_torchscript
+
+    torch.manual_seed(4)
+    m = Int8TokenLinear.from_float(torch.nn.Linear(576, 320, bias=False), rot_block=64)
+    path = tmp_path / "m.ts"
+    torch.jit.save(torch.jit.script(m), str(path))
+    x = torch.randn(5, 576)
+    raw = torch.jit.load(str(path))
+    assert tuple(raw.fbgemm.pending.shape) == (320, 576)  # read, not packed yet
+    again = tmp_path / "again.ts"
+    torch.jit.save(raw, str(again))  # saved before its first use: the read weight itself
+    assert torch.equal(torch.jit.load(str(again))(x), m(x))
+    assert torch.equal(raw(x[:1]), m(x[:1])) and raw.fbgemm.pending.numel() == 0  # the first call packed it
+    assert torch.equal(raw(x), m(x))
+    runner = load_torchscript(path)
+    assert runner.module.fbgemm.pending.numel() == 0 and torch.equal(runner(x), m(x))
+
+
 def test_a_float_fallback_linear_gives_a_decode_batchs_rows_as_alone():
     """A float linear kept in an int8 policy: a decode step over B rows ([B, 1, in]) gives each row what the one-row
     step gives it (the int8 layers after it would turn a 1-ulp difference into another activation code); the plain
