@@ -175,8 +175,13 @@ class FbgemmWeight(nn.Module):
 
     @torch.jit.export
     def pack_pending(self) -> None:
-        """Pack a weight read from a file (``__setstate__``) and drop the read copy; nothing when it is packed."""
-        if self.pending.numel() > 0:
-            self.packed = pack_int8(self.pending, self.pending_scales)
+        """Pack a weight read from a file (``__setstate__``) and drop the read copy; nothing when it is packed. Read
+        into locals first and packed before the slots are cleared: a second caller that finds them half cleared packs
+        nothing. Two threads' first calls at once still race on the slots: one call first, then share the module
+        (``load_torchscript`` packs everything before it returns)."""
+        w = self.pending
+        scales = self.pending_scales
+        if w.numel() > 0 and w.shape[0] == scales.shape[0]:
+            self.packed = pack_int8(w, scales)
             self.pending = torch.zeros(0, 0, dtype=torch.int8)
             self.pending_scales = torch.zeros(0)

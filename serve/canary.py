@@ -83,32 +83,35 @@ class LiveCanary:
             raise RuntimeError("the bundle has no golden set")
         items = [self.golden[(self.golden_cursor + i) % len(self.golden)] for i in range(n)]
         self.golden_cursor += n
-        outs = {}
+        outs, run = {}, {"now": 0, "peak": 0}  # this run's calls in flight (its own high-water mark)
         for name in VARIANTS:
             outs[name] = [r["token_ids"] for r in await asyncio.gather(*[self._counted(self.pool.call(
                 name, prompt_ids=it.prompt_ids, max_tokens=self.info.max_new_tokens, temperature=0.0,
-                stop_token_id=self.tok.eos_token_id)) for it in items])]
+                stop_token_id=self.tok.eos_token_id), run) for it in items])]
         reward = task.reward if self.info.has_task else None
         ref = [it.completion_ids for it in items]
         nan = float("nan")
         summaries = {name: completion_metrics(FidelityReport(n, 0, nan, nan, nan), items, ref, outs[name],
                                               lambda ids: ids_to_text(self.tok, ids), reward).summary() for name in VARIANTS}
         int8, fp16 = summaries["int8"], summaries["fp16"]
-        out = {"items": n, "greedy_agreement": int8["greedy_agreement"],
+        out = {"items": n, "max_in_flight": run["peak"], "greedy_agreement": int8["greedy_agreement"],
                "fp16_greedy_agreement": fp16["greedy_agreement"],
                "reward_int8": int8.get("reward_candidate"), "reward_fp16": fp16.get("reward_candidate")}
         if out["reward_int8"] is not None and out["reward_fp16"] is not None:
             out["reward_delta"] = out["reward_int8"] - out["reward_fp16"]
         return out
 
-    async def _counted(self, call: Awaitable):
+    async def _counted(self, call: Awaitable, run: dict):
         """Golden calls count against the in-flight cap as background calls (they wait for room, never skip)."""
         while not self.admission.try_acquire(background=True):
             await asyncio.sleep(0.02)
         self.metrics.background.labels(kind="golden").inc()
+        run["now"] += 1
+        run["peak"] = max(run["peak"], run["now"])
         try:
             return await call
         finally:
+            run["now"] -= 1
             self.admission.release(background=True)
 
     # -- analysis ------------------------------------------------------------------------------
