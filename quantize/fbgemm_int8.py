@@ -135,7 +135,7 @@ class FbgemmWeight(nn.Module):
     def __init__(self, weight_int8: Tensor, scales: Tensor, keep: bool = False):
         super().__init__()
         self.kept = weight_int8 if keep else torch.zeros(0, 0, dtype=torch.int8)
-        self.pending, self.pending_scales = torch.zeros(0, 0, dtype=torch.int8), torch.zeros(0)  # read, not packed
+        self._drop_pending()  # ``pending``: a weight read from a file, not packed yet
         use_fbgemm()
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
             warnings.simplefilter("ignore")
@@ -165,8 +165,7 @@ class FbgemmWeight(nn.Module):
         self.training = state[3]
         self.exact_one_row = state[2] and fbgemm_saturates()
         if state[2]:  # the read copy is kept anyway: packed now
-            self.pending = torch.zeros(0, 0, dtype=torch.int8)
-            self.pending_scales = torch.zeros(0)
+            self._drop_pending()
             self.packed = pack_int8(state[0], state[1])
         else:  # packed at the first use; until then a 1 x 1 stand-in that no real input fits (a loud shape error)
             self.pending = state[0]
@@ -183,5 +182,8 @@ class FbgemmWeight(nn.Module):
         scales = self.pending_scales
         if w.numel() > 0 and w.shape[0] == scales.shape[0]:
             self.packed = pack_int8(w, scales)
-            self.pending = torch.zeros(0, 0, dtype=torch.int8)
-            self.pending_scales = torch.zeros(0)
+            self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        self.pending = torch.zeros(0, 0, dtype=torch.int8)
+        self.pending_scales = torch.zeros(0)

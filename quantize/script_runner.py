@@ -65,4 +65,3 @@ def load_torchscript(path: Path) -> ScriptRunner:
             release_freed_memory()
     release_freed_memory()
     return ScriptRunner(module)
-
