@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,25 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Drawn below the kernel's ephemeral range (32768-60999 by default): a port the kernel hands out for an outgoing
+# connection or a bind to port 0 (BentoML's own variant services, vLLM's sockets, other tests' clients) can then never
+# take ours between this check and the server's bind. bind(("", 0)) draws from that range, and in a fresh-clone CI
+# run one server lost its port that way ("Address already in use") and never came up.
+PORTS = (20000, 32767)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, drawn at random below the ephemeral range."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(*PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {PORTS[0]}-{PORTS[1]} after 200 tries")
 
 
 class Server:
@@ -27,19 +43,25 @@ class Server:
     ready_path = "/readyz"
 
     def __init__(self, env: dict, log: Path, target: str = "policy_bundle.serve.service:PolicyRouter"):
+        self.log, self.target, self.env = log, target, env
+        self.launch()
+
+    def launch(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.proc = subprocess.Popen(self.command(target), cwd=ROOT, env={**os.environ, **env}, stdout=log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(self.target), cwd=ROOT, env={**os.environ, **self.env},
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def command(self, target: str) -> list:
         return [sys.executable, "-m", "bentoml", "serve", target, "--host", "127.0.0.1", "--port", str(self.port)]
 
     def wait_ready(self, timeout: float = 240) -> "Server":
-        deadline = time.monotonic() + timeout
+        deadline, relaunches = time.monotonic() + timeout, 2
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None and relaunches and "Address already in use" in self.log.read_text():
+                relaunches -= 1  # another process bound the port between free_port() and the server's bind
+                self.launch()
+            elif self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log.read_text()[-4000:]}")
             try:
                 if httpx.get(f"{self.url}{self.ready_path}", timeout=5).status_code == 200:

@@ -116,6 +116,7 @@ def test_vllm_expected_but_the_fallback_loaded_is_not_ready(tmp_path, small_bund
     try:
         deadline, status = time.monotonic() + 240, {}
         while time.monotonic() < deadline:
+            assert server.proc.poll() is None, f"server exited:\n{server.log.read_text()[-3000:]}"
             try:
                 status = httpx.get(f"{server.url}/status", timeout=10).json()
                 if status["variants"]["fp16"].get("ready"):
@@ -123,6 +124,7 @@ def test_vllm_expected_but_the_fallback_loaded_is_not_ready(tmp_path, small_bund
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(1)
+        assert status, f"no /status answer in 240 s:\n{server.log.read_text()[-3000:]}"
         fp16 = status["variants"]["fp16"]
         assert fp16["ready"] and fp16["engine"] == "policy-module-fp32" and fp16["expected_engine"] is False
         assert "injected fault" in fp16["fallback"]
