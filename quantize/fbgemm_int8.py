@@ -130,11 +130,16 @@ class FbgemmWeight(nn.Module):
     Loaded from a file, a weight without ``keep`` is packed at its first use (``pack_pending``), not as it is read:
     ``torch.jit.load`` holds every tensor it read until the whole file is read, so packing as it reads held each int8
     weight twice (SmolLM2-135M: the load peaked at 674 MB for a 497 MB process). ``load_torchscript`` packs them all
-    right after the load, one at a time, each read copy freed as its packed one is made."""
+    right after the load, one at a time, each read copy freed as its packed one is made.
 
-    def __init__(self, weight_int8: Tensor, scales: Tensor, keep: bool = False):
+    ``share``: the int8 weight itself is read elsewhere too (an int8 LM head's rows, which the tied int8 embedding
+    gathers and the rescoring reads: ``w8a8.Int8Embedding``); it is held as ``shared`` and saved as that tensor, so the
+    file and the loaded policy hold it once beside the packed copy. It changes no kernel path (``kept`` does)."""
+
+    def __init__(self, weight_int8: Tensor, scales: Tensor, keep: bool = False, share: bool = False):
         super().__init__()
         self.kept = weight_int8 if keep else torch.zeros(0, 0, dtype=torch.int8)
+        self.shared = weight_int8 if share else torch.zeros(0, 0, dtype=torch.int8)
         self._drop_pending()  # ``pending``: a weight read from a file, not packed yet
         use_fbgemm()
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; the packing needs one
@@ -149,22 +154,28 @@ class FbgemmWeight(nn.Module):
         w, _ = torch.ops.quantized.linear_unpack(self.packed)
         return w.int_repr(), w.q_per_channel_scales().float()
 
-    def __reduce__(self):  # eager copies and pickles: rebuilt from the saved state (the kept tensor itself, so a
-        w, s, keep, _ = self.__getstate__()  # deep copy shares it with the owner's buffer as the original does)
-        return (FbgemmWeight, (w, s, keep))
+    def __reduce__(self):  # eager copies and pickles: rebuilt from the saved state (the kept or shared tensor
+        w, s, keep, _, share = self.__getstate__()  # itself, so a deep copy shares it with its other holders as the
+        return (FbgemmWeight, (w, s, keep, share))  # original does)
 
     @torch.jit.export
-    def __getstate__(self) -> Tuple[Tensor, Tensor, bool, bool]:
-        w, s = self.unpacked()
+    def __getstate__(self) -> Tuple[Tensor, Tensor, bool, bool, bool]:
         keep = self.kept.numel() > 0
-        return (self.kept if keep else w), s, keep, self.training
+        share = self.shared.numel() > 0
+        if keep:
+            return self.kept, self.unpacked()[1], keep, self.training, share
+        if share:
+            return self.shared, self.unpacked()[1], keep, self.training, share
+        w, s = self.unpacked()
+        return w, s, keep, self.training, share
 
     @torch.jit.export
-    def __setstate__(self, state: Tuple[Tensor, Tensor, bool, bool]) -> None:
+    def __setstate__(self, state: Tuple[Tensor, Tensor, bool, bool, bool]) -> None:
         self.kept = state[0] if state[2] else torch.zeros(0, 0, dtype=torch.int8)
+        self.shared = state[0] if state[4] else torch.zeros(0, 0, dtype=torch.int8)
         self.training = state[3]
         self.exact_one_row = state[2] and fbgemm_saturates()
-        if state[2]:  # the read copy is kept anyway: packed now
+        if state[2] or state[4]:  # the read copy is kept anyway: packed now
             self._drop_pending()
             self.packed = pack_int8(state[0], state[1])
         else:  # packed at the first use; until then a 1 x 1 stand-in that no real input fits (a loud shape error)

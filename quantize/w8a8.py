@@ -58,7 +58,7 @@ class Int8TokenLinear(nn.Module):
     """
 
     def __init__(self, weight_int8: Tensor, scales: Tensor, bias: Optional[Tensor], outlier_threshold: float,
-                 outlier_channels: int = OUTLIER_CHANNELS, rot_block: int = 0):
+                 outlier_channels: int = OUTLIER_CHANNELS, rot_block: int = 0, share_weight: bool = False):
         super().__init__()
         # rot_block > 0: the input is rotated (``quantize.rotation``) before it is quantized, and ``weight_int8`` is
         # the rotated weight W @ R; the output is unchanged (R is orthogonal), the quantization error smaller.
@@ -82,7 +82,7 @@ class Int8TokenLinear(nn.Module):
         recoverable = sums_recoverable(bound)
         self.unit_scales = not recoverable and sums_exact_in_float(bound)
         self.fbgemm = FbgemmWeight(weight_int8, torch.ones_like(self.scales) if self.unit_scales else self.scales,
-                                   keep=not recoverable and not self.unit_scales)
+                                   keep=not recoverable and not self.unit_scales, share=share_weight)
         self.register_buffer("int_mm_weight", self.fbgemm.kept)  # the same tensor: saved once
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.in_features = int(weight_int8.shape[1])
@@ -187,48 +187,6 @@ class Int8TokenLinear(nn.Module):
             cols = cols * self.scales
         cols = cols.view(idx.shape[0], self.outlier_channels, self.out_features)  # fl(w * scale_j), as fbgemm's
         return out.index_add_(0, rows, torch.bmm(big.unsqueeze(1), cols).squeeze(1))  # out: rows()'s own tensor
-
-
-class Int8RescoredHead(nn.Module):
-    """The LM head in int8, with each row's top-k logits recomputed in float.
-
-    On a 49k vocabulary the head is the largest matmul of a small LM's decode step (SmolLM2-135M:
-    28M of its 134M multiply-adds per token), so it is where int8 pays most; near-tied top logits
-    are where int8 errors flip the greedy choice. The int8 logits pick the k candidates, the float
-    weight rows (shared with the tied embedding, not copied) score them exactly: greedy decoding is
-    exact whenever the float top-1 is among the int8 top-k, and the tail keeps int8 logits.
-
-    A row's logits are the same bitwise alone or in any batch (fbgemm's two entry points give the same integers; the rescoring is a per-row product and sum), so batched greedy decoding equals unbatched.
-    Many rows (a teacher-forced batch) go 64 at a time into the output: the int32/float temporaries over the
-    vocabulary stay 64 rows' (SmolLM2-135M, 512 rows: 100 MB each otherwise).
-    """
-
-    def __init__(self, int8: Int8TokenLinear, float_weight: Tensor, topk: int):
-        super().__init__()
-        self.int8 = int8
-        self.register_buffer("float_weight", float_weight)
-        self.topk = int(min(topk, int8.out_features))  # a vocabulary smaller than k: every row rescored
-        self.in_features, self.out_features = int8.in_features, int8.out_features
-
-    def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        rows = flat.shape[0]
-        if rows <= 64:
-            out = self.scored(flat)
-        else:
-            out = flat.new_empty([rows, self.out_features])
-            for start in range(0, rows, 64):
-                out[start:start + 64] = self.scored(flat[start:start + 64])
-        return out.reshape(x.shape[:-1] + (self.out_features,))
-
-    def scored(self, flat: Tensor) -> Tensor:
-        out = self.int8(flat)
-        idx = out.topk(self.topk, dim=-1).indices
-        rows = self.float_weight.index_select(0, idx.reshape(-1)).view(idx.shape[0], self.topk, self.in_features)
-        # a product and a sum per row, not bmm: bmm's kernel depends on the batch (1-ulp differences between a row
-        # alone and in a batch); this is the same for a row in any batch, and cheaper at 32 rows (3.4 vs 13 ms)
-        exact = (rows * flat.unsqueeze(1)).sum(-1)
-        return out.scatter(1, idx, exact)
 
 
 def _fusable(parts: List[nn.Module]) -> bool:

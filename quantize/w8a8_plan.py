@@ -26,8 +26,9 @@ from policy_bundle.quantize.gptq import gptq_quantize
 from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
 from policy_bundle.quantize.sensitivity import layer_sensitivity
 from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
-from policy_bundle.quantize.w8a8 import (Int8RescoredHead, Int8TokenLinear, fake_quant_rows, quantize_weight,
-                                         rotation_block, rotation_matrix)
+from policy_bundle.quantize.w8a8 import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotation_block,
+                                         rotation_matrix)
+from policy_bundle.quantize.w8a8_head import Int8Embedding, Int8RescoredHead
 
 
 def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
@@ -63,20 +64,26 @@ class W8A8Plan:
     rounding: str = "nearest"
     head_topk: int = 0  # lm_head: top-k logits recomputed in float (0: plain int8)
     rot_blocks: Dict[str, int] = field(default_factory=dict)  # linear -> Hadamard block of its input (absent: none)
+    # the token embedding in int8 (``quantize.w8a8_head.Int8Embedding``): a tied one reads an int8 head's own rows
+    # (the head's rescoring too: no float copy of the vocabulary is left), an untied one is quantized on its own
+    int8_embedding: bool = False
 
-    def quantized_module(self, name: str, float_linear: nn.Linear) -> nn.Module:
+    def quantized_module(self, name: str, float_linear: nn.Linear, tied_rows: bool = False) -> nn.Module:
+        """``tied_rows``: the head of a tied model whose embedding is int8 shares its int8 rows (no float rows)."""
         q, s = self.weights[name]
-        int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s,
-                                          rot_block=self.rot_blocks.get(name, 0))
+        int8 = Int8TokenLinear(q, s, None if float_linear.bias is None else float_linear.bias.detach().clone(),
+                               self.thresholds[name], rot_block=self.rot_blocks.get(name, 0), share_weight=tied_rows)
         if name == "lm_head" and self.head_topk > 0:
-            return Int8RescoredHead(int8, float_linear.weight.detach(), self.head_topk)
+            rows = torch.zeros(0, 0) if tied_rows else float_linear.weight.detach()
+            return Int8RescoredHead(int8, rows, self.head_topk)
         return int8
 
     def subset(self, names: Sequence[str]) -> "W8A8Plan":
         """The same plan holding only the named linears' int8 weights (what a mesh actor needs to score them)."""
         return W8A8Plan(self.scales, self.alphas, {n: self.weights[n] for n in names},
                         {n: self.thresholds[n] for n in names}, rounding=self.rounding, head_topk=self.head_topk,
-                        rot_blocks={n: self.rot_blocks[n] for n in names if n in self.rot_blocks})
+                        rot_blocks={n: self.rot_blocks[n] for n in names if n in self.rot_blocks},
+                        int8_embedding=self.int8_embedding)
 
     def convert(self, policy: nn.Module, quantized: Sequence[str]) -> nn.Module:
         """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float)."""
@@ -85,10 +92,19 @@ class W8A8Plan:
             model = apply_smoothing(policy, {**ones, **self.scales})
         else:
             model = copy.deepcopy(policy)
+        embed = getattr(model, "embed_tokens", None)
+        tied = isinstance(embed, nn.Embedding) and getattr(model.get_submodule("lm_head"), "weight", None) is embed.weight
+        tied_rows = self.int8_embedding and tied and "lm_head" in quantized
         for name in quantized:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
-                    self.quantized_module(name, model.get_submodule(name)))
+                    self.quantized_module(name, model.get_submodule(name), tied_rows and name == "lm_head"))
+        if tied_rows:
+            head = model.lm_head
+            model.embed_tokens = Int8Embedding.tied_to(head.int8 if isinstance(head, Int8RescoredHead) else head)
+        elif self.int8_embedding and isinstance(embed, nn.Embedding) and not tied:
+            model.embed_tokens = Int8Embedding.from_float(embed)
+        # a tied model whose head stays float keeps its float embedding: the float rows are there anyway
         return model.eval()
 
 

@@ -109,7 +109,8 @@ def test_a_prefill_gives_the_full_forwards_last_row_bitwise_with_the_int8_head(r
     """``prefill`` runs the LM head on the last position alone; with the shipped int8 head (a row's int8 logits do
     not depend on its batch) that is the full forward's last row, bitwise. The float head is the control: its GEMV
     and GEMM round apart."""
-    from policy_bundle.quantize.w8a8 import Int8RescoredHead, Int8TokenLinear
+    from policy_bundle.quantize.w8a8 import Int8TokenLinear
+    from policy_bundle.quantize.w8a8_head import Int8RescoredHead
 
     int8 = real["plan"].convert(real["policy"], real["names"])
     float_ts = torch.jit.script(int8)

@@ -11,8 +11,9 @@ from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_gener
 from policy_bundle.quantize.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig, RecipeError, selected_linears
 from policy_bundle.quantize.smooth import make_outlier_model
-from policy_bundle.quantize.w8a8 import (OUTLIER_CHANNELS, Int8RescoredHead, Int8TokenLinear, fuse_projections,
-                                         quantize_weight, rotation_block, rotation_matrix)
+from policy_bundle.quantize.w8a8 import (OUTLIER_CHANNELS, Int8TokenLinear, fuse_projections, quantize_weight,
+                                         rotation_block, rotation_matrix)
+from policy_bundle.quantize.w8a8_head import Int8RescoredHead
 from policy_bundle.quantize.w8a8_plan import build_plan
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

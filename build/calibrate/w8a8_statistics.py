@@ -64,9 +64,11 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
     plan = build_plan(policy, stats, groups, names, smooth=recipe.smooth, alphas=recipe.smooth_alphas,
                       rounding=recipe.rounding, gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
                       head_topk=recipe.lm_head_topk, max_rot_block=recipe.rotation_block, progress=progress)
+    plan.int8_embedding = not any(p in ("embed_tokens", "*") for p in recipe.skip)  # named in skip: float
     log(f"[w8a8] plan: {len(names)} linears in {len(groups)} input groups, {recipe.rounding} rounding"
         + (", smoothing alpha searched per group" if recipe.smooth else "")
-        + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else ""))
+        + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
+        + (", token embedding in int8" if plan.int8_embedding else ""))
     return plan
 
 
@@ -108,7 +110,9 @@ def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
                             "over a calibrated threshold keep their largest channels in float"),
             "weights": f"int8 symmetric per output channel, {plan.rounding} rounding",
             "outlier_ratio": recipe.outlier_ratio, "lm_head_topk": recipe.lm_head_topk, "rounding": recipe.rounding, "gptq_damp": recipe.gptq_damp,
-            "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None}
+            "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None,
+            "embedding": ("int8 rows, a scale per row (a tied int8 head's own rows, which its rescoring reads too)"
+                          if plan.int8_embedding else "float")}
 
 
 def onnx_recipe_note(recipe: RecipeConfig) -> str:

@@ -1,0 +1,121 @@
+"""The INT8 policy's vocabulary ends: the LM head in int8 with its top-k logits rescored, and the int8 embedding.
+
+On a small LM the vocabulary is much of the model: SmolLM2-135M's tied 49152 x 576 embedding is 28M of its 134M
+parameters, 113 MB of its 538 MB in fp32. With the head in int8 and the embedding left in float, that fp32 matrix
+stayed (the embedding gathers its rows, the head's rescoring reads them): 45 % of the INT8 file.
+
+``Int8Embedding`` gathers int8 rows and their per-row scales instead. Tied to an int8 head, it reads the head's own
+int8 weight (``FbgemmWeight.shared``: one tensor in the file and in memory beside the packed copy), whose rows are of
+the Hadamard-rotated weight ``W @ R``: a gathered row is turned back with ``R^T`` (exact in real arithmetic; the
+quantization error is the head's). The head's rescoring then reads those same rows (``Int8RescoredHead`` without
+float rows): float activations against int8 weights, so the top-k logits carry the weight's rounding only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
+
+
+class Int8RescoredHead(nn.Module):
+    """The LM head in int8, with each row's top-k logits recomputed more exactly.
+
+    On a 49k vocabulary the head is the largest matmul of a small LM's decode step (SmolLM2-135M:
+    28M of its 134M multiply-adds per token), so it is where int8 pays most; near-tied top logits
+    are where int8 errors flip the greedy choice. The int8 logits pick the k candidates, which are then scored
+    against the row's float input: with ``float_weight`` (float weight rows, shared with a float tied embedding, not
+    copied) exactly, so greedy decoding is exact whenever the float top-1 is among the int8 top-k; without it
+    (``float_weight`` empty: an int8 embedding shares the head's rows) against the int8 rows and their scales, in the
+    weight's rotated basis (``x @ R`` against ``W @ R``), so only the weight's rounding is left. The tail keeps int8
+    logits.
+
+    A row's logits are the same bitwise alone or in any batch (fbgemm's two entry points give the same integers; the rescoring is a per-row product and sum), so batched greedy decoding equals unbatched.
+    Many rows (a teacher-forced batch) go 64 at a time into the output: the int32/float temporaries over the
+    vocabulary stay 64 rows' (SmolLM2-135M, 512 rows: 100 MB each otherwise).
+    """
+
+    def __init__(self, int8: Int8TokenLinear, float_weight: Tensor, topk: int):
+        super().__init__()
+        self.int8 = int8
+        self.register_buffer("float_weight", float_weight)
+        # the int8 rows (the packed weight's own tensor, ``FbgemmWeight.shared``) and scales, for rescoring without
+        # float rows; empty when the float rows are there
+        self.register_buffer("rows_int8", int8.fbgemm.shared if float_weight.numel() == 0
+                             else torch.zeros(0, 0, dtype=torch.int8))
+        self.register_buffer("rows_scale", int8.scales)
+        if float_weight.numel() == 0 and self.rows_int8.numel() == 0:
+            raise ValueError("an int8 head rescored without float rows needs its int8 weight shared (share_weight)")
+        self.topk = int(min(topk, int8.out_features))  # a vocabulary smaller than k: every row rescored
+        self.in_features, self.out_features = int8.in_features, int8.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        rows = flat.shape[0]
+        if rows <= 64:
+            out = self.scored(flat)
+        else:
+            out = flat.new_empty([rows, self.out_features])
+            for start in range(0, rows, 64):
+                out[start:start + 64] = self.scored(flat[start:start + 64])
+        return out.reshape(x.shape[:-1] + (self.out_features,))
+
+    def scored(self, flat: Tensor) -> Tensor:
+        out = self.int8(flat)
+        idx = out.topk(self.topk, dim=-1).indices
+        pick = idx.reshape(-1)
+        # a product and a sum per row, not bmm: bmm's kernel depends on the batch (1-ulp differences between a row
+        # alone and in a batch); this is the same for a row in any batch, and cheaper at 32 rows (3.4 vs 13 ms)
+        if self.float_weight.numel() > 0:
+            rows = self.float_weight.index_select(0, pick).view(idx.shape[0], self.topk, self.in_features)
+            exact = (rows * flat.unsqueeze(1)).sum(-1)
+        else:
+            xr = self.int8.rotate(flat) if self.int8.rot_block > 0 else flat
+            rows = self.rows_int8.index_select(0, pick).float().view(idx.shape[0], self.topk, self.in_features)
+            exact = (rows * xr.unsqueeze(1)).sum(-1) * self.rows_scale.index_select(0, pick).view(idx.shape)
+        return out.scatter(1, idx, exact)
+
+
+class Int8Embedding(nn.Module):
+    """Token embedding from int8 rows, one scale per row (symmetric, as the head's weight). ``rot_block`` > 0: the
+    rows are of ``E @ R`` (a tied int8 head's rotated weight) and each gathered row is turned back with ``R^T``."""
+
+    def __init__(self, weight_int8: Tensor, scales: Tensor, rot_outer: Tensor, rot_inner: Tensor, rot_signs: Tensor):
+        super().__init__()
+        # R^T's factors are R's own: Sylvester Hadamard matrices are symmetric (and multiplied as they are stored, the
+        # contiguous matrix, a row comes out the same alone or in a batch; through a transposed view it did not)
+        if not (torch.equal(rot_outer, rot_outer.t()) and torch.equal(rot_inner, rot_inner.t())):
+            raise ValueError("Int8Embedding undoes a rotation with symmetric (Hadamard) factors only")
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales)
+        self.register_buffer("rot_outer", rot_outer)
+        self.register_buffer("rot_inner", rot_inner)
+        self.register_buffer("rot_signs", rot_signs)
+        self.rot_a, self.rot_b = int(rot_outer.shape[0]), int(rot_inner.shape[0])
+        self.num_embeddings, self.embedding_dim = int(weight_int8.shape[0]), int(weight_int8.shape[1])
+
+    @classmethod
+    def tied_to(cls, head: Int8TokenLinear) -> "Int8Embedding":
+        """The embedding of a tied model whose int8 head (or rescored head's int8 part) is ``head``: its int8 rows,
+        scales and rotation (the same tensors: saved and held once)."""
+        if head.fbgemm.shared.numel() == 0:
+            raise ValueError("the int8 head does not share its weight (build it with share_weight=True)")
+        return cls(head.fbgemm.shared, head.scales, head.rot_outer, head.rot_inner, head.rot_signs)
+
+    @classmethod
+    def from_float(cls, embedding: nn.Embedding) -> "Int8Embedding":
+        """An untied embedding in int8 (nearest rounding, no rotation)."""
+        q, s = quantize_weight(embedding.weight.detach().float())
+        empty = torch.zeros(0, 0)
+        return cls(q, s, empty, empty, torch.zeros(0))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        ids = tokens.reshape(-1)
+        rows = self.weight_int8.index_select(0, ids).float() * self.scales.index_select(0, ids).unsqueeze(1)
+        if self.rot_b > 0:  # rows @ R^T: each block Y [a, b] becomes H_a @ Y @ H_b (symmetric), then the signs
+            rows = torch.mm(rows.view(-1, self.rot_b), self.rot_inner)
+            if self.rot_a > 1:
+                rows = torch.matmul(self.rot_outer, rows.view(-1, self.rot_a, self.rot_b))
+            rows = rows.reshape(-1, self.embedding_dim) * self.rot_signs
+        return rows.view(tokens.shape + (self.embedding_dim,))
