@@ -138,6 +138,16 @@ class Int8TokenLinear(nn.Module):
         q = q.sub_(128.0)  # in place here and below: the same elementwise operations, fewer [rows, n] buffers
         if self.int_mm_weight.numel() > 0:
             acc = torch._int_mm(q.to(torch.int8), self.int_mm_weight.t())
+        elif self.fbgemm.exact_one_row:
+            # fbgemm adds u8 x s8 products in int16 pairs and saturates on this CPU (``fbgemm_saturates``: AVX2 without
+            # VNNI): with centred codes d = q - 128, sum(d w) = sum(d+ w) - sum(d- w), d+ = max(d, 0) and d- = max(-d, 0)
+            # in [0, 128], whose pairs of products stay within int16 (2 x 128 x 127). Both halves go in one call (one
+            # read of the weight); each comes back as sum((code - 128) w), and the 128 sum(w) terms cancel.
+            n = q.shape[0]
+            halves = torch.cat([q.clamp_min(0.0), q.neg().clamp_min_(0.0)]).sub_(128.0)
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(halves, 1.0, 128, self.fbgemm.packed)
+            both = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)
+            acc = both[:n] - both[n:]
         else:
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128, self.fbgemm.packed)
             acc = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)

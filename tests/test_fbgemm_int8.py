@@ -97,14 +97,38 @@ assert not torch.equal(torch.ops.quantized.linear_dynamic(x[:1], m.fbgemm.packed
 assert m.fbgemm.exact_one_row
 for model in (m, torch.jit.script(m)):
     assert torch.equal(torch.cat([model(row) for row in x.split(1)]), together)
+# a weight without a kept copy (the usual case: every SmolLM2-135M projection but down_proj) gets the exact sums too,
+# from fbgemm's GEMM over codes split by sign: the same floats as the exact _int_mm path over the same weight
+lin = torch.nn.Linear(256, 96, bias=False)
+with torch.no_grad():  # weights near +-127, one sign per adjacent pair: fbgemm's int16 pairs overflow
+    signs = (torch.randint(0, 2, (96, 128), generator=g) * 2 - 1).repeat_interleave(2, dim=1)
+    lin.weight.copy_(torch.randint(100, 128, (96, 256), generator=g) * signs / 127.0)
+x = torch.rand(40, 256, generator=g) * 5  # codes over the whole 0-255 range
+plain = Int8TokenLinear.from_float(lin)
+assert plain.int_mm_weight.numel() == 0 and not plain.unit_scales and plain.fbgemm.exact_one_row
+exact = Int8TokenLinear.from_float(lin)
+exact.int_mm_weight = exact.int8_weight()  # the exact int32 sums (torch._int_mm) over the same codes
+want = exact(x)
+assert torch.equal(plain(x), want)
+for model in (plain, torch.jit.script(plain)):
+    assert torch.equal(torch.cat([model(row) for row in x.split(1)]), want)
+# the negative controls: fbgemm's own kernels at one row and at more saturate here
+ones = torch.cat([torch.ops.quantized.linear_dynamic(row, plain.fbgemm.packed, False) for row in x.split(1)])
+assert bool((ones != want).any(1).all())  # every row saturates
+from policy_bundle.quantize.fbgemm_int8 import quantize_rows
+q, scale, zp = quantize_rows(x)
+y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q - 128.0, 1.0, 128, plain.fbgemm.packed)
+sat = (y.div(plain.scales).round().to(torch.int32) + (128 - zp.to(torch.int32)) * plain.col_sums).float()
+assert bool((sat.mul(scale * plain.scales) != want).any(1).all())
 print("ok")
 """
 
 
-def test_a_cpu_whose_fbgemm_saturates_runs_a_kept_weights_single_row_on_the_exact_path():
+def test_a_cpu_whose_fbgemm_saturates_gets_the_exact_sums_at_one_row_and_at_more():
     """Without VNNI (AVX2 only) fbgemm adds u8 x s8 products in int16 pairs and saturates. This machine has VNNI, so
-    the test runs in a process told to use fbgemm's AVX2 kernels: a weight whose sums keep the ``_int_mm`` copy then
-    gives a row alone what it gives the row in a batch (the exact sums), where fbgemm's one-row kernel would not."""
+    the test runs in a process told to use fbgemm's AVX2 kernels: a weight whose sums keep the ``_int_mm`` copy gives a
+    row alone what it gives the row in a batch (the exact sums), and a weight without that copy gives the exact sums
+    from codes split by sign, where fbgemm's own one-row and several-rows kernels saturate."""
     import os
     import subprocess
     import sys
@@ -116,7 +140,7 @@ def test_a_cpu_whose_fbgemm_saturates_runs_a_kept_weights_single_row_on_the_exac
     from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
 
     here = Int8TokenLinear.from_float(torch.nn.Linear(64, 8))
-    assert here.fbgemm.exact_one_row is False  # a weight without a kept copy always takes fbgemm's one-row kernel
+    assert here.fbgemm.exact_one_row is fbgemm_saturates()  # False here (VNNI): fbgemm's own one-row kernel
     assert isinstance(fbgemm_saturates(), bool)
 
 
