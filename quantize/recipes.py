@@ -151,6 +151,11 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatch(name, p) or p in parts for p in patterns)
 
 
+def kept_float(name: str, recipe: RecipeConfig) -> bool:
+    """Whether ``recipe.skip`` or ``recipe.fp32_layers`` names ``name`` (a pattern or a dotted part of it)."""
+    return _matches(name, recipe.skip + recipe.fp32_layers)
+
+
 def selected_linears(policy: nn.Module, recipe: RecipeConfig) -> List[str]:
     """Names of the linears the recipe quantizes (filters applied), in model order. A prepared
     model's calibration slots count under the name of the linear they wrap."""

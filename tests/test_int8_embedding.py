@@ -141,3 +141,11 @@ def test_an_untied_embedding_is_quantized_on_its_own():
     ids = torch.tensor([[1, 2, 3]])
     ref = policy.embed_tokens(ids)
     assert float((int8.embed_tokens(ids) - ref).norm() / ref.norm()) < 0.02
+
+
+@pytest.mark.parametrize("skip,fp32,kept", [((), (), False), (("embed_tokens",), (), True), (("embed*",), (), True),
+                                            (("lm_head",), (), False), ((), ("embed_tokens",), True)])
+def test_skip_patterns_decide_the_int8_embedding_as_they_decide_linears(skip, fp32, kept):
+    from policy_bundle.quantize.recipes import kept_float
+
+    assert kept_float("embed_tokens", RecipeConfig(scheme="smooth-w8a8", skip=skip, fp32_layers=fp32)) is kept

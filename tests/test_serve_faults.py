@@ -114,8 +114,9 @@ def test_status_serves_the_cached_health_without_probing(faulty):
 def test_vllm_expected_but_the_fallback_loaded_is_not_ready(tmp_path, small_bundle):
     server = start(tmp_path, small_bundle, "novllm", "novllm", wait=False, POLICY_BUNDLE_DISABLE_VLLM="0")
     try:
-        deadline, status = time.monotonic() + 240, {}
+        deadline, status, relaunches = time.monotonic() + 240, {}, [2]
         while time.monotonic() < deadline:
+            server.relaunch_if_port_lost(relaunches)  # its port taken before its bind: a new one
             assert server.proc.poll() is None, f"server exited:\n{server.log.read_text()[-3000:]}"
             try:
                 status = httpx.get(f"{server.url}/status", timeout=10).json()

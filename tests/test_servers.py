@@ -5,7 +5,7 @@ import socket
 import sys
 
 from policy_bundle.loadtest import servers
-from policy_bundle.loadtest.servers import PORTS, Server, free_port
+from policy_bundle.loadtest.servers import Server, free_port, port_range
 
 # binds its port and serves /readyz, or prints the bind error and exits 1, as `bentoml serve` does
 TOY = """
@@ -34,7 +34,8 @@ def ephemeral_low() -> int:
 def test_ports_are_drawn_below_the_ephemeral_range_and_are_free():
     for _ in range(20):
         port = free_port()
-        assert PORTS[0] <= port <= PORTS[1] < ephemeral_low()
+        low, high = port_range()
+        assert low <= port <= high < ephemeral_low()
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
 

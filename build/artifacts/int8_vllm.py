@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -94,7 +94,7 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, calibrated, out: 
     recipe, plan, smoothing_scales = chosen.recipe, chosen.plan, calibrated.scales
     names = selected_linears(policy, recipe)
     if plan is not None:
-        float_policy = plan.convert(policy, [])
+        float_policy = replace(plan, int8_embedding=False).convert(policy, [])  # vLLM reads a float embedding
         loud = set(outlier_linears(calibrated.linear_stats(recipe), policy))
         # the TorchScript artifact's int8 weights, those of rotated inputs too: vLLM rotates the inputs online (but
         # for a linear with a bias: export_w8a8_checkpoint)

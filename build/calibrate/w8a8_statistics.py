@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import linear_stats as ls
 from policy_bundle.quantize.recipe_types import typed
-from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
+from policy_bundle.quantize.recipes import RecipeConfig, kept_float, selected_linears
 from policy_bundle.quantize.sensitivity import rank_by_sensitivity
 from policy_bundle.quantize.w8a8_plan import W8A8Plan, build_plan, plan_sensitivity
 
@@ -64,7 +64,7 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
     plan = build_plan(policy, stats, groups, names, smooth=recipe.smooth, alphas=recipe.smooth_alphas,
                       rounding=recipe.rounding, gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
                       head_topk=recipe.lm_head_topk, max_rot_block=recipe.rotation_block, progress=progress)
-    plan.int8_embedding = not any(p in ("embed_tokens", "*") for p in recipe.skip)  # named in skip: float
+    plan.int8_embedding = not kept_float("embed_tokens", recipe)
     log(f"[w8a8] plan: {len(names)} linears in {len(groups)} input groups, {recipe.rounding} rounding"
         + (", smoothing alpha searched per group" if recipe.smooth else "")
         + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
@@ -111,7 +111,8 @@ def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
             "weights": f"int8 symmetric per output channel, {plan.rounding} rounding",
             "outlier_ratio": recipe.outlier_ratio, "lm_head_topk": recipe.lm_head_topk, "rounding": recipe.rounding, "gptq_damp": recipe.gptq_damp,
             "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None,
-            "embedding": ("int8 rows, a scale per row (a tied int8 head's own rows, which its rescoring reads too)"
+            "embedding": ("int8 rows, a scale per row: a tied model's int8 head's own rows (its rescoring reads them "
+                          "too), or an untied embedding's own; float where a tied head stays float"
                           if plan.int8_embedding else "float")}
 
 

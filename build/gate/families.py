@@ -85,7 +85,10 @@ class W8A8Family:
         # A rescored int8 head (``lm_head_topk`` > 0) scores its top-k logits in float already: it is never one of
         # the linears the fallback may keep in float, so it is not ranked (measured on SmolLM2-135M, the head alone:
         # top-1 1.0000, KL 0.0002 against FP32, and 0.86 ms a decode step against the float head's 10.6 ms).
-        ranked = [n for n in names if not (n == "lm_head" and plan.head_topk > 0)]
+        # With an int8 embedding (tied) the rescoring reads int8 rows: then the head is ranked, so the fallback can put
+        # it and the embedding back in float (its score is of the float-row head: an approximation for the ranking;
+        # every verdict converts the real thing).
+        ranked = [n for n in names if not (n == "lm_head" and plan.head_topk > 0 and not plan.int8_embedding)]
         rank = lambda: rank_sensitivity(calibrated.mesh, policy, plan, ranked,  # noqa: E731
                                         sensitivity_probe(calibrated.batches), status)
         return gate_w8a8(policy, plan, names, rank, cfg.canary.gate, cfg.canary.max_fp_layers, measure,
