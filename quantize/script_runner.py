@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from policy_bundle.quantize.fbgemm_int8 import use_fbgemm
+from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates, use_fbgemm
 
 
 class ScriptRunner:
@@ -64,4 +64,23 @@ def load_torchscript(path: Path) -> ScriptRunner:
             sub.pack_pending()
             release_freed_memory()
     release_freed_memory()
+    require_exact_sums(module, path)
     return ScriptRunner(module)
+
+
+class InexactInt8Error(RuntimeError):
+    """An INT8 policy whose int8 sums would saturate on this CPU (exported before 2026-12-05)."""
+
+
+def require_exact_sums(module: torch.jit.ScriptModule, path: Path) -> None:
+    """Refuse an INT8 policy that would compute wrong sums here. On a CPU whose fbgemm saturates (AVX2 without VNNI:
+    ``fbgemm_saturates``), every int8 weight must take the exact path (``FbgemmWeight.exact_one_row``); a policy
+    exported before 2026-12-05 carries code that sends most weights through fbgemm's saturating kernel (SmolLM2-135M:
+    held-out top-1 0.9362 instead of 0.9856)."""
+    if not fbgemm_saturates():
+        return
+    for sub in module.modules():
+        if sub.original_name == "FbgemmWeight" and not sub.exact_one_row:
+            raise InexactInt8Error(f"{path}: this INT8 policy was exported before exact int8 sums on CPUs without "
+                                   "VNNI (2026-12-05); fbgemm saturates on this CPU and its answers would be wrong: "
+                                   "rebuild the bundle")

@@ -189,7 +189,7 @@ class Int8Policy:
     model = bentoml.models.BentoModel(f"policy-int8:{VERSION}")
 
     def __init__(self) -> None:
-        from policy_bundle.quantize.script_runner import load_torchscript
+        from policy_bundle.quantize.script_runner import InexactInt8Error, load_torchscript
 
         path = open_entry(self, INT8_DIR)
         entry = BundleLayout(path.parent)
@@ -201,8 +201,12 @@ class Int8Policy:
         if not BundleInfo.read(path.parent).batch_rows:  # per-tensor dynamic activations: rows see each other
             log.info("INT8 recipe quantizes activations per tensor at run time: one request per decode step")
             batching["max_batch"] = 1
-        self.engine = policy_engine(load_torchscript(entry.int8_torchscript), self.max_seq_len, "int8-torchscript",
-                                    **batching)
+        try:
+            module = load_torchscript(entry.int8_torchscript)
+        except InexactInt8Error as exc:  # its int8 sums would saturate on this CPU: wrong answers, never served
+            log.error("refusing to start: %s", exc)
+            raise SystemExit(f"policy-bundle: {exc}"[:500]) from None
+        self.engine = policy_engine(module, self.max_seq_len, "int8-torchscript", **batching)
         self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
         self.ready = True
         log.info("INT8 TorchScript loaded from %s (verified)", path)

@@ -241,3 +241,47 @@ def test_bench_kernels_stream_reports_each_kernel_against_a_plain_read(capsys):
         ms, gbs = float(line.split(" ms")[0].split()[-1]), float(line.split(" GB/s")[0].split()[-1])
         assert ms > 0 and gbs > 0 and "x the read)" in line
     assert "(1.00x the read)" in rows["int8 bytes read (max)"]
+
+
+OLD_CODE_SCRIPT = """
+import sys
+from pathlib import Path
+from policy_bundle.quantize.script_runner import InexactInt8Error, load_torchscript
+load_torchscript(Path(sys.argv[1]))  # exported with exact sums: loads
+try:
+    load_torchscript(Path(sys.argv[2]))
+except InexactInt8Error as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_policy_exported_before_exact_sums_is_refused_where_fbgemm_saturates(tmp_path):
+    """A file carries its own TorchScript code: one exported before 2026-12-05 sends most weights through fbgemm's
+    saturating kernel on a CPU without VNNI. Such a file (made here by editing the saved code back) is refused there
+    with a message naming the fix, and loads where fbgemm does not saturate (this machine)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import zipfile
+
+    from policy_bundle.quantize.script_runner import load_torchscript
+
+    new = tmp_path / "new.ts"
+    torch.jit.save(torch.jit.script(Int8TokenLinear.from_float(torch.nn.Linear(64, 8))), str(new))
+    old = tmp_path / "old.ts"
+    edited = 0
+    with zipfile.ZipFile(new) as src, zipfile.ZipFile(old, "w", zipfile.ZIP_STORED) as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("quantize/fbgemm_int8.py"):
+                text, edited = re.subn(r"self\.exact_one_row = _\d+\(\)", "self.exact_one_row = False", data.decode())
+                data = text.encode()
+            dst.writestr(item, data)
+    assert edited == 1  # __setstate__ sets it (__init__ is not saved code)
+    assert load_torchscript(old).module.fbgemm.exact_one_row is False  # this machine (VNNI): loads as it is
+    env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", OLD_CODE_SCRIPT, str(new), str(old)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "refused:" in res.stdout and "rebuild the bundle" in res.stdout
