@@ -20,6 +20,9 @@ Two entry points to one packed weight (``quantize/fbgemm_int8.py``), one result:
   scale 1), the zero-point term added back from the weight's column sums. The integers equal the one-row
   kernel's and so do the floats, bitwise (tested): a row's output does not depend on its batch.
 
+On a CPU whose fbgemm saturates int16 pair sums (AVX2 without VNNI: ``fbgemm_saturates``) one row takes the several-rows
+path too, with the codes split by sign so no pair overflows (``rows``): the same integers as on a VNNI CPU.
+
 The packed weight is the only copy of the int8 weight in RAM. fbgemm's GEMM returns each sum times the channel's
 scale; where that cannot be divided back exactly (``sums_recoverable``: SmolLM2-135M's ``down_proj``s) the weight is
 packed with unit scales and its own applied after the kernel, at one row and at more alike (``unit_scales``); only a
