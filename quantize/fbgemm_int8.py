@@ -165,10 +165,8 @@ class FbgemmWeight(nn.Module):
     def __getstate__(self) -> Tuple[Tensor, Tensor, bool, bool, bool]:
         keep = self.kept.numel() > 0
         share = self.shared.numel() > 0
-        if keep:
-            return self.kept, self.unpacked()[1], keep, self.training, share
-        if share:
-            return self.shared, self.unpacked()[1], keep, self.training, share
+        if keep or share:  # the tensor another holder has: saved once
+            return (self.kept if keep else self.shared), self.unpacked()[1], keep, self.training, share
         w, s = self.unpacked()
         return w, s, keep, self.training, share
 

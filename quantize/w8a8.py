@@ -95,7 +95,7 @@ class Int8TokenLinear(nn.Module):
 
     @classmethod
     def from_float(cls, linear: nn.Linear, outlier_threshold: float = 0.0, weight_int8: Optional[Tensor] = None,
-                   scales: Optional[Tensor] = None, rot_block: int = 0) -> "Int8TokenLinear":
+                   scales: Optional[Tensor] = None, rot_block: int = 0, share_weight: bool = False) -> "Int8TokenLinear":
         """``weight_int8``/``scales``, when given, are already of the rotated weight (``rot_block`` > 0)."""
         if weight_int8 is None or scales is None:
             w = linear.weight.detach().float()
@@ -103,7 +103,7 @@ class Int8TokenLinear(nn.Module):
                 w = w @ rotation_matrix(w.shape[1], rot_block)
             weight_int8, scales = quantize_weight(w)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
-        return cls(weight_int8, scales, bias, outlier_threshold, rot_block=rot_block)
+        return cls(weight_int8, scales, bias, outlier_threshold, rot_block=rot_block, share_weight=share_weight)
 
     @classmethod
     def concat(cls, parts: List["Int8TokenLinear"]) -> "Int8TokenLinear":
@@ -141,19 +141,17 @@ class Int8TokenLinear(nn.Module):
         q = q.sub_(128.0)  # in place here and below: the same elementwise operations, fewer [rows, n] buffers
         if self.int_mm_weight.numel() > 0:
             acc = torch._int_mm(q.to(torch.int8), self.int_mm_weight.t())
-        elif self.fbgemm.exact_one_row:
-            # fbgemm adds u8 x s8 products in int16 pairs and saturates on this CPU (``fbgemm_saturates``: AVX2 without
-            # VNNI): with centred codes d = q - 128, sum(d w) = sum(d+ w) - sum(d- w), d+ = max(d, 0) and d- = max(-d, 0)
-            # in [0, 128], whose pairs of products stay within int16 (2 x 128 x 127). Both halves go in one call (one
-            # read of the weight); each comes back as sum((code - 128) w), and the 128 sum(w) terms cancel.
-            n = q.shape[0]
-            halves = torch.cat([q.clamp_min(0.0), q.neg().clamp_min_(0.0)]).sub_(128.0)
-            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(halves, 1.0, 128, self.fbgemm.packed)
-            both = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)
-            acc = both[:n] - both[n:]
         else:
-            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128, self.fbgemm.packed)
-            acc = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)
+            # Where fbgemm adds u8 x s8 products in int16 pairs and saturates (``fbgemm_saturates``: AVX2 without VNNI),
+            # the centred codes d = q - 128 go in split: sum(d w) = sum(d+ w) - sum(d- w), d+ = max(d, 0) and
+            # d- = max(-d, 0) in [0, 128], whose pairs of products stay within int16 (2 x 128 x 127). Both halves go in
+            # one call (one read of the weight); each comes back as sum((code - 128) w), and the 128 sum(w) terms cancel.
+            split = self.fbgemm.exact_one_row
+            n = q.shape[0]
+            codes = torch.cat([q.clamp_min(0.0), q.neg().clamp_min_(0.0)]).sub_(128.0) if split else q
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(codes, 1.0, 128, self.fbgemm.packed)
+            sums = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)
+            acc = sums[:n] - sums[n:] if split else sums
         acc = acc.add_((128 - zp.to(torch.int32)) * self.col_sums).float()
         if self.unit_scales:  # as fbgemm's one row with unit scales (its sum times the row's scale), then ours
             return acc.mul_(scale).mul_(self.scales)

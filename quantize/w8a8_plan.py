@@ -71,8 +71,8 @@ class W8A8Plan:
     def quantized_module(self, name: str, float_linear: nn.Linear, tied_rows: bool = False) -> nn.Module:
         """``tied_rows``: the head of a tied model whose embedding is int8 shares its int8 rows (no float rows)."""
         q, s = self.weights[name]
-        int8 = Int8TokenLinear(q, s, None if float_linear.bias is None else float_linear.bias.detach().clone(),
-                               self.thresholds[name], rot_block=self.rot_blocks.get(name, 0), share_weight=tied_rows)
+        int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s,
+                                          rot_block=self.rot_blocks.get(name, 0), share_weight=tied_rows)
         if name == "lm_head" and self.head_topk > 0:
             rows = torch.zeros(0, 0) if tied_rows else float_linear.weight.detach()
             return Int8RescoredHead(int8, rows, self.head_topk)
