@@ -45,11 +45,11 @@ async def execute(body, canary, controller, metrics) -> dict:
             raise ApiError(503, str(exc), code="service_unavailable") from None
     if cmd.action == "golden-canary":
         try:
-            canary.window.golden = await canary.run_golden()
+            run = await canary.run_golden()
         except Exception as exc:  # noqa: BLE001 - report, don't 500
             raise ApiError(503, f"golden canary run failed: {type(exc).__name__}: {exc}"[:300],
                            code="service_unavailable") from None
-        return {"golden": canary.window.golden}
+        return {"golden": run, "window_golden": canary.record_golden(run)}
     try:
         state = await asyncio.to_thread(controller.command, cmd.action, cmd.weight, cmd.reason)
     except (StoreUnavailable, StateConflict) as exc:  # nothing changed: the operator may retry

@@ -12,7 +12,7 @@ from typing import Awaitable, Callable, Dict, List
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.quantize.text import ids_to_text
 from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, other_variant
-from policy_bundle.serve.analysis import LATENCY_SAMPLES, Window, analyse
+from policy_bundle.serve.analysis import LATENCY_SAMPLES, Window, analyse, pooled_golden
 from policy_bundle.serve.rollout import RolloutController
 from policy_bundle.serve.rollout_db import StoreUnavailable
 
@@ -94,12 +94,22 @@ class LiveCanary:
         summaries = {name: completion_metrics(FidelityReport(n, 0, nan, nan, nan), items, ref, outs[name],
                                               lambda ids: ids_to_text(self.tok, ids), reward).summary() for name in VARIANTS}
         int8, fp16 = summaries["int8"], summaries["fp16"]
-        out = {"items": n, "max_in_flight": run["peak"], "greedy_agreement": int8["greedy_agreement"],
+        out = {"items": n, "runs": 1, "max_in_flight": run["peak"], "greedy_agreement": int8["greedy_agreement"],
+               "greedy_same": sum(a == b for a, b in zip(ref, outs["int8"])),
                "fp16_greedy_agreement": fp16["greedy_agreement"],
                "reward_int8": int8.get("reward_candidate"), "reward_fp16": fp16.get("reward_candidate")}
         if out["reward_int8"] is not None and out["reward_fp16"] is not None:
             out["reward_delta"] = out["reward_int8"] - out["reward_fp16"]
+            # per item, for the delta's confidence bound (``analysis._golden_verdict``)
+            deltas = [reward(it.prompt, ids_to_text(self.tok, a)) - reward(it.prompt, ids_to_text(self.tok, b))
+                      for it, a, b in zip(items, outs["int8"], outs["fp16"])]
+            out.update(reward_pairs=n, reward_delta_sum=sum(deltas), reward_delta_sq_sum=sum(d * d for d in deltas))
         return out
+
+    def record_golden(self, run: dict) -> dict:
+        """A golden run's figures into this window, pooled with its earlier runs (``analysis.pooled_golden``)."""
+        self.window.golden = pooled_golden(self.window.golden, run)
+        return self.window.golden
 
     async def _counted(self, call: Awaitable, run: dict):
         """Golden calls count against the in-flight cap as background calls (they wait for room, never skip)."""
@@ -154,7 +164,7 @@ class LiveCanary:
         if not self.controller.analysing():
             return
         try:
-            self.window.golden = await self.run_golden()
+            self.record_golden(await self.run_golden())
         except Exception as exc:  # noqa: BLE001 - a broken metric source (the variants' own failures count in the pool)
             log.warning("golden canary run failed: %s", exc)
             await asyncio.to_thread(self.controller.error, f"golden canary run failed: {type(exc).__name__}: {exc}"[:300])

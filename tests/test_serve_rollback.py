@@ -86,6 +86,37 @@ def test_broken_bundle_is_rolled_back_while_every_request_succeeds(broken_versio
         server.stop()
 
 
+def test_golden_runs_judge_the_items_pooled_over_a_window_not_one_small_run(broken_version, state):
+    """Two golden items that disagree with FP32 (or lose their task reward) are no evidence of a bad policy (a good one
+    misses that often: the served SmolLM2-135M default bundle scored 6 of 16 against its gate's 0.5); the window keeps
+    them, and the same misses over more items fail it. Judged per run, the first analysis failed."""
+    server = Server(env_for(state, "golden-pooled", broken_version, vllm=False,
+                            rollout={"golden_items": 2, "shadow_fraction": 0.0,
+                                     "thresholds": {"min_greedy_agreement": 0.5}}),
+                    state / "golden-pooled.log").wait_ready()
+    try:
+        run = admin(server, "golden-canary")
+        assert (run["golden"]["items"], run["window_golden"]["items"]) == (2, 2)
+        first = admin(server, "analyse")
+        assert first["verdict"] == "inconclusive", first
+        lo, hi = first["metrics"]["golden_greedy_agreement_bounds"]
+        assert hi > 0.5 and first["metrics"]["golden"]["items"] == 2
+        verdicts = []
+        for _ in range(6):  # 2 items a run, pooled: at 0 of 4 matching the upper bound is 0.49
+            pooled = admin(server, "golden-canary")["window_golden"]
+            verdicts.append(admin(server, "analyse"))
+            if verdicts[-1]["verdict"] != "inconclusive":
+                break
+        last = verdicts[-1]
+        assert last["verdict"] == "fail", verdicts
+        assert last["metrics"]["golden"]["items"] == pooled["items"] > 2
+        assert all(r.startswith("golden ") and f"{pooled['items']} items" in r for r in last["reasons"]), last
+        m = last["metrics"]  # whichever failed (greedy agreement or task reward: the broken policy loses both), by its bound
+        assert m["golden_greedy_agreement_bounds"][1] < 0.5 or m["golden_reward_delta_bounds"][1] < -0.02
+    finally:
+        server.stop()
+
+
 def test_tampered_store_entry_stops_the_variant_from_starting(small_bundle):
     import bentoml
 
