@@ -38,6 +38,24 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(allowed.logical_not(), float("-inf"))
 
 
+def attention_len(needed: int, cache_len: int) -> int:
+    """How many cache positions attention runs over: ``needed`` rounded up to a multiple of 32, within the cache.
+    The CPU attention kernel's sums depend on the key length, valid or masked: over exactly ``pos + 1`` keys a
+    decode step's output moved by ~1e-5 against a longer cache, and an int8 policy turns that into other logits
+    (SmolLM2-135M: 0.52 in one step). So a row attending alone over ``pos + 1`` keys, in a batch over the longest
+    row's, or in the build's greedy over its whole cache, gave three answers. Over any multiple of 32 it gives one
+    (measured from 32 to 1280 keys, across the kernel's 512-key blocks). Decoding callers allocate whole blocks
+    (``cache_len_for``); a teacher-forced forward over a cache of exactly its T tokens attends over T, as before."""
+    n = (needed + 31) // 32 * 32
+    return n if n < cache_len else cache_len
+
+
+def cache_len_for(total: int) -> int:
+    """The KV-cache length a decoding caller allocates for ``total`` positions: whole blocks of ``attention_len``, so
+    every step, the last ones too, attends over a multiple of 32 (``decode_steps``, the slot batch)."""
+    return (total + 31) // 32 * 32
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: PolicyConfig):
         super().__init__()

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 import torch
 from torch import Tensor
 
+from policy_bundle.quantize.blocks import cache_len_for
 from policy_bundle.quantize.slots import SlotBatch
 
 
@@ -61,7 +62,7 @@ def decode_steps(
         total = min(total, max_seq_len)
     if total <= len(prompt_ids):
         return
-    k, v = module.new_cache(1, total)
+    k, v = module.new_cache(1, cache_len_for(total))  # whole attention blocks (``blocks.attention_len``)
     logits = module.prefill(torch.tensor([list(prompt_ids)]), k, v)
     for pos in range(len(prompt_ids), total):
         step = pick(logits[0, -1])
@@ -69,6 +70,28 @@ def decode_steps(
         if step.token_id == stop_token_id or pos + 1 >= total:
             return
         logits = module.decode(torch.tensor([[step.token_id]]), pos, k, v)
+
+
+# The intra-op threads a served torch engine decodes with by default (serve's ``engine_threads``), and the build's
+# greedy gate therefore: a decode step's float rounding depends on the thread count (the rotations' small GEMMs,
+# attention), so the gate measured at the build's 2 threads what the 1-thread service does not compute (SmolLM2-135M:
+# 3 of 20 greedy continuations differed), and a row's answer stays the same beside other rows only at one thread.
+DECODE_THREADS = 1
+
+
+class threads:
+    """``with threads(n):`` torch's intra-op threads are ``n`` inside (this thread's setting), as before after."""
+
+    def __init__(self, n: int):
+        self.n, self.before = n, 0
+
+    def __enter__(self) -> "threads":
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.before)
 
 
 def greedy_generate(module, prompt: Sequence[int], max_new_tokens: int, eos_token_id: Optional[int] = None) -> list[int]:

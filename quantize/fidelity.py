@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policy_bundle.quantize.config_schema import FieldError, check, ranged
-from policy_bundle.quantize.decode import greedy_generate
+from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, threads
 from policy_bundle.quantize.model import full_logits
 from policy_bundle.quantize.percentile import percentile
 
@@ -113,7 +113,10 @@ Decode = Callable[[List[int]], str]
 
 
 def greedy_completions(policy, items: Sequence[GoldenItem], max_new_tokens: int, eos: Optional[int]) -> List[List[int]]:
-    return [greedy_generate(policy, it.prompt_ids, max_new_tokens, eos) for it in items]
+    """Each item's greedy completion, decoded as a served engine decodes it by default (``DECODE_THREADS``): the
+    gate's greedy agreement is then what the service's golden canary measures on the same items and CPU."""
+    with threads(DECODE_THREADS):
+        return [greedy_generate(policy, it.prompt_ids, max_new_tokens, eos) for it in items]
 
 
 def measure_fidelity(

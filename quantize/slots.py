@@ -15,6 +15,8 @@ from typing import Callable, Generic, List, Optional, Sequence, TypeVar
 import torch
 from torch import Tensor
 
+from policy_bundle.quantize.blocks import attention_len, cache_len_for
+
 R = TypeVar("R")
 
 
@@ -42,7 +44,7 @@ class SlotBatch(Generic[R]):
         if n > self.max_capacity:
             raise ValueError(f"{n} slots asked of a batch of at most {self.max_capacity}")
         cap = min(self.max_capacity, max(4, 1 << (n - 1).bit_length()))
-        k, v = self.module.new_cache(cap, self.max_len)
+        k, v = self.module.new_cache(cap, cache_len_for(self.max_len))  # whole attention blocks
         if self.k is not None:
             k[:, : self.capacity] = self.k
             v[:, : self.capacity] = self.v
@@ -59,10 +61,16 @@ class SlotBatch(Generic[R]):
             raise ValueError(f"no free slot: {slot} rows fill the cache's {self.capacity} slots (grow it first)")
         self.filling = 0
         run = getattr(self.module, "next_logits", self.module)
-        logits = run(torch.tensor([list(ids)]), start, self.k[:, slot : slot + 1, :, :end],
-                     self.v[:, slot : slot + 1, :, :end])
+        n = self.attended(end)
+        logits = run(torch.tensor([list(ids)]), start, self.k[:, slot : slot + 1, :, :n], self.v[:, slot : slot + 1, :, :n])
         self.filling = end
         return logits[0, -1]
+
+    def attended(self, needed: int) -> int:
+        """The cache positions a step attends over: ``needed`` rounded up to a multiple of 32 within the cache
+        (``blocks.attention_len``, which an artifact exported since 2026-12-05 applies itself): a row's answer is then
+        the same alone, beside rows at other positions, and in the build's greedy decode."""
+        return attention_len(needed, self.k.shape[3])
 
     def join(self, row: R) -> None:
         """The next free slot, its prompt prefilled, becomes ``row``: its next token goes after the prompt."""
@@ -73,7 +81,7 @@ class SlotBatch(Generic[R]):
     def step(self, tokens: Sequence[int]) -> Tensor:
         """Feed ``tokens[i]`` to row ``i`` at ``pos[i]``; returns the next logits [n, V]. One row runs the
         single-sequence ``decode`` (the same arithmetic, minus ``decode_batch``'s gathers)."""
-        n, s = len(self.rows), max(self.pos) + 1
+        n, s = len(self.rows), self.attended(max(self.pos) + 1)
         k, v = self.k[:, :n, :, :s], self.v[:, :n, :, :s]
         ids = torch.tensor(list(tokens)).view(n, 1)
         if n == 1:

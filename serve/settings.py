@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Tuple
 
+from policy_bundle.quantize.decode import DECODE_THREADS
 from policy_bundle.quantize.config_schema import FieldError, check, choice, from_mapping, ranged, read_as, read_yaml
 from policy_bundle.serve.rollout_types import RolloutConfig
 
@@ -41,7 +42,9 @@ class RouterSettings:
     background_slots: int = ranged(2, 0)  # of those, the most shadow + golden-canary calls at once
     max_batch: int = ranged(32, 1)  # sequences one INT8 (TorchScript) decode step advances at once (continuous)
     prefill_chunk: int = ranged(64, 1)  # prompt tokens prefilled per decode step while others decode (long prompts)
-    engine_threads: int = ranged(1, 1, 256)  # intra-op threads of a torch engine's decode thread (engines.py says why)
+    # intra-op threads of a torch engine's decode thread (engines.py says why); the default is what the build's gate
+    # decoded with (quantize.decode.DECODE_THREADS): another count rounds otherwise and rows depend on their batch
+    engine_threads: int = ranged(DECODE_THREADS, 1, 256)
     request_timeout_s: float = ranged(60.0, 0.0)
     health_interval_s: float = ranged(1.0, 0.0)  # variant health probes; a variant that fails one gets no new traffic
     health_timeout_s: float = ranged(3.0, 0.0)

@@ -74,3 +74,29 @@ def test_batched_greedy_generation_equals_one_sequence_at_a_time():
     assert greedy_generate_batch(policy, prompts, 10, eos, batch_size=8, done=finished.append) == alone
     assert sorted(finished) == list(range(len(prompts)))
     assert greedy_generate_batch(torch.jit.script(policy), prompts[:5], 10, eos, batch_size=3) == alone[:5]
+
+
+def test_the_gates_greedy_decodes_on_the_served_engines_thread_count_and_restores_the_callers():
+    """A decode step's float rounding depends on torch's intra-op threads: the build's gate decodes with the served
+    INT8 engine's default (``DECODE_THREADS``, serve's ``engine_threads``), not with the build's own."""
+    from policy_bundle.quantize.decode import DECODE_THREADS
+    from policy_bundle.quantize.fidelity import GoldenItem, greedy_completions
+    from policy_bundle.serve.settings import RouterSettings
+
+    seen = []
+
+    class Recording(CountingPolicy):
+        def decode(self, token, pos, k, v):
+            seen.append(torch.get_num_threads())
+            return super().decode(token, pos, k, v)
+
+    policy = Recording(init_random_policy(CFG, seed=0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        items = [GoldenItem("p", [1, 2, 3], [4, 5]), GoldenItem("q", [3, 4], [5, 6])]
+        assert greedy_completions(policy, items, 4, None) == [greedy_generate(policy, it.prompt_ids, 4) for it in items]
+        assert seen[:6] == [DECODE_THREADS] * 6 and torch.get_num_threads() == 2  # the caller's count is back
+    finally:
+        torch.set_num_threads(before)
+    assert RouterSettings().engine_threads == DECODE_THREADS

@@ -130,3 +130,47 @@ def test_a_batch_refuses_more_slots_than_its_limit_and_a_prefill_without_a_free_
         batch.join(r)
     with pytest.raises(ValueError, match="no free slot"):
         batch.prefill(prompts[3])
+
+
+@pytest.mark.parametrize("which", ["fp32 policy", "int8 torchscript"])
+def test_a_step_attends_over_whole_blocks_whatever_cache_it_is_handed(which, policy, small_bundle):
+    """Attention's sums depend on how many keys it runs over, masked or not: over exactly ``pos + 1`` (what the slot
+    batch handed a step until 2026-12-05) a step's logits differ from those over a longer cache (``decode_steps``' own,
+    the build's greedy; or the longest row's, in a batch). The model now attends over ``attention_len``: whole blocks
+    of 32, the same for any cache at least that long, and the slot batch hands it such views. On SmolLM2-135M's INT8
+    policy the old views moved logits by up to 0.52 in one step, and a row's greedy continuation beside others
+    differed from its own in 6 of 20 golden prompts (0 of 20 now, at ``DECODE_THREADS``)."""
+    from policy_bundle.quantize.decode import DECODE_THREADS, threads
+    from policy_bundle.quantize.script_runner import load_torchscript
+
+    module = policy if which == "fp32 policy" else load_torchscript(small_bundle / "int8" / "policy.ts")
+    exact_differs = []
+    with threads(DECODE_THREADS):
+        for plen in (3, 7, 12, 20):
+            ids = torch.randint(3, len(VOCAB), (1, plen), generator=torch.Generator().manual_seed(plen))
+            k, v = module.new_cache(1, 128)
+            module.prefill(ids, k, v)
+
+            def step(n):
+                return module.decode(torch.tensor([[5]]), plen, k[:, :, :, :n].clone(), v[:, :, :, :n].clone())
+
+            block = step(32)
+            assert all(torch.equal(step(n), block) for n in (64, 128))
+            exact_differs.append(not torch.equal(step(plen + 1), block))  # the old view: the negative control
+    if which == "fp32 policy":  # the static int8 layers round a 1e-6 attention difference away in this small policy
+        assert any(exact_differs), "exact-length attention no longer differs: the control shows nothing here"
+
+    seen = []
+
+    class Recording:  # the cache lengths the slot batch hands the module
+        def new_cache(self, b, n): return module.new_cache(b, n)
+        def next_logits(self, ids, start, k, v): seen.append(k.shape[3]); return module.next_logits(ids, start, k, v)  # noqa: E702
+        def decode(self, t, pos, k, v): seen.append(k.shape[3]); return module.decode(t, pos, k, v)  # noqa: E702
+        def decode_batch(self, t, pos, k, v): seen.append(k.shape[3]); return module.decode_batch(t, pos, k, v)  # noqa: E702
+
+    batch, outs = SlotBatch(Recording(), 32, 2), {}
+    batch.grow(2)
+    for r, prompt in enumerate(([1, 2, 3], list(range(3, 15)))):
+        admit(batch, prompt, r, outs)
+        advance(batch, outs, 3)
+    assert seen and all(n == 32 for n in seen), seen  # never pos + 1 (4, 5, 6, 13, 14, ...)
