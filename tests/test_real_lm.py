@@ -96,3 +96,34 @@ def test_negative_control_static_without_fallback_fails_the_same_gate(smollm2_so
     res = run_cli("build", "--config", cfg, "--out", str(tmp_path / "static"), "--set", "canary.max_fp_layers=0",
                   timeout=3600)
     assert res.returncode == 2 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.real_lm
+def test_the_served_decode_is_what_the_gate_measured(smollm2_bundle):
+    """The gate's greedy agreement is the service's: the bundle's held-out golden prompts decoded in slot batches of 8
+    (as the INT8 engine serves them, rows at other positions beside each other) give each prompt the continuation it
+    gets alone, and the share matching FP32's is the manifest's figure. Before 2026-12-05 attention's sums depended on
+    the cache length handed to it: 9 of 20 continuations changed in a batch, and a 16-item served golden run scored
+    6 of 16 against the gate's 0.55. The old views (exactly the positions needed) are the negative control."""
+    import policy_bundle.quantize.slots as slots
+    from policy_bundle.bundle.info import read_golden_jsonl
+    from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, greedy_generate_batch, threads
+    from policy_bundle.quantize.script_runner import load_torchscript
+
+    out, _ = smollm2_bundle
+    m = json.loads((out / "bundle.json").read_text())
+    items = read_golden_jsonl(out / "golden.jsonl")
+    prompts, eos = [it.prompt_ids for it in items], m["policy"]["config"].get("eos_token_id")
+    ts = load_torchscript(out / "int8" / "policy.ts")
+    new = m["config"]["prompts"]["max_new_tokens"]
+    with threads(DECODE_THREADS):
+        alone = [greedy_generate(ts, p, new, eos) for p in prompts]
+        assert greedy_generate_batch(ts, prompts, new, eos, 8) == alone
+        agree = sum(a == it.completion_ids for a, it in zip(alone, items)) / len(items)
+        assert agree == m["fidelity"]["int8_torchscript"]["greedy_agreement"]
+        exact = slots.SlotBatch.attended
+        slots.SlotBatch.attended = lambda self, needed: needed  # the views before 2026-12-05
+        try:
+            assert greedy_generate_batch(ts, prompts, new, eos, 8) != alone
+        finally:
+            slots.SlotBatch.attended = exact
