@@ -23,6 +23,7 @@ from policy_bundle.loadtest.bench_models import bench_models
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
+from policy_bundle.quantize.blocks import cache_len_for
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.script_runner import load_torchscript
 from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm, vllm_available
@@ -66,7 +67,7 @@ def batch_decode_tps(module, rows: int, prompt_len: int, new_tokens: int, vocab:
     prompts = torch.randint(3, vocab, (rows, prompt_len), generator=torch.Generator().manual_seed(3))
 
     def run() -> float:
-        k, v = module.new_cache(rows, prompt_len + new_tokens + 1)
+        k, v = module.new_cache(rows, cache_len_for(prompt_len + new_tokens + 1))  # as a served batch allocates
         nxt = module.prefill(prompts, k, v)[:, -1:].argmax(-1)
         t = time.perf_counter()
         for step in range(new_tokens):

@@ -80,7 +80,9 @@ DECODE_THREADS = 1
 
 
 class threads:
-    """``with threads(n):`` torch's intra-op threads are ``n`` inside (this thread's setting), as before after."""
+    """``with threads(n):`` torch's intra-op threads are ``n`` inside, as before after. ``torch.set_num_threads`` sets
+    the process's intra-op pool (and the default of threads that start meanwhile), so no other thread should run torch
+    work in the block: the build's gate runs its greedy decodes on one thread, nothing beside them."""
 
     def __init__(self, n: int):
         self.n, self.before = n, 0

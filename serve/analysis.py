@@ -28,7 +28,7 @@ class Window:
     latencies: dict = field(default_factory=lambda: {"int8": [], "fp16": []})
     shadow_pairs: int = 0
     shadow_same: int = 0
-    golden: Optional[dict] = None  # the golden-set canary runs of this window, pooled (``pooled_golden``)
+    golden: Optional[dict] = None  # the golden tally's summary after a run in this window (``GoldenTally``)
 
     def extended(self, later: "Window") -> "Window":
         """This window's evidence plus what ``later`` (recorded since this one was closed) saw: an
@@ -37,23 +37,38 @@ class Window:
                       {v: n + later.errors[v] for v, n in self.errors.items()},
                       {v: (lat + later.latencies[v])[-LATENCY_SAMPLES:] for v, lat in self.latencies.items()},
                       self.shadow_pairs + later.shadow_pairs, self.shadow_same + later.shadow_same,
-                      pooled_golden(self.golden, later.golden))
+                      later.golden or self.golden)
 
 
-def pooled_golden(earlier: Optional[dict], run: Optional[dict]) -> Optional[dict]:
-    """Golden-canary evidence of one window: ``run`` (``LiveCanary.run_golden``) added to the runs before it, counts
-    summed and the rates taken over all of them. 16 items are one draw of a noisy rate (each item's greedy answer
-    matches FP32's or not): the window judges every item it has seen."""
-    if not earlier or not run:
-        return run or earlier
-    out = dict(run)
-    for key in ("items", "greedy_same", "reward_pairs", "reward_delta_sum", "reward_delta_sq_sum", "runs"):
-        if key in earlier or key in run:
-            out[key] = earlier.get(key, 0) + run.get(key, 0)
-    out["greedy_agreement"] = out["greedy_same"] / out["items"] if out.get("items") else run.get("greedy_agreement")
-    if out.get("reward_pairs"):
-        out["reward_delta"] = out["reward_delta_sum"] / out["reward_pairs"]
-    return out
+@dataclass
+class GoldenTally:
+    """The live golden canary's evidence: each golden item's latest result (did the served INT8's greedy continuation
+    match the build's FP32 one; its task reward minus FP16's) over every run so far, kept across analysis windows (a
+    golden answer does not depend on the traffic split). Runs go round the set, and a deterministic answer asked
+    again is no new evidence, so each item counts once. The set is the gate's held-out items: the whole set judged is
+    the gate's own measurement again (``_golden_verdict``)."""
+
+    set_items: int
+    results: dict = field(default_factory=dict)  # item index -> (greedy matched FP32's, reward delta or None)
+    runs: int = 0
+
+    def add(self, per_item: List[list]) -> dict:
+        """One run's ``[index, matched, reward delta]`` per item; the summary a window is judged on."""
+        for index, same, delta in per_item:
+            self.results[int(index)] = (bool(same), delta)
+        self.runs += 1
+        return self.summary()
+
+    def summary(self) -> dict:
+        n = len(self.results)
+        same = sum(s for s, _ in self.results.values())
+        out = {"items": n, "set_items": self.set_items, "runs": self.runs, "greedy_same": same,
+               "greedy_agreement": same / n if n else None}
+        deltas = [d for _, d in self.results.values() if d is not None]
+        if deltas:
+            out.update(reward_pairs=len(deltas), reward_delta_sum=sum(deltas),
+                       reward_delta_sq_sum=sum(d * d for d in deltas), reward_delta=sum(deltas) / len(deltas))
+        return out
 
 
 def wilson_interval(failures: int, n: int, confidence: float) -> Tuple[float, float]:
@@ -96,12 +111,13 @@ def delta_interval(total: float, sq_total: float, n: int, confidence: float) -> 
 
 
 def _golden_verdict(g: dict, cfg: RolloutConfig, t: GateThresholds, metrics: dict) -> List[str]:
-    """The golden runs against the gate's greedy and reward limits, failing only when even the bound at
-    ``confidence`` most favourable to INT8 misses the limit, as the shadow flips and INT8 errors do. A build that
-    passed its gate sits near those limits on the same items (SmolLM2-135M: greedy 0.55 against 0.5 over 20 items),
-    and its 16-item runs scored 0.375-0.5625 while served (a decode thread's float rounding differs from the build's):
-    judged on the point, a good INT8 failed 2 of 6 windows, and 2 failed windows in a row roll it back. A broken one
-    (0 of 16, or 1: 0.05 was what saturating int8 sums gave) still fails in one run."""
+    """The golden items seen so far (``GoldenTally``) against the gate's greedy and reward limits. Over the whole set,
+    the greedy agreement is judged as the build's gate judged it, on the point: the same items, decoded as served.
+    Over part of it, and for the reward (INT8 against FP16 served, not the build's measurement), a window fails only
+    when even the bound at ``confidence`` most favourable to INT8 misses the limit, as the shadow flips and INT8
+    errors do. Judged on each 16-item run's point, the served SmolLM2-135M default bundle (gate greedy 0.55 against
+    0.5 over 20 items) scored 0.375-0.5625 and failed 2 of 6 windows, and 2 failed windows in a row roll back. A broken
+    INT8 (0 of 16, or 1: 0.05 was what saturating int8 sums gave) still fails in one run."""
     fails = []
     n, same = g.get("items", 0), g.get("greedy_same")
     if same is None and g.get("greedy_agreement") is not None:  # a run summary without counts
@@ -109,7 +125,11 @@ def _golden_verdict(g: dict, cfg: RolloutConfig, t: GateThresholds, metrics: dic
     if n and same is not None:
         lo, hi = wilson_interval(same, n, cfg.confidence)
         metrics["golden_greedy_agreement_bounds"] = [lo, hi]
-        if hi < t.min_greedy_agreement:
+        if g.get("set_items") and n >= g["set_items"]:
+            if same / n < t.min_greedy_agreement:
+                fails.append(f"golden greedy_agreement {same / n:.4f} < min {t.min_greedy_agreement} (all {n} golden "
+                             "items, the gate's rule)")
+        elif hi < t.min_greedy_agreement:
             fails.append(f"golden greedy_agreement {same / n:.4f} (<= {hi:.3f} at {cfg.confidence:.0%} confidence, "
                          f"{n} items) < min {t.min_greedy_agreement}")
     pairs = g.get("reward_pairs", 0)

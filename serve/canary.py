@@ -12,7 +12,7 @@ from typing import Awaitable, Callable, Dict, List
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.quantize.text import ids_to_text
 from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, other_variant
-from policy_bundle.serve.analysis import LATENCY_SAMPLES, Window, analyse, pooled_golden
+from policy_bundle.serve.analysis import LATENCY_SAMPLES, GoldenTally, Window, analyse
 from policy_bundle.serve.rollout import RolloutController
 from policy_bundle.serve.rollout_db import StoreUnavailable
 
@@ -26,6 +26,7 @@ class LiveCanary:
         self.tok, self.settings, self.metrics = tok, settings, metrics
         self.golden = info.golden()
         self.golden_cursor = 0
+        self.tally = GoldenTally(len(self.golden))
         self.window = Window(controller.epoch())
         self.tasks: Dict[str, asyncio.Task] = {}
         self.background: set = set()  # shadow calls in flight (a reference keeps each task alive)
@@ -81,7 +82,8 @@ class LiveCanary:
         n = min(self.settings.rollout.golden_items, len(self.golden))
         if n == 0:
             raise RuntimeError("the bundle has no golden set")
-        items = [self.golden[(self.golden_cursor + i) % len(self.golden)] for i in range(n)]
+        index = [(self.golden_cursor + i) % len(self.golden) for i in range(n)]
+        items = [self.golden[i] for i in index]
         self.golden_cursor += n
         outs, run = {}, {"now": 0, "peak": 0}  # this run's calls in flight (its own high-water mark)
         for name in VARIANTS:
@@ -94,22 +96,25 @@ class LiveCanary:
         summaries = {name: completion_metrics(FidelityReport(n, 0, nan, nan, nan), items, ref, outs[name],
                                               lambda ids: ids_to_text(self.tok, ids), reward).summary() for name in VARIANTS}
         int8, fp16 = summaries["int8"], summaries["fp16"]
-        out = {"items": n, "runs": 1, "max_in_flight": run["peak"], "greedy_agreement": int8["greedy_agreement"],
-               "greedy_same": sum(a == b for a, b in zip(ref, outs["int8"])),
-               "fp16_greedy_agreement": fp16["greedy_agreement"],
+        same = [a == b for a, b in zip(ref, outs["int8"])]
+        out = {"items": n, "max_in_flight": run["peak"], "greedy_agreement": int8["greedy_agreement"],
+               "greedy_same": sum(same), "fp16_greedy_agreement": fp16["greedy_agreement"],
                "reward_int8": int8.get("reward_candidate"), "reward_fp16": fp16.get("reward_candidate")}
+        deltas = [None] * n
         if out["reward_int8"] is not None and out["reward_fp16"] is not None:
             out["reward_delta"] = out["reward_int8"] - out["reward_fp16"]
             # per item, for the delta's confidence bound (``analysis._golden_verdict``)
             deltas = [reward(it.prompt, ids_to_text(self.tok, a)) - reward(it.prompt, ids_to_text(self.tok, b))
                       for it, a, b in zip(items, outs["int8"], outs["fp16"])]
-            out.update(reward_pairs=n, reward_delta_sum=sum(deltas), reward_delta_sq_sum=sum(d * d for d in deltas))
+        out["per_item"] = [[i, s, d] for i, s, d in zip(index, same, deltas)]
         return out
 
     def record_golden(self, run: dict) -> dict:
-        """A golden run's figures into this window, pooled with its earlier runs (``analysis.pooled_golden``)."""
-        self.window.golden = pooled_golden(self.window.golden, run)
-        return self.window.golden
+        """A golden run's items into the tally (``analysis.GoldenTally``), whose summary this window is judged on."""
+        summary = self.tally.add(run["per_item"])
+        window = self.window  # one read: an analysis may swap windows meanwhile (then the next run records it)
+        window.golden = summary
+        return summary
 
     async def _counted(self, call: Awaitable, run: dict):
         """Golden calls count against the in-flight cap as background calls (they wait for room, never skip)."""

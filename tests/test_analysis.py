@@ -45,30 +45,39 @@ def test_int8_errors_fail_only_with_confidence_and_p99_only_over_enough_samples(
     assert v == "fail" and reasons == ["p99 latency ratio 10.00 > max 3.0"]
 
 
-def test_golden_runs_fail_only_with_confidence_pooled_over_the_window():
-    """The served default SmolLM2-135M bundle (gate greedy 0.55 against 0.5 on its 20 held-out items) scored 6 of 16
-    in one live run: judged on that point it failed the window, and two such windows roll a good INT8 back."""
-    from policy_bundle.serve.analysis import pooled_golden
+def test_golden_items_fail_part_of_the_set_only_with_confidence_and_the_whole_set_by_the_gates_rule():
+    """The served SmolLM2-135M default bundle of 8696d32 (gate greedy 0.55 against 0.5 on its 20 held-out items) matched
+    FP32 on 6 of 16 in one live run: judged on that point it failed the window, and two such windows roll INT8 back.
+    Part of the set is judged with a bound; the whole set (the gate's own items) by the gate's rule, each item once."""
+    from policy_bundle.serve.analysis import GoldenTally
 
-    t, cfg = GateThresholds(min_greedy_agreement=0.5), RolloutConfig(min_samples=1)
+    t, cfg = GoldenTally, RolloutConfig(min_samples=1)
+    gate = GateThresholds(min_greedy_agreement=0.5)
 
-    def run(same, n=16):
-        return {"items": n, "runs": 1, "greedy_same": same, "greedy_agreement": same / n}
+    def run(first, matched, n=16, size=20):  # items first.. (mod size), the first ``matched`` of them matching FP32
+        return [[(first + i) % size, i < matched, None] for i in range(n)]
 
-    v, reasons, metrics = analyse(Window(golden=run(6)), cfg, t)
+    v, reasons, metrics = analyse(Window(golden=t(20).add(run(0, 6))), cfg, gate)
     lo, hi = metrics["golden_greedy_agreement_bounds"]
-    assert v == "pass" and lo < 0.375 < 0.5 < hi  # 6 of 16: [0.18, 0.61] holds the limit
-    for same in (0, 1):  # broken (saturating int8 sums gave 1 in 20): failed by one run
-        v, reasons, _ = analyse(Window(golden=run(same)), cfg, t)
+    assert v == "pass" and lo < 0.375 < 0.5 < hi  # 6 of 16: [0.19, 0.61] holds the limit
+    for matched in (0, 1):  # broken (saturating int8 sums gave 1 in 20): failed by one run
+        v, reasons, _ = analyse(Window(golden=t(20).add(run(0, matched))), cfg, gate)
         assert v == "fail" and reasons[0].startswith("golden greedy_agreement") and "16 items" in reasons[0]
-    # the same rate over four runs in one window (an inconclusive window keeps collecting): [0.27, 0.497]
-    w = Window(golden=run(6))
-    for _ in range(3):
-        w = w.extended(Window(golden=run(6)))
-    assert (w.golden["items"], w.golden["greedy_same"], w.golden["runs"]) == (64, 24, 4)
-    v, reasons, metrics = analyse(w, cfg, t)
-    assert v == "fail" and "64 items" in reasons[0] and metrics["golden_greedy_agreement_bounds"][1] < 0.5
-    assert pooled_golden(None, run(3)) == run(3) and pooled_golden(run(3), None) == run(3)
+    tally = t(20)
+    tally.add(run(0, 8))  # items 0-15, 8 matching
+    whole = tally.add(run(16, 1))  # items 16-19 and 0-11 again, only 16 matching: each item counts once, its latest
+    assert (whole["items"], whole["runs"], whole["greedy_same"]) == (20, 2, 1)
+    v, reasons, _ = analyse(Window(golden=whole), cfg, gate)
+    assert v == "fail" and "all 20 golden items, the gate's rule" in reasons[0]  # 0.05 over the gate's own items
+    tally = t(20)
+    tally.add([[i, i < 10, None] for i in range(20)])
+    assert analyse(Window(golden=tally.summary()), cfg, gate)[0] == "pass"  # 10 of 20 = 0.5: the gate passed it
+    tally.add([[i, i < 9, None] for i in range(20)])  # a later run: item 9 no longer matches
+    v, reasons, _ = analyse(Window(golden=tally.summary()), cfg, gate)
+    assert v == "fail" and reasons[0].startswith("golden greedy_agreement 0.4500 < min 0.5")
+    # an inconclusive window keeps the latest summary when it is extended
+    w = Window(golden=t(20).add(run(0, 6))).extended(Window())
+    assert w.golden["items"] == 16
 
 
 def test_golden_reward_drops_fail_only_with_confidence():

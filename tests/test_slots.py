@@ -160,17 +160,34 @@ def test_a_step_attends_over_whole_blocks_whatever_cache_it_is_handed(which, pol
     if which == "fp32 policy":  # the static int8 layers round a 1e-6 attention difference away in this small policy
         assert any(exact_differs), "exact-length attention no longer differs: the control shows nothing here"
 
+
+
+def test_the_slot_batch_hands_each_step_whole_blocks_of_its_cache():
+    """``attention_len``: the positions needed rounded up to 32, within the cache; the slot batch allocates whole blocks
+    (``cache_len_for``) and hands a step, a prefill and a part-prefilled chunk such views, never ``pos + 1``."""
+    from policy_bundle.quantize.blocks import attention_len, cache_len_for
+    from policy_bundle.quantize.hf_weights import init_random_policy
+    from policy_bundle.quantize.model import PolicyConfig
+
+    assert [attention_len(n, 128) for n in (1, 31, 32, 33, 64, 65, 128)] == [32, 32, 32, 64, 64, 96, 128]
+    assert (attention_len(33, 40), attention_len(100, 100), cache_len_for(100), cache_len_for(64)) == (40, 100, 128, 64)
+    module = init_random_policy(PolicyConfig("llama", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                             head_dim=8, intermediate_size=64, max_seq_len=128), seed=0)
     seen = []
 
     class Recording:  # the cache lengths the slot batch hands the module
-        def new_cache(self, b, n): return module.new_cache(b, n)
+        def new_cache(self, b, n): seen.append(("alloc", n)); return module.new_cache(b, n)  # noqa: E702
         def next_logits(self, ids, start, k, v): seen.append(k.shape[3]); return module.next_logits(ids, start, k, v)  # noqa: E702
         def decode(self, t, pos, k, v): seen.append(k.shape[3]); return module.decode(t, pos, k, v)  # noqa: E702
         def decode_batch(self, t, pos, k, v): seen.append(k.shape[3]); return module.decode_batch(t, pos, k, v)  # noqa: E702
 
-    batch, outs = SlotBatch(Recording(), 32, 2), {}
+    batch, outs = SlotBatch(Recording(), 100, 2), {}
     batch.grow(2)
-    for r, prompt in enumerate(([1, 2, 3], list(range(3, 15)))):
-        admit(batch, prompt, r, outs)
-        advance(batch, outs, 3)
-    assert seen and all(n == 32 for n in seen), seen  # never pos + 1 (4, 5, 6, 13, 14, ...)
+    admit(batch, [1, 2, 3], 0, outs)  # positions 3..
+    advance(batch, outs, 2)
+    batch.prefill(list(range(3, 33)))  # a long prompt in two chunks: 30 then 12 more positions
+    batch.prefill(list(range(5, 17)), 30)
+    batch.join(1)
+    outs[1] = [7]
+    advance(batch, outs, 3)  # the long row at 42.., the short one at 5..: the batch attends over 64
+    assert seen[0] == ("alloc", 128) and seen[1:] == [32, 32, 32, 32, 64, 64, 64, 64], seen
