@@ -17,6 +17,7 @@ from typing import AsyncIterator, Iterator, List, Optional
 import torch
 from torch import Tensor
 
+from policy_bundle.quantize.blocks import cache_len_for
 from policy_bundle.quantize.decode import decode_steps
 from policy_bundle.quantize.model import full_logits
 from policy_bundle.quantize.vllm_launch import async_llm_engine
@@ -54,9 +55,16 @@ def pick_token(logits: Tensor, params: SamplingParams, gen: Optional[torch.Gener
 
 
 def last_position_logits(module, batch: List[List[int]]) -> List[List[float]]:
-    """Teacher-forced last-position logits for equal-length sequences (the batchable forward)."""
+    """Last-position logits for equal-length sequences (the batchable forward): the module's ``next_logits``, the LM
+    head on the last position only, over whole attention blocks as a generation's prefill attends (a full forward
+    put a [B, T, vocab] float tensor through the head first: SmolLM2-135M at 32 x 2048, 12.9 GB), or the last row of
+    its full forward where it has none (an artifact exported before 2026-12-04)."""
+    tokens = torch.tensor(batch)
     with torch.inference_mode():
-        return full_logits(module, torch.tensor(batch))[:, -1].float().tolist()
+        if not hasattr(module, "next_logits"):
+            return full_logits(module, tokens)[:, -1].float().tolist()
+        k, v = module.new_cache(tokens.shape[0], cache_len_for(tokens.shape[1]))
+        return module.next_logits(tokens, 0, k, v)[:, -1].float().tolist()
 
 
 def decode_thread_setup(threads: int) -> None:

@@ -229,3 +229,35 @@ def test_decode_thread_runs_with_the_configured_intra_op_threads_and_no_grad(art
 def test_an_engine_with_no_decode_threads_is_refused_at_construction(artifact, engine_cls):
     with pytest.raises(ValueError, match=r"^threads: 0 must be >= 1$"):
         engine_cls(artifact, 32, "int8", threads=0)
+
+
+def test_score_runs_the_head_on_the_last_position_as_a_prefill_does(artifact):
+    """The engines' ``score`` (the INT8 service's batchable API): each sequence's next-token logits as a generation's
+    prefill computes them (``next_logits`` over whole attention blocks), not a full forward's last row, whose
+    [B, T, vocab] head output is what a long batch ran out of memory on; an artifact without ``next_logits`` keeps
+    the full forward."""
+    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.slots import SlotBatch
+    from policy_bundle.serve.engines import last_position_logits
+
+    seqs = [p[:5] for p in PROMPTS if len(p) >= 5][:3]
+    got = torch.tensor(last_position_logits(artifact, [seqs[0]]))[0]
+    batch = SlotBatch(artifact, 32, 1)
+    batch.grow(1)
+    assert torch.equal(got, batch.prefill(seqs[0]))  # bitwise what the served prefill gives
+    full = full_logits(artifact, torch.tensor(seqs))[:, -1]
+    assert torch.allclose(torch.tensor(last_position_logits(artifact, seqs)), full, atol=1e-4)
+
+    calls = []
+
+    class Old:  # exported before next_logits
+        def new_cache(self, b, n): return artifact.new_cache(b, n)
+        def __call__(self, *a): calls.append("forward"); return artifact(*a)  # noqa: E702
+
+    class New(Old):
+        def next_logits(self, *a): calls.append("next_logits"); return artifact.next_logits(*a)  # noqa: E702
+
+    assert torch.allclose(torch.tensor(last_position_logits(Old(), seqs)), full, atol=0) and calls == ["forward"]
+    calls.clear()
+    last_position_logits(New(), seqs)
+    assert calls == ["next_logits"]  # no full forward: the head runs on one row per sequence
