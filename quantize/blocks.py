@@ -38,6 +38,12 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(allowed.logical_not(), float("-inf"))
 
 
+def cache_len_for(total: int) -> int:
+    """The KV-cache length a decoding caller allocates for ``total`` positions: whole blocks of ``attention_len``, so
+    every step, the last ones too, attends over a multiple of 32 (``decode_steps``, the slot batch)."""
+    return (total + 31) // 32 * 32
+
+
 def attention_len(needed: int, cache_len: int) -> int:
     """How many cache positions attention runs over: ``needed`` rounded up to a multiple of 32, within the cache.
     The CPU attention kernel's sums depend on the key length, valid or masked: over exactly ``pos + 1`` keys a
@@ -46,14 +52,16 @@ def attention_len(needed: int, cache_len: int) -> int:
     row's, or in the build's greedy over its whole cache, gave three answers. Over any multiple of 32 it gives one
     (measured from 32 to 1280 keys, across the kernel's 512-key blocks). Decoding callers allocate whole blocks
     (``cache_len_for``); a teacher-forced forward over a cache of exactly its T tokens attends over T, as before."""
-    n = (needed + 31) // 32 * 32
-    return n if n < cache_len else cache_len
+    return min(cache_len_for(needed), cache_len)
 
 
-def cache_len_for(total: int) -> int:
-    """The KV-cache length a decoding caller allocates for ``total`` positions: whole blocks of ``attention_len``, so
-    every step, the last ones too, attends over a multiple of 32 (``decode_steps``, the slot batch)."""
-    return (total + 31) // 32 * 32
+def attended_cache(k_cache: Tensor, v_cache: Tensor, needed: int) -> Tuple[Tensor, Tensor]:
+    """Views of the caches [..., S, head_dim] (positions on dim 3) over the ``attention_len`` positions a step
+    needing ``needed`` of them attends over."""
+    n = attention_len(needed, k_cache.shape[3])
+    if n < k_cache.shape[3]:
+        return k_cache.narrow(3, 0, n), v_cache.narrow(3, 0, n)
+    return k_cache, v_cache
 
 
 class Attention(nn.Module):

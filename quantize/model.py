@@ -14,7 +14,7 @@ from typing import Tuple
 import torch
 from torch import Tensor, nn
 
-from policy_bundle.quantize.blocks import Block, RMSNorm, additive_mask, attention_len
+from policy_bundle.quantize.blocks import Block, RMSNorm, additive_mask, attended_cache
 from policy_bundle.quantize.decode import greedy_generate  # re-exported (see __all__)
 from policy_bundle.quantize.policy_config import (  # noqa: F401 (re-exported: the model's public names)
     SUPPORTED_ARCHITECTURES, PolicyConfig, UnsupportedModelError, rope_inv_freq)
@@ -62,9 +62,8 @@ class Policy(nn.Module):
     def hidden(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """The last layer's output [B, T, dim] (before the final norm), the cache written at ``start_pos..``."""
         t = tokens.shape[1]
-        cache_len = attention_len(start_pos + t, k_cache.shape[3])
-        if cache_len < k_cache.shape[3]:
-            k_cache, v_cache = k_cache.narrow(3, 0, cache_len), v_cache.narrow(3, 0, cache_len)
+        k_cache, v_cache = attended_cache(k_cache, v_cache, start_pos + t)
+        cache_len = k_cache.shape[3]
         cos = self.rope_cos[start_pos : start_pos + t].to(k_cache.dtype)
         sin = self.rope_sin[start_pos : start_pos + t].to(k_cache.dtype)
         # Query i (absolute position start_pos+i) sees cache slots 0..start_pos+i.
@@ -93,9 +92,8 @@ class Policy(nn.Module):
         batching): ``tokens`` [B, 1], ``pos`` [B] int64, caches [layers, B, kv_heads, S, head_dim] with
         S > max(pos); row b attends to its slots 0..pos[b] (over ``attention_len`` slots: its answer does not depend on
         the other rows' positions). Returns logits [B, 1, V]."""
-        cache_len = attention_len(int(pos.max()) + 1, k_cache.shape[3])
-        if cache_len < k_cache.shape[3]:
-            k_cache, v_cache = k_cache.narrow(3, 0, cache_len), v_cache.narrow(3, 0, cache_len)
+        k_cache, v_cache = attended_cache(k_cache, v_cache, int(pos.max()) + 1)
+        cache_len = k_cache.shape[3]
         cos = self.rope_cos.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
         sin = self.rope_sin.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
         mask = additive_mask((torch.arange(cache_len).unsqueeze(0) <= pos.unsqueeze(1)).view(pos.shape[0], 1, 1, cache_len),

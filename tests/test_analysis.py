@@ -7,7 +7,7 @@ from policy_bundle.serve.rollout_types import RolloutConfig
 
 
 def test_golden_runs_are_judged_with_the_bundle_thresholds():
-    w = Window(golden={"items": 16, "greedy_agreement": 0.6, "reward_delta": 0.0})
+    w = Window(golden={"items": 16, "greedy_same": 10, "greedy_agreement": 0.625})
     strict, lenient = GateThresholds(min_greedy_agreement=0.9), GateThresholds(min_greedy_agreement=0.5)
     assert analyse(w, RolloutConfig(min_samples=1), strict)[0] == "fail"
     assert analyse(w, RolloutConfig(min_samples=1), lenient)[0] == "pass"
