@@ -26,8 +26,8 @@ from policy_bundle.build.artifacts.manifest_body import calibration_section, man
 from policy_bundle.build.artifacts.output_dir import (check_output, move_into_place, new_partial_dir,
                                                      remove_stale_work_dirs)
 from policy_bundle.build.calibrate.calibrated import CalibratedModels
-from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, resolve_defaults, split_golden,
-                                                       split_prompts)
+from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, resolve_defaults, search_share,
+                                                       split_golden, split_prompts)
 from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_rollouts, read_rollouts_jsonl,
                                                     screen_odd_samples, vllm_rollouts)
 from policy_bundle.build.config.build_config import BuildConfig
@@ -160,7 +160,8 @@ def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golde
             seqs = [p + c for p, c in zip(cal_ids, completions)]
             source = f"{cfg.rollouts.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
         golden = split_golden(golden_items(prompts, gold_ids, logged_local_rollouts(
-            loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id, "golden rollouts")) if golden_set else [])
+            loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id, "golden rollouts"))
+            if golden_set else [], search_share(cfg))
         rate = len(seqs) / max(1e-9, time.monotonic() - t0)
         seqs, odd = screen_odd_samples(cfg, loaded.policy, seqs, tok, log=log)
         batches = calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)

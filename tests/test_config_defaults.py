@@ -4,8 +4,8 @@ enough to judge, each calibration prompt once, and no ONNX file its per-token re
 import pytest
 
 from policy_bundle.build.artifacts.artifact_fidelity import gate_artifacts
-from policy_bundle.build.calibrate.prompt_split import (GENERAL_PROMPTS, read_prompts_file, resolve_defaults,
-                                                         split_prompts)
+from policy_bundle.build.calibrate.prompt_split import (GENERAL_PROMPTS, default_general_golden, read_prompts_file,
+                                                         resolve_defaults, search_share, split_golden, split_prompts)
 from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, ConfigError, load_config
 
 
@@ -15,14 +15,27 @@ def general_lm(tmp_path, *sets):
     return load_config(None, (f"policy.source={tmp_path / 'lm'}", *sets))
 
 
-def test_a_general_lm_gets_32_tokens_40_golden_items_and_each_other_prompt_once(tmp_path):
+def test_a_general_lm_gets_32_tokens_100_golden_items_and_each_other_prompt_once(tmp_path):
     cfg = resolve_defaults(general_lm(tmp_path))
     n = len(read_prompts_file(GENERAL_PROMPTS))
-    assert cfg.prompts.max_new_tokens == 32 and cfg.calibration.golden == 40
-    assert cfg.calibration.samples == n - 40
+    assert n == 140 and cfg.prompts.max_new_tokens == 32 and cfg.calibration.golden == 100
+    assert cfg.calibration.samples == 40
     split = split_prompts(cfg)
-    assert len(split.golden) == 40 and len(set(split.calibration)) == len(split.calibration) == n - 40
+    assert len(split.golden) == 100 and len(set(split.calibration)) == len(split.calibration) == 40
     assert not set(split.golden) & set(split.calibration)
+    assert len(set(read_prompts_file(GENERAL_PROMPTS))) == n  # no prompt twice: no item on both sides
+
+
+def test_the_search_takes_at_most_20_of_a_prompts_files_golden_items_and_the_gate_the_rest(tmp_path):
+    items = list(range(100))
+    split = split_golden(items, search_share(resolve_defaults(general_lm(tmp_path))))
+    assert split.search == list(range(1, 40, 2)) and split.gate == list(range(0, 40, 2)) + list(range(40, 100))
+    # a task policy's gate gets its N items and the search N more (alternating), as before
+    task = split_golden(items, search_share(resolve_defaults(load_config(None))))
+    assert task.search == items[1::2] and task.gate == items[::2]
+    assert split_golden(items[:7], 20).gate == [0, 2, 4, 6] and split_golden(items[:2], 20).search == [1]
+    # a smaller file still gives half to golden (at least 2), a larger one keeps 40 for calibration, up to 100
+    assert [default_general_golden(n) for n in (3, 10, 80, 120, 140, 1000)] == [2, 5, 40, 80, 100, 100]
 
 
 def test_the_task_policy_keeps_its_defaults_and_set_fields_are_kept(tmp_path):
@@ -35,7 +48,7 @@ def test_the_task_policy_keeps_its_defaults_and_set_fields_are_kept(tmp_path):
 
 
 def test_a_batch_larger_than_the_resolved_samples_is_one_line(tmp_path):
-    n = len(read_prompts_file(GENERAL_PROMPTS)) - 40
+    n = 40  # the shipped file's calibration prompts
     with pytest.raises(ConfigError, match=rf"calibration.batch_size: 64 exceeds calibration.samples \({n}\)"):
         resolve_defaults(general_lm(tmp_path, "calibration.batch_size=64"))
 
