@@ -19,12 +19,11 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from policy_bundle.build.artifacts.artifact_fidelity import gate_artifacts, quick_fidelity
+from policy_bundle.build.artifacts.artifact_fidelity import gate_artifacts, quick_fidelity, reference_logits_of
 from policy_bundle.build.artifacts.int8_vllm import (Int8Vllm, check_int8_vllm, export_int8_vllm, planned,
                                                      start_int8_vllm_check)
 from policy_bundle.build.artifacts.manifest_body import calibration_section, manifest_body, write_drift_report
-from policy_bundle.build.artifacts.output_dir import (check_output, move_into_place, new_partial_dir,
-                                                     remove_stale_work_dirs)
+from policy_bundle.build.artifacts.output_dir import check_output, move_into_place, new_partial_dir, remove_stale_work_dirs
 from policy_bundle.build.calibrate.calibrated import CalibratedModels
 from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, resolve_defaults, search_share,
                                                        split_golden, split_prompts)
@@ -144,8 +143,7 @@ def load_stage(cfg: BuildConfig, stages: Stages) -> Loaded:
 
 
 def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golden_set: bool = True) -> Rollouts:
-    """Calibration sequences (generated, or read from a rollout dump) and the golden set's FP32 completions
-    (``golden_set=False``: calibration only, as the drift monitor needs)."""
+    """Calibration sequences (generated or read) and the golden set's FP32 completions (``golden_set=False``: none)."""
     tok = loaded.tok
     with stages.run("rollouts") as s:
         prompts = split_prompts(cfg)
@@ -256,10 +254,11 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
                    int8_vllm: Int8Vllm) -> Tuple[dict, Optional[str]]:
     """Every exported artifact measured and gated; returns the fidelity and why ONNX is left out (or None)."""
     with stages.run("fidelity of the exported artifacts") as s:
-        fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp)
+        ref = reference_logits_of(loaded.policy, golden)  # FP32's teacher-forced logits, once for every artifact
+        fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp, ref)
         onnx_skipped = gate_artifacts(cfg, fidelity, tmp)
         if not int8_vllm.skipped:
-            check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm)
+            check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm, ref)
         if int8_vllm.fidelity:
             fidelity["int8_vllm"] = int8_vllm.fidelity
         write_golden_jsonl(golden, BundleLayout(tmp).golden)

@@ -119,6 +119,9 @@ def greedy_completions(policy, items: Sequence[GoldenItem], max_new_tokens: int,
         return [greedy_generate(policy, it.prompt_ids, max_new_tokens, eos) for it in items]
 
 
+LOGITS_ONLY_NOTE = "logit metrics only: greedy generation not run"
+
+
 def measure_fidelity(
     reference,
     candidate,
@@ -132,7 +135,7 @@ def measure_fidelity(
     generate: bool = True,
     reference_outputs: Optional[List[List[int]]] = None,
     reference_logits: Optional[List[Tensor]] = None,
-    logits_only_note: str = "logit metrics only: greedy generation not run",
+    logits_only_note: str = LOGITS_ONLY_NOTE,
 ) -> FidelityReport:
     """Compare ``candidate`` to ``reference`` on the golden ``items``.
 

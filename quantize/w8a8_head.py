@@ -13,10 +13,45 @@ float rows): float activations against int8 weights, so the top-k logits carry t
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 from torch import Tensor, nn
 
 from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
+
+
+def int16_rows(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """Symmetric int16 per row of a float [rows, dim] matrix: (int16 [rows, dim], float scales [rows]). Each element
+    is within about amax / 65534 of its row's float value: on SmolLM2-135M's embedding the FP32 policy with only its
+    embedding in int16 matched FP32 on 1279 of 1280 greedy tokens (docs/recipes.md, 2026-12-04)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 32767.0).clamp_min(1e-12)
+    return torch.round(w / scales.unsqueeze(1)).clamp(-32767, 32767).to(torch.int16), scales
+
+
+def gather_int16(rows16: Tensor, scales16: Tensor, ids: Tensor) -> Tensor:
+    """The float rows ``ids`` [n] of an ``int16_rows`` matrix, [n, dim]: a row's values do not depend on the others."""
+    return rows16.index_select(0, ids).float() * scales16.index_select(0, ids).unsqueeze(1)
+
+
+class Int16Embedding(nn.Module):
+    """Token embedding from int16 rows, a scale per row (``int16_rows``): half a float32 embedding's bytes, 1/65534 of
+    a row's largest value off. Tied to a rescored int8 head it holds the head's own ``rows16`` and ``scales16`` (the
+    same tensors: saved and held once), so the embedding and the rescoring read the same rows."""
+
+    def __init__(self, rows16: Tensor, scales16: Tensor):
+        super().__init__()
+        self.register_buffer("rows16", rows16)
+        self.register_buffer("scales16", scales16)
+        self.num_embeddings, self.embedding_dim = int(rows16.shape[0]), int(rows16.shape[1])
+
+    @classmethod
+    def from_float(cls, embedding: nn.Embedding) -> "Int16Embedding":
+        return cls(*int16_rows(embedding.weight))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return gather_int16(self.rows16, self.scales16, tokens.reshape(-1)).view(tokens.shape + (self.embedding_dim,))
 
 
 class Int8RescoredHead(nn.Module):
@@ -36,16 +71,21 @@ class Int8RescoredHead(nn.Module):
     vocabulary stay 64 rows' (SmolLM2-135M, 512 rows: 100 MB each otherwise).
     """
 
-    def __init__(self, int8: Int8TokenLinear, float_weight: Tensor, topk: int):
+    def __init__(self, int8: Int8TokenLinear, float_weight: Tensor, topk: int, rows16: Optional[Tensor] = None,
+                 scales16: Optional[Tensor] = None):
         super().__init__()
         self.int8 = int8
         self.register_buffer("float_weight", float_weight)
+        # int16 rows and their scales (``int16_rows``) in place of float rows: the same rows a tied ``Int16Embedding``
+        # gathers (the same tensors), half the bytes; empty otherwise
+        self.register_buffer("rows16", rows16 if rows16 is not None else torch.zeros(0, 0, dtype=torch.int16))
+        self.register_buffer("scales16", scales16 if scales16 is not None else torch.zeros(0))
         # the int8 rows (the packed weight's own tensor, ``FbgemmWeight.shared``) and scales, for rescoring without
-        # float rows; empty when the float rows are there
-        self.register_buffer("rows_int8", int8.fbgemm.shared if float_weight.numel() == 0
+        # float or int16 rows; empty when those are there
+        self.register_buffer("rows_int8", int8.fbgemm.shared if float_weight.numel() == 0 and self.rows16.numel() == 0
                              else torch.zeros(0, 0, dtype=torch.int8))
         self.register_buffer("rows_scale", int8.scales)
-        if float_weight.numel() == 0 and self.rows_int8.numel() == 0:
+        if float_weight.numel() == 0 and self.rows16.numel() == 0 and self.rows_int8.numel() == 0:
             raise ValueError("an int8 head rescored without float rows needs its int8 weight shared (share_weight)")
         self.topk = int(min(topk, int8.out_features))  # a vocabulary smaller than k: every row rescored
         self.in_features, self.out_features = int8.in_features, int8.out_features
@@ -69,6 +109,9 @@ class Int8RescoredHead(nn.Module):
         # alone and in a batch); this is the same for a row in any batch, and cheaper at 32 rows (3.4 vs 13 ms)
         if self.float_weight.numel() > 0:
             rows = self.float_weight.index_select(0, pick).view(idx.shape[0], self.topk, self.in_features)
+            exact = (rows * flat.unsqueeze(1)).sum(-1)
+        elif self.rows16.numel() > 0:  # the rows as the int16 embedding gives them, then as float rows
+            rows = gather_int16(self.rows16, self.scales16, pick).view(idx.shape[0], self.topk, self.in_features)
             exact = (rows * flat.unsqueeze(1)).sum(-1)
         else:
             xr = self.int8.rotate(flat) if self.int8.rot_block > 0 else flat

@@ -28,7 +28,7 @@ from policy_bundle.quantize.sensitivity import layer_sensitivity
 from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
 from policy_bundle.quantize.w8a8 import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotation_block,
                                          rotation_matrix)
-from policy_bundle.quantize.w8a8_head import Int8Embedding, Int8RescoredHead
+from policy_bundle.quantize.w8a8_head import Int8Embedding, Int8RescoredHead, Int16Embedding, int16_rows
 
 
 def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
@@ -67,6 +67,9 @@ class W8A8Plan:
     # the token embedding in int8 (``quantize.w8a8_head.Int8Embedding``): a tied one reads an int8 head's own rows
     # (the head's rescoring too: no float copy of the vocabulary is left), an untied one is quantized on its own
     int8_embedding: bool = False
+    # the vocabulary rows kept beside a rescored int8 head (its rescoring, and a float embedding) in int16, a scale per
+    # row (``quantize.w8a8_head.Int16Embedding``); a tied embedding shares the head's int16 rows
+    int16_rows: bool = False
 
     def quantized_module(self, name: str, float_linear: nn.Linear, tied_rows: bool = False) -> nn.Module:
         """``tied_rows``: the head of a tied model whose embedding is int8 shares its int8 rows (no float rows)."""
@@ -74,6 +77,8 @@ class W8A8Plan:
         int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s,
                                           rot_block=self.rot_blocks.get(name, 0), share_weight=tied_rows)
         if name == "lm_head" and self.head_topk > 0:
+            if self.int16_rows and not tied_rows:
+                return Int8RescoredHead(int8, torch.zeros(0, 0), self.head_topk, *int16_rows(float_linear.weight))
             rows = torch.zeros(0, 0) if tied_rows else float_linear.weight.detach()
             return Int8RescoredHead(int8, rows, self.head_topk)
         return int8
@@ -83,7 +88,7 @@ class W8A8Plan:
         return W8A8Plan(self.scales, self.alphas, {n: self.weights[n] for n in names},
                         {n: self.thresholds[n] for n in names}, rounding=self.rounding, head_topk=self.head_topk,
                         rot_blocks={n: self.rot_blocks[n] for n in names if n in self.rot_blocks},
-                        int8_embedding=self.int8_embedding)
+                        int8_embedding=self.int8_embedding, int16_rows=self.int16_rows)
 
     def convert(self, policy: nn.Module, quantized: Sequence[str]) -> nn.Module:
         """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float)."""
@@ -104,6 +109,10 @@ class W8A8Plan:
             model.embed_tokens = Int8Embedding.tied_to(head.int8 if isinstance(head, Int8RescoredHead) else head)
         elif self.int8_embedding and isinstance(embed, nn.Embedding) and not tied:
             model.embed_tokens = Int8Embedding.from_float(embed)
+        elif self.int16_rows and tied and isinstance(model.lm_head, Int8RescoredHead):
+            model.embed_tokens = Int16Embedding(model.lm_head.rows16, model.lm_head.scales16)
+        elif self.int16_rows and isinstance(embed, nn.Embedding) and not tied:
+            model.embed_tokens = Int16Embedding.from_float(embed)
         # a tied model whose head stays float keeps its float embedding: the float rows are there anyway
         return model.eval()
 

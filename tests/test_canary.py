@@ -149,3 +149,28 @@ def test_canary_cli_loads_only_an_artifact_the_manifest_lists_inside_the_bundle(
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: artifacts.int8_torchscript:") and message in lines[0], \
         res.stderr[-2000:]
+
+
+def test_the_held_out_greedy_confirmation_completes_the_teacher_forced_report_as_the_whole_gate(small_bundle,
+                                                                                              reference_dir):
+    """The build's held-out judgement runs the teacher-forced metrics, then (where they pass) only the greedy part on
+    the same report: the same figures as the whole gate in one go, the teacher-forced pass not run twice."""
+    from dataclasses import asdict
+
+    from policy_bundle.build.calibrate.prompt_split import resolve_defaults
+    from policy_bundle.build.config.build_config import load_config
+    from policy_bundle.build.gate.measure import fidelity_kwargs, gate_measures, greedy_completion
+    from policy_bundle.bundle.info import load_tokenizer, read_golden_jsonl
+    from policy_bundle.quantize.fidelity import LOGITS_ONLY_NOTE
+    from policy_bundle.quantize.hf_weights import load_policy
+    from policy_bundle.quantize.script_runner import load_torchscript
+
+    cfg, golden = resolve_defaults(load_config(None)), read_golden_jsonl(small_bundle / "golden.jsonl")[:12]
+    kw = fidelity_kwargs(cfg, load_tokenizer(reference_dir))
+    whole, logits_only = gate_measures(load_policy(reference_dir), golden, kw)
+    int8 = load_torchscript(small_bundle / "int8" / "policy.ts")
+    first = logits_only(int8)
+    assert first.greedy_agreement is None and LOGITS_ONLY_NOTE in first.notes
+    done = greedy_completion(golden, kw)(int8, first)
+    assert asdict(done) == asdict(whole(int8)) and LOGITS_ONLY_NOTE not in done.notes
+    assert done.greedy_agreement is not None and done.reward_candidate is not None

@@ -109,18 +109,24 @@ def test_a_tied_policy_exports_without_a_float_vocabulary_and_loads_to_the_same_
     vocab_fp32 = CFG.vocab_size * CFG.dim * 4
     # the float vocabulary gone, its int8 rows the head's own (no second copy)
     assert b.stat().st_size < a.stat().st_size - 0.7 * vocab_fp32
-    loaded = load_torchscript(b)
+    loaded = check_loaded(b, int8, x)
     assert (loaded.module.embed_tokens.weight_int8.untyped_storage().data_ptr()
             == loaded.module.lm_head.rows_int8.untyped_storage().data_ptr())
+
+
+def check_loaded(path, eager, x):
+    """The exported ``path`` loaded back: ``eager``'s logits on ``x`` [2, 16], and a row decoding alone as in a batch."""
+    loaded = load_torchscript(path)
     with torch.no_grad():
-        assert torch.equal(loaded(x, 0, *loaded.new_cache(2, 16)), full_logits(int8, x))
-        k, v = loaded.new_cache(2, 20)
+        assert torch.equal(loaded(x, 0, *loaded.new_cache(2, 16)), full_logits(eager, x))
+        k, v = loaded.new_cache(2, 32)
         loaded.prefill(x, k, v)
         tok, pos = torch.tensor([[3], [4]]), torch.tensor([16, 16])
         both = loaded.decode_batch(tok, pos, k, v)
-        k1, v1 = loaded.new_cache(1, 20)
+        k1, v1 = loaded.new_cache(1, 32)
         loaded.prefill(x[1:], k1, v1)
         assert torch.equal(loaded.decode(tok[1:], 16, k1, v1), both[1:])  # a row alone as in the batch
+    return loaded
 
 
 def test_the_embedding_stays_float_where_the_tied_head_does():

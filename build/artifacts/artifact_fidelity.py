@@ -7,7 +7,7 @@ consumer needs (the TorchScript)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -16,28 +16,43 @@ from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log
 from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, measure_fidelity
+from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, evaluate_gate, measure_fidelity,
+                                             policy_logits_fn, teacher_forced_logits)
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.model import CastPolicy, Policy
 from policy_bundle.quantize.script_runner import load_torchscript
 
 
-def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path) -> dict:
-    """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set."""
+FP16_GREEDY_NOTE = ("teacher-forced metrics only: vLLM serves this directory, and its greedy agreement is the FP16 "
+                    "side of the served golden canary and of `policy-bundle check-fp16 --engine vllm`; float16 "
+                    "matmuls in torch on a CPU without native float16 took 1.2 s a golden item to decode "
+                    "(SmolLM2-135M), a third of the build's fidelity stage at 80 items")
+
+
+def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
+                   reference_logits: Optional[List[torch.Tensor]] = None) -> dict:
+    """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set; the FP32
+    policy's teacher-forced logits (``reference_logits``) computed once for all of them when not given."""
     kw, layout = fidelity_kwargs(cfg, tok), BundleLayout(bundle)
     scripted = load_torchscript(layout.int8_torchscript)
-    ref_outputs = [g.completion_ids for g in golden]
-    out = {"int8_torchscript": gated(measure_fidelity(policy, scripted, golden, reference_outputs=ref_outputs, **kw),
-                                     cfg.canary.gate)}
+    ref = dict(reference_outputs=[g.completion_ids for g in golden],
+               reference_logits=reference_logits if reference_logits is not None else reference_logits_of(policy, golden))
+    out = {"int8_torchscript": gated(measure_fidelity(policy, scripted, golden, **ref, **kw), cfg.canary.gate)}
     # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
-    # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU);
-    # `policy-bundle check-fp16 --engine vllm` adds vLLM's own greedy agreement.
+    # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU).
     fp16 = CastPolicy(load_policy(layout.fp16_dir, max_seq_len=cfg.policy.max_seq_len), torch.float16)
-    out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, reference_outputs=ref_outputs, **kw).summary(),
+    out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, generate=False, logits_only_note=FP16_GREEDY_NOTE,
+                                         **ref, **kw).summary(),
                       "computed_as": "float16 weights and compute (torch, CPU)"}
     if cfg.onnx_export():
-        out["int8_onnx"] = gated(onnx_fidelity(policy, layout.int8_onnx, golden, kw), cfg.canary.gate)
+        out["int8_onnx"] = gated(onnx_fidelity(policy, layout.int8_onnx, golden, kw, ref["reference_logits"]),
+                                 cfg.canary.gate)
     return out
+
+
+def reference_logits_of(policy: Policy, golden) -> List[torch.Tensor]:
+    """The FP32 policy's teacher-forced logits on the golden items (``measure_fidelity``'s ``reference_logits``)."""
+    return teacher_forced_logits(policy_logits_fn(policy), golden)
 
 
 def gated(report: FidelityReport, thresholds: GateThresholds) -> dict:
@@ -66,10 +81,12 @@ def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[s
     return why
 
 
-def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict) -> FidelityReport:
+def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict,
+                  reference_logits: Optional[List[torch.Tensor]] = None) -> FidelityReport:
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     logits = lambda b: torch.from_numpy(sess.run(None, {"input_ids": b.numpy()})[0])  # noqa: E731
     return measure_fidelity(policy, None, golden, candidate_logits=logits, generate=False,
-                            logits_only_note="logit metrics only: this variant has no KV-cache decode", **kw)
+                            logits_only_note="logit metrics only: this variant has no KV-cache decode",
+                            reference_logits=reference_logits, **kw)

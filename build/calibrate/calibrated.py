@@ -87,4 +87,4 @@ class CalibratedModels:
 
 def plan_key(recipe: recipes.RecipeConfig) -> tuple:
     return (recipe.smooth, recipe.rounding, recipe.outlier_ratio, recipe.smooth_alphas, recipe.gptq_damp,
-            recipe.skip, recipe.overrides, recipe.lm_head_topk, recipe.rotation_block)
+            recipe.skip, recipe.overrides, recipe.lm_head_topk, recipe.rotation_block, recipe.vocab_rows)

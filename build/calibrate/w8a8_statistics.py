@@ -65,10 +65,12 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
                       rounding=recipe.rounding, gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
                       head_topk=recipe.lm_head_topk, max_rot_block=recipe.rotation_block, progress=progress)
     plan.int8_embedding = not kept_float("embed_tokens", recipe)
+    plan.int16_rows = recipe.vocab_rows == "int16"
     log(f"[w8a8] plan: {len(names)} linears in {len(groups)} input groups, {recipe.rounding} rounding"
         + (", smoothing alpha searched per group" if recipe.smooth else "")
         + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
-        + (", token embedding in int8" if plan.int8_embedding else ""))
+        + (", token embedding in int8" if plan.int8_embedding else "")
+        + (", vocabulary rows in int16" if plan.int16_rows and not plan.int8_embedding else ""))
     return plan
 
 
@@ -113,7 +115,10 @@ def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
             "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None,
             "embedding": ("int8 rows, a scale per row: a tied model's int8 head's own rows (its rescoring reads them "
                           "too), or an untied embedding's own; float where a tied head stays float"
-                          if plan.int8_embedding else "float")}
+                          if plan.int8_embedding else
+                          "int16 rows, a scale per row, shared with the int8 head's top-k rescoring where tied; float "
+                          "where a tied head stays float" if plan.int16_rows else "float"),
+            "vocab_rows": recipe.vocab_rows}
 
 
 def onnx_recipe_note(recipe: RecipeConfig) -> str:

@@ -23,7 +23,7 @@ from policy_bundle.quantize.recipes import SCHEMES
 # by all (build/calibrate/calibrated.py). torch.ao candidates share one calibration per smoothing choice, so their
 # fields (backend, reduce_range, smooth_alpha, skip) stay section-wide, as do overrides and fp32_layers.
 CANDIDATE_FIELDS = ("skip", "outlier_ratio", "smooth_alphas", "rounding", "gptq_damp", "lm_head_topk",
-                    "rotation_block")
+                    "rotation_block", "vocab_rows")
 _PAIR = re.compile(r"\s*(\w+)=(\[[^\]]*\]|\S+)")
 
 

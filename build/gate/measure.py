@@ -8,7 +8,9 @@ from typing import Callable, List, Tuple
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.source.policy_source import is_task_policy
 from policy_bundle.quantize import task
-from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity, policy_logits_fn, teacher_forced_logits
+from policy_bundle.quantize.fidelity import (LOGITS_ONLY_NOTE, FidelityReport, GoldenItem, completion_metrics,
+                                             greedy_completions, measure_fidelity, policy_logits_fn,
+                                             teacher_forced_logits)
 from policy_bundle.quantize.model import Policy
 from policy_bundle.quantize.text import ids_to_text
 
@@ -30,3 +32,16 @@ def gate_measures(policy: Policy, golden: List[GoldenItem], kw: dict) -> Tuple[C
     logits_only = lambda m: measure_fidelity(policy, m, golden, generate=False,  # noqa: E731
                                              reference_logits=ref_logits, **kw)
     return whole, logits_only
+
+
+def greedy_completion(golden: List[GoldenItem], kw: dict) -> Callable[[object, FidelityReport], FidelityReport]:
+    """``(model, report)`` -> the whole gate's report from the teacher-forced one ``report`` the model already has on
+    ``golden``: its greedy completions and their metrics added, the teacher-forced pass not run again."""
+    ref_outputs = [g.completion_ids for g in golden]
+
+    def complete(model, report: FidelityReport) -> FidelityReport:
+        report.notes = [n for n in report.notes if n != LOGITS_ONLY_NOTE]
+        out = greedy_completions(model, golden, kw["max_new_tokens"], kw["eos_token_id"])
+        return completion_metrics(report, golden, ref_outputs, out, kw["decode"], kw.get("reward"))
+
+    return complete

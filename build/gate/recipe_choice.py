@@ -16,7 +16,7 @@ from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.canary_report import CanaryOutcome, write_report
 from policy_bundle.build.gate.families import handler
-from policy_bundle.build.gate.measure import fidelity_kwargs, gate_measures
+from policy_bundle.build.gate.measure import fidelity_kwargs, gate_measures, greedy_completion
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
@@ -96,7 +96,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     on ``golden.search``; a candidate it passes is then judged on ``golden.gate`` alone."""
     kw = fidelity_kwargs(cfg, tok)
     measure, logits_only = gate_measures(policy, golden.search, kw)
-    judge, judge_logits = gate_measures(policy, golden.gate, kw)
+    _, judge_logits = gate_measures(policy, golden.gate, kw)
+    judge_greedy = greedy_completion(golden.gate, kw)
     trials: List[Trial] = []
     summary: List[dict] = []  # every candidate in order, gated or not
     auto = len(candidates) > 1
@@ -105,13 +106,16 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
             return f"candidate {i + 1}/{len(candidates)} {name}: {step}; best so far: {best_so_far(trials)}"
 
         def confirm(searched: CanaryOutcome, status=status) -> CanaryOutcome:
-            """Teacher-forced on the held-out prompts, then the one greedy confirmation where those pass."""
+            """Teacher-forced on the held-out prompts, then the one greedy confirmation where those pass, both on the
+            candidate scripted as it ships (``script_int8``; its greedy decode ran in 35 s on 80 SmolLM2-135M items
+            where the eager modules' took about 80)."""
             floats = len(searched.fp32_layers)
             set_status(status(f"teacher-forced metrics on the held-out prompts ({floats} float layers)"))
-            report = judge_logits(searched.int8)
+            scripted = ScriptRunner(script_int8(searched.int8))
+            report = judge_logits(scripted)
             if evaluate_gate(report, cfg.canary.gate).passed:
                 set_status(status(f"the whole gate on the held-out prompts ({floats} float layers)"))
-                report = judge(searched.int8)
+                report = judge_greedy(scripted, report)
             else:
                 report.notes.append("greedy generation not run: the teacher-forced metrics failed")
             return held_out_verdict(searched, report, cfg.canary.gate)

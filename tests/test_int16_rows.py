@@ -1,0 +1,84 @@
+"""The vocabulary rows in int16 (``recipe.vocab_rows: int16``, ``quantize.w8a8_head.Int16Embedding``): a rescored
+int8 head's top-k rescoring and the token embedding read one int16 copy of the vocabulary (a scale per row), half the
+float32 copy's bytes in the file and in memory, each row within 1/65534 of its largest value."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from policy_bundle.quantize.export import export_torchscript
+from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.recipes import RecipeConfig, RecipeError
+from policy_bundle.quantize.w8a8_head import Int8RescoredHead, Int16Embedding, gather_int16, int16_rows
+
+from test_int8_embedding import CFG, check_loaded, plan_for
+
+
+def test_int16_rows_are_within_a_65534th_of_each_rows_largest_value():
+    w = torch.randn(300, 64) * torch.linspace(0.01, 5.0, 300).unsqueeze(1)
+    w[7] = 0.0  # an all-zero row stays zero
+    q, s = int16_rows(w)
+    assert q.dtype == torch.int16 and s.shape == (300,)
+    back = gather_int16(q, s, torch.arange(300))
+    bound = w.abs().amax(dim=1, keepdim=True) / 65534 * 1.01  # half a code, and float32 rounding of w / scale
+    assert bool(((back - w).abs() <= bound).all()) and torch.equal(back[7], torch.zeros(64))
+    assert not torch.equal(back, w)  # the negative control: not the float rows themselves
+
+
+def test_a_tied_policy_holds_one_int16_vocabulary_for_its_embedding_and_its_rescoring(tmp_path):
+    policy = init_random_policy(CFG, seed=3)
+    plan, names = plan_for(policy)
+    plan.int8_embedding = False
+    floats = plan.convert(policy, names)  # the control: float32 rows, the embedding's own weight
+    assert isinstance(floats.embed_tokens, torch.nn.Embedding) and floats.lm_head.float_weight.numel() > 0
+    plan.int16_rows = True
+    rows16 = plan.convert(policy, names)
+    head, emb = rows16.lm_head, rows16.embed_tokens
+    assert isinstance(head, Int8RescoredHead) and isinstance(emb, Int16Embedding)
+    assert head.float_weight.numel() == 0 and head.rows_int8.numel() == 0
+    assert emb.rows16.data_ptr() == head.rows16.data_ptr() and emb.scales16.data_ptr() == head.scales16.data_ptr()
+    ids = torch.randint(0, CFG.vocab_size, (2, 16))
+    ref = policy.embed_tokens(ids)
+    assert float((emb(ids) - ref).abs().max()) <= float(policy.embed_tokens.weight.abs().max()) / 65534 * 1.01
+    with torch.no_grad():
+        x = torch.randn(6, CFG.dim)
+        exact = x @ policy.embed_tokens.weight.t()
+        out = head(x)
+        top = out.topk(4, dim=-1).indices
+        assert torch.allclose(out.gather(1, top), exact.gather(1, top), atol=1e-4)  # rescored from near-exact rows
+        assert torch.equal(out.argmax(-1), exact.argmax(-1))
+        assert torch.equal(torch.cat([head(r.unsqueeze(0)) for r in x]), out)  # a row alone is its row in a batch
+    a = export_torchscript(copy.deepcopy(floats), tmp_path / "float32-rows.ts")
+    b = export_torchscript(copy.deepcopy(rows16), tmp_path / "int16-rows.ts")
+    vocab_fp32 = CFG.vocab_size * CFG.dim * 4
+    assert b.stat().st_size < a.stat().st_size - 0.45 * vocab_fp32  # half the vocabulary's bytes, saved once
+    loaded = check_loaded(b, rows16, ids)
+    assert (loaded.module.embed_tokens.rows16.untyped_storage().data_ptr()
+            == loaded.module.lm_head.rows16.untyped_storage().data_ptr())
+
+
+
+def test_an_untied_policy_gets_int16_rows_for_each_and_a_float_tied_head_keeps_its_float_embedding():
+    untied = init_random_policy(replace(CFG, tie_embeddings=False), seed=3)
+    plan, names = plan_for(untied)
+    plan.int8_embedding, plan.int16_rows = False, True
+    conv = plan.convert(untied, names)
+    assert isinstance(conv.embed_tokens, Int16Embedding) and conv.lm_head.rows16.numel() > 0
+    assert conv.embed_tokens.rows16.data_ptr() != conv.lm_head.rows16.data_ptr()  # two matrices, each its own rows
+    tied = init_random_policy(CFG, seed=3)
+    plan, names = plan_for(tied)
+    plan.int8_embedding, plan.int16_rows = False, True
+    kept = plan.convert(tied, [n for n in names if n != "lm_head"])  # the head a float fallback layer
+    assert isinstance(kept.embed_tokens, torch.nn.Embedding)
+    # the int8 embedding, where asked, wins: its rows are the head's int8 ones
+    plan.int8_embedding = True
+    assert type(plan.convert(tied, names).embed_tokens).__name__ == "Int8Embedding"
+
+
+def test_the_recipe_field_takes_float32_or_int16_and_refuses_the_rest_by_name():
+    assert RecipeConfig(scheme="smooth-w8a8").vocab_rows == "float32"
+    assert RecipeConfig(scheme="smooth-w8a8", vocab_rows="int16").vocab_rows == "int16"
+    with pytest.raises(RecipeError, match="recipe.vocab_rows"):
+        RecipeConfig(scheme="smooth-w8a8", vocab_rows="int8")
