@@ -23,7 +23,8 @@ from policy_bundle.build.artifacts.artifact_fidelity import gate_artifacts, quic
 from policy_bundle.build.artifacts.int8_vllm import (Int8Vllm, check_int8_vllm, export_int8_vllm, planned,
                                                      start_int8_vllm_check)
 from policy_bundle.build.artifacts.manifest_body import calibration_section, manifest_body, write_drift_report
-from policy_bundle.build.artifacts.output_dir import check_output, move_into_place, new_partial_dir, remove_stale_work_dirs
+from policy_bundle.build.artifacts.output_dir import (check_output, move_into_place, new_partial_dir,
+                                                     remove_stale_work_dirs)
 from policy_bundle.build.calibrate.calibrated import CalibratedModels
 from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, resolve_defaults, search_share,
                                                        split_golden, split_prompts)
@@ -72,9 +73,9 @@ class Rollouts:
 
 
 def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[dict] = None) -> BuildResult:
-    """Build the bundle at ``out``. ``drift``: the drift monitor's report that triggered this build, kept in
-    the bundle (``drift_report.json``) and summarised in the manifest. The bundle is registered in the
-    model store only once it is in place at ``out``. Unset config fields take this policy's defaults first."""
+    """Build the bundle at ``out``. ``drift``: the drift monitor's report that triggered this build, kept in the bundle
+    (``drift_report.json``) and summarised in the manifest. The bundle is registered in the model store only once it
+    is in place at ``out``. Unset config fields take this policy's defaults first."""
     out, cfg = Path(out), resolve_defaults(cfg)
     check_output(out, force)
     torch.manual_seed(cfg.seed)
@@ -125,8 +126,7 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
         fidelity, onnx_skipped = fidelity_stage(cfg, stages, loaded, rollouts.golden.gate, tmp, int8_vllm)
         summary = handler(chosen.recipe).calibration_summary(calibrated, chosen.recipe)
         calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches, {**summary, "odd_samples": rollouts.odd})
-        body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm,
-                             onnx_skipped)
+        body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm, onnx_skipped)
         if drift is not None:
             body["drift"] = write_drift_report(tmp, drift)
         sha = manifest_stage(stages, body, tmp)
@@ -254,8 +254,8 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
                    int8_vllm: Int8Vllm) -> Tuple[dict, Optional[str]]:
     """Every exported artifact measured and gated; returns the fidelity and why ONNX is left out (or None)."""
     with stages.run("fidelity of the exported artifacts") as s:
-        ref = reference_logits_of(loaded.policy, golden)  # FP32's teacher-forced logits, once for every artifact
-        fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp, ref)
+        fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp,  # FP32's logits once for every artifact
+                                  ref := reference_logits_of(loaded.policy, golden))
         onnx_skipped = gate_artifacts(cfg, fidelity, tmp)
         if not int8_vllm.skipped:
             check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm, ref)

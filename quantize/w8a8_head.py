@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
 
 
-def int16_rows(weight: Tensor) -> Tuple[Tensor, Tensor]:
+def quantize_rows_int16(weight: Tensor) -> Tuple[Tensor, Tensor]:
     """Symmetric int16 per row of a float [rows, dim] matrix: (int16 [rows, dim], float scales [rows]). Each element
     is within about amax / 65534 of its row's float value: on SmolLM2-135M's embedding the FP32 policy with only its
     embedding in int16 matched FP32 on 1279 of 1280 greedy tokens (docs/recipes.md, 2026-12-04)."""
@@ -31,14 +31,15 @@ def int16_rows(weight: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def gather_int16(rows16: Tensor, scales16: Tensor, ids: Tensor) -> Tensor:
-    """The float rows ``ids`` [n] of an ``int16_rows`` matrix, [n, dim]: a row's values do not depend on the others."""
+    """The float rows ``ids`` [n] of a ``quantize_rows_int16`` matrix, [n, dim]: a row's values do not depend on the
+    others."""
     return rows16.index_select(0, ids).float() * scales16.index_select(0, ids).unsqueeze(1)
 
 
 class Int16Embedding(nn.Module):
-    """Token embedding from int16 rows, a scale per row (``int16_rows``): half a float32 embedding's bytes, 1/65534 of
-    a row's largest value off. Tied to a rescored int8 head it holds the head's own ``rows16`` and ``scales16`` (the
-    same tensors: saved and held once), so the embedding and the rescoring read the same rows."""
+    """Token embedding from int16 rows, a scale per row (``quantize_rows_int16``): half a float32 embedding's bytes,
+    1/65534 of a row's largest value off. Tied to a rescored int8 head it holds the head's own ``rows16`` and
+    ``scales16`` (the same tensors: saved and held once), so the embedding and the rescoring read the same rows."""
 
     def __init__(self, rows16: Tensor, scales16: Tensor):
         super().__init__()
@@ -48,7 +49,7 @@ class Int16Embedding(nn.Module):
 
     @classmethod
     def from_float(cls, embedding: nn.Embedding) -> "Int16Embedding":
-        return cls(*int16_rows(embedding.weight))
+        return cls(*quantize_rows_int16(embedding.weight))
 
     def forward(self, tokens: Tensor) -> Tensor:
         return gather_int16(self.rows16, self.scales16, tokens.reshape(-1)).view(tokens.shape + (self.embedding_dim,))
@@ -76,8 +77,10 @@ class Int8RescoredHead(nn.Module):
         super().__init__()
         self.int8 = int8
         self.register_buffer("float_weight", float_weight)
-        # int16 rows and their scales (``int16_rows``) in place of float rows: the same rows a tied ``Int16Embedding``
-        # gathers (the same tensors), half the bytes; empty otherwise
+        # int16 rows and their scales (``quantize_rows_int16``) in place of float rows: the same rows a tied
+        # ``Int16Embedding`` gathers (the same tensors), half the bytes; empty otherwise
+        if (rows16 is None) != (scales16 is None) or (rows16 is not None and scales16.shape[0] != rows16.shape[0]):
+            raise ValueError("int16 rescoring rows need their scales, one per row")
         self.register_buffer("rows16", rows16 if rows16 is not None else torch.zeros(0, 0, dtype=torch.int16))
         self.register_buffer("scales16", scales16 if scales16 is not None else torch.zeros(0))
         # the int8 rows (the packed weight's own tensor, ``FbgemmWeight.shared``) and scales, for rescoring without

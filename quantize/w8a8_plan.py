@@ -28,7 +28,8 @@ from policy_bundle.quantize.sensitivity import layer_sensitivity
 from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
 from policy_bundle.quantize.w8a8 import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotation_block,
                                          rotation_matrix)
-from policy_bundle.quantize.w8a8_head import Int8Embedding, Int8RescoredHead, Int16Embedding, int16_rows
+from policy_bundle.quantize.w8a8_head import (Int8Embedding, Int8RescoredHead, Int16Embedding,
+                                             quantize_rows_int16)
 
 
 def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
@@ -78,7 +79,8 @@ class W8A8Plan:
                                           rot_block=self.rot_blocks.get(name, 0), share_weight=tied_rows)
         if name == "lm_head" and self.head_topk > 0:
             if self.int16_rows and not tied_rows:
-                return Int8RescoredHead(int8, torch.zeros(0, 0), self.head_topk, *int16_rows(float_linear.weight))
+                rows16 = quantize_rows_int16(float_linear.weight)
+                return Int8RescoredHead(int8, torch.zeros(0, 0), self.head_topk, *rows16)
             rows = torch.zeros(0, 0) if tied_rows else float_linear.weight.detach()
             return Int8RescoredHead(int8, rows, self.head_topk)
         return int8

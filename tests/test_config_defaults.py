@@ -63,3 +63,11 @@ def test_onnx_is_left_out_with_its_reason_when_every_candidate_is_per_token(tmp_
     assert forced.onnx_export()
     off = general_lm(tmp_path, "recipe.scheme=static", "export.onnx=false")
     assert not off.onnx_export() and gate_artifacts(off, {}, tmp_path) == "export.onnx: false"
+
+
+def test_int8_vllm_is_gated_on_40_items_of_a_general_lm_and_every_item_of_a_task(tmp_path):
+    from policy_bundle.build.artifacts.int8_vllm import INT8_VLLM_ITEMS, vllm_items
+
+    items = list(range(80))
+    assert vllm_items(resolve_defaults(general_lm(tmp_path)), items) == items[:INT8_VLLM_ITEMS] == list(range(40))
+    assert vllm_items(resolve_defaults(load_config(None)), items) == items  # a task's reward bound needs them all

@@ -11,7 +11,7 @@ import torch
 from policy_bundle.quantize.export import export_torchscript
 from policy_bundle.quantize.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig, RecipeError
-from policy_bundle.quantize.w8a8_head import Int8RescoredHead, Int16Embedding, gather_int16, int16_rows
+from policy_bundle.quantize.w8a8_head import Int8RescoredHead, Int16Embedding, gather_int16, quantize_rows_int16
 
 from test_int8_embedding import CFG, check_loaded, plan_for
 
@@ -19,7 +19,7 @@ from test_int8_embedding import CFG, check_loaded, plan_for
 def test_int16_rows_are_within_a_65534th_of_each_rows_largest_value():
     w = torch.randn(300, 64) * torch.linspace(0.01, 5.0, 300).unsqueeze(1)
     w[7] = 0.0  # an all-zero row stays zero
-    q, s = int16_rows(w)
+    q, s = quantize_rows_int16(w)
     assert q.dtype == torch.int16 and s.shape == (300,)
     back = gather_int16(q, s, torch.arange(300))
     bound = w.abs().amax(dim=1, keepdim=True) / 65534 * 1.01  # half a code, and float32 rounding of w / scale
@@ -82,3 +82,33 @@ def test_the_recipe_field_takes_float32_or_int16_and_refuses_the_rest_by_name():
     assert RecipeConfig(scheme="smooth-w8a8", vocab_rows="int16").vocab_rows == "int16"
     with pytest.raises(RecipeError, match="recipe.vocab_rows"):
         RecipeConfig(scheme="smooth-w8a8", vocab_rows="int8")
+
+
+def test_rescoring_rows_need_their_scales():
+    from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
+
+    q, s = quantize_weight(torch.randn(32, 16))
+    lin = Int8TokenLinear(q, s, None, 0.0)
+    rows16, scales16 = quantize_rows_int16(torch.randn(32, 16))
+    assert Int8RescoredHead(lin, torch.zeros(0, 0), 4, rows16, scales16).rows16.shape == (32, 16)
+    for bad in ((rows16, None), (None, scales16), (rows16, scales16[:5])):
+        with pytest.raises(ValueError, match="scales"):
+            Int8RescoredHead(lin, torch.zeros(0, 0), 4, *bad)
+
+
+def test_an_int16_rows_candidate_reuses_the_float_rows_plan(monkeypatch):
+    """The rows' format changes no statistic, weight or threshold: a ``vocab_rows=int16`` candidate takes the plan
+    already made for its float32 twin, with ``int16_rows`` set, instead of searching and rounding again."""
+    from policy_bundle.build.calibrate import calibrated as cal
+    from policy_bundle.build.calibrate import w8a8_statistics
+    from policy_bundle.quantize.w8a8_plan import W8A8Plan
+
+    made = []
+    monkeypatch.setattr(w8a8_statistics, "make_plan", lambda *a: made.append(a) or W8A8Plan({}, {}, {}, {}))
+    models = cal.CalibratedModels.__new__(cal.CalibratedModels)
+    models.plans, models.linear_stats = {}, lambda recipe: None
+    models.policy = None
+    float_rows = models.plan(RecipeConfig(scheme="smooth-w8a8"))
+    int16 = models.plan(RecipeConfig(scheme="smooth-w8a8", vocab_rows="int16"))
+    assert len(made) == 1 and not float_rows.int16_rows and int16.int16_rows
+    assert int16.weights is float_rows.weights  # the same int8 weights, not a second rounding

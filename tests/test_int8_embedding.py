@@ -115,7 +115,7 @@ def test_a_tied_policy_exports_without_a_float_vocabulary_and_loads_to_the_same_
 
 
 def check_loaded(path, eager, x):
-    """The exported ``path`` loaded back: ``eager``'s logits on ``x`` [2, 16], and a row decoding alone as in a batch."""
+    """The exported ``path`` loaded back: ``eager``'s logits on ``x`` [2, 16], a row decoding alone as in a batch."""
     loaded = load_torchscript(path)
     with torch.no_grad():
         assert torch.equal(loaded(x, 0, *loaded.new_cache(2, 16)), full_logits(eager, x))

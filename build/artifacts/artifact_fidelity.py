@@ -35,8 +35,9 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
     policy's teacher-forced logits (``reference_logits``) computed once for all of them when not given."""
     kw, layout = fidelity_kwargs(cfg, tok), BundleLayout(bundle)
     scripted = load_torchscript(layout.int8_torchscript)
-    ref = dict(reference_outputs=[g.completion_ids for g in golden],
-               reference_logits=reference_logits if reference_logits is not None else reference_logits_of(policy, golden))
+    if reference_logits is None:
+        reference_logits = reference_logits_of(policy, golden)
+    ref = dict(reference_outputs=[g.completion_ids for g in golden], reference_logits=reference_logits)
     out = {"int8_torchscript": gated(measure_fidelity(policy, scripted, golden, **ref, **kw), cfg.canary.gate)}
     # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
     # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU).

@@ -7,6 +7,8 @@ On the Monarch mesh when the build has one, else in this process.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.progress import bar
 from policy_bundle.bundle.faults import apply_scale_fault
@@ -51,9 +53,11 @@ class CalibratedModels:
     def plan(self, recipe: recipes.RecipeConfig):
         from policy_bundle.build.calibrate.w8a8_statistics import make_plan
 
-        key = plan_key(recipe)
+        key, base = plan_key(recipe), plan_key(replace(recipe, vocab_rows="float32"))
+        if base not in self.plans:  # the vocabulary rows' format changes no statistic, weight or threshold
+            self.plans[base] = make_plan(self.policy, self.linear_stats(recipe), replace(recipe, vocab_rows="float32"))
         if key not in self.plans:
-            self.plans[key] = make_plan(self.policy, self.linear_stats(recipe), recipe)
+            self.plans[key] = replace(self.plans[base], int16_rows=recipe.vocab_rows == "int16")
         return self.plans[key]
 
     def smoothing_scales(self, alpha: float):

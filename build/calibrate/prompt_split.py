@@ -69,7 +69,7 @@ def resolve_defaults(cfg: BuildConfig) -> BuildConfig:
     A task policy: ``prompts.max_new_tokens`` 8, ``calibration.samples`` 256, ``calibration.golden``
     DEFAULT_TASK_GOLDEN (the gate's items; ``split_prompts`` gives the float-layer search as many more).
     A general LM on a prompts file (the shipped general set by default): 32 new tokens per
-    item, ``min(40, half the file)`` golden items, and every other prompt once as calibration (at most 256: a
+    item, ``default_general_golden`` golden items, and every other prompt once as calibration (at most 256: a
     repeated prompt's greedy rollout is the same sequence again, work that adds nothing). Set fields are kept.
     """
     p, c = cfg.prompts, cfg.calibration
@@ -134,8 +134,8 @@ def golden_items(prompts: PromptSplit, prompt_ids: List[List[int]], completions:
 
 GOLDEN_SPLIT_RULE = ("golden items alternate: the 1st, 3rd, 5th, ... are held out for the gate (its verdict, the "
                      "reported fidelity, golden.jsonl); the 2nd, 4th, ... are what the float-layer search ranks and "
-                     "bisects on, up to its share (a prompts file's search: at most 20 items); every item past "
-                     "them is held out too")
+                     f"bisects on, up to its share (a prompts file's search: at most {GENERAL_SEARCH} items); every "
+                     "item past them is held out too")
 
 
 @dataclass

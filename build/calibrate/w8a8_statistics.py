@@ -70,7 +70,7 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
         + (", smoothing alpha searched per group" if recipe.smooth else "")
         + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
         + (", token embedding in int8" if plan.int8_embedding else "")
-        + (", vocabulary rows in int16" if plan.int16_rows and not plan.int8_embedding else ""))
+        + (", vocabulary rows in int16" if plan.int16_rows and recipe.lm_head_topk > 0 else ""))
     return plan
 
 
@@ -117,7 +117,8 @@ def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
                           "too), or an untied embedding's own; float where a tied head stays float"
                           if plan.int8_embedding else
                           "int16 rows, a scale per row, shared with the int8 head's top-k rescoring where tied; float "
-                          "where a tied head stays float" if plan.int16_rows else "float"),
+                          "where a tied head stays float or is not rescored (lm_head_topk 0)"
+                          if plan.int16_rows else "float"),
             "vocab_rows": recipe.vocab_rows}
 
 

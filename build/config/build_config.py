@@ -78,8 +78,8 @@ class CalibrationSection:
     # None: 256, or for a prompts file each of its calibration prompts once (<= 256)
     samples: Optional[int] = ranged(None, 1, 100_000)
     batch_size: int = ranged(32, 1, 4096)
-    # a number: exactly that many golden items, or a one-line refusal; None: 128 task prompts, min(40, half) of a
-    # prompts file. The task: N gate items + N for the float-layer search; a file: its N split in halves
+    # a number: exactly that many golden items, or a one-line refusal; None: 128 task prompts, a prompts file's past
+    # 40 calibration prompts (up to 100). The task: N gate items + N for the search; a file: at most 20 to search
     golden: Optional[int] = ranged(None, 2, 100_000)
     procs: int = ranged(2, 0, 256)  # calibration actors per host on the Monarch mesh; 0 = in this process, no mesh
     hosts: int = ranged(0, 0, 4096)  # >0: a host mesh of this many hosts from ``launcher`` (see README)

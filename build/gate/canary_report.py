@@ -158,7 +158,8 @@ def add_artifact_comparison(out_dir: Path, fidelity: dict) -> None:
     names = {"int8_torchscript": "INT8 TorchScript", "int8_onnx": "INT8 ONNX", "fp16_hf": "FP16 directory",
              "int8_vllm": "INT8 W8A8 in vLLM"}
     rows = [(names.get(k, k), v) for k, v in fidelity.items()]
-    md.write_text(md.read_text() + "\n## Exported artifacts vs FP32 (same golden set)\n\n" + metrics_table(rows) + "\n")
+    md.write_text(md.read_text() + "\n## Exported artifacts vs FP32 (the gate's golden items; see each artifact's "
+                  "notes)\n\n" + metrics_table(rows) + "\n")
     body = json.loads(js.read_text())
     body["artifacts_vs_fp32"] = fidelity
     js.write_text(json.dumps(body, indent=2))

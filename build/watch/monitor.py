@@ -156,8 +156,7 @@ def checkpoint_config(manifest: dict, checkpoint: Path, sets: Tuple[str, ...]) -
     return config_from_dict(manifest["config"], (f"policy.source={checkpoint}",) + tuple(sets))
 
 
-SHIPPED_FIELDS = ("backend", "reduce_range", "smooth_alpha", "outlier_ratio", "rounding", "gptq_damp", "lm_head_topk",
-                  "vocab_rows")
+SHIPPED_FIELDS = ("backend", "reduce_range", "smooth_alpha", "outlier_ratio", "rounding", "gptq_damp", "lm_head_topk")
 
 
 def shipped_recipe(cfg: BuildConfig, manifest: dict):
