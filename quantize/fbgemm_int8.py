@@ -16,10 +16,12 @@ from torch import Tensor, nn
 # activation levels, no reduce_range) and 6.1e-5 (the smallest activation scale, quant_utils' SMALL_SCALE_THRESHOLD).
 
 
-def quantize_weight(w: Tensor) -> Tuple[Tensor, Tensor]:
-    """Per output channel symmetric int8 of a [out, in] weight: (int8 [out, in], scales [out])."""
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
-    return torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8), scales
+def quantize_weight(w: Tensor, qmax: int = 127, dtype: torch.dtype = torch.int8,
+                    min_scale: float = 1e-8) -> Tuple[Tensor, Tensor]:
+    """Per output channel symmetric int8 of a [out, in] weight: (int8 [out, in], scales [out]); ``qmax``, ``dtype``
+    and ``min_scale`` give other widths (``w8a8_head.quantize_rows_int16``)."""
+    scales = (w.abs().amax(dim=1) / float(qmax)).clamp_min(min_scale)
+    return torch.round(w / scales.unsqueeze(1)).clamp(-qmax, qmax).to(dtype), scales
 
 
 def row_qparams(flat: Tensor) -> Tuple[Tensor, Tensor]:

@@ -30,13 +30,11 @@ FP16_GREEDY_NOTE = ("teacher-forced metrics only: vLLM serves this directory, an
 
 
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
-                   reference_logits: Optional[List[torch.Tensor]] = None) -> dict:
-    """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set; the FP32
-    policy's teacher-forced logits (``reference_logits``) computed once for all of them when not given."""
+                   reference_logits: List[torch.Tensor]) -> dict:
+    """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set, against the FP32
+    policy's teacher-forced logits computed once for every artifact (``reference_logits_of``)."""
     kw, layout = fidelity_kwargs(cfg, tok), BundleLayout(bundle)
     scripted = load_torchscript(layout.int8_torchscript)
-    if reference_logits is None:
-        reference_logits = reference_logits_of(policy, golden)
     ref = dict(reference_outputs=[g.completion_ids for g in golden], reference_logits=reference_logits)
     out = {"int8_torchscript": gated(measure_fidelity(policy, scripted, golden, **ref, **kw), cfg.canary.gate)}
     # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
@@ -82,8 +80,7 @@ def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[s
     return why
 
 
-def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict,
-                  reference_logits: Optional[List[torch.Tensor]] = None) -> FidelityReport:
+def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict, reference_logits: List[torch.Tensor]) -> FidelityReport:
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

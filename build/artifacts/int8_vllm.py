@@ -158,13 +158,13 @@ def start_int8_vllm_check(cfg: BuildConfig, policy: Policy, golden: List[GoldenI
 
 
 def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenItem], bundle: Path,
-                    outcome: Int8Vllm, reference_logits: Optional[List[Tensor]] = None) -> Int8Vllm:
+                    outcome: Int8Vllm, reference_logits: List[Tensor]) -> Int8Vllm:
     """Gate int8-vllm/ on vLLM's run over the golden set (the one ``start_int8_vllm_check`` started, else a new
     one); with ``auto``, a failure removes it (recorded)."""
     strict = cfg.export.int8_vllm == "true"
     vocab = int(policy.embed_tokens.num_embeddings)
     gate_items, golden = len(golden), vllm_items(cfg, golden)
-    reference_logits = reference_logits[:len(golden)] if reference_logits is not None else None
+    reference_logits = reference_logits[:len(golden)]
     req = golden_request(cfg, policy, golden, bundle)
     pending, outcome.pending = outcome.pending, None
     if pending is not None and pending.request is None:  # started, never handed its request
@@ -201,7 +201,7 @@ def _skip(bundle: Path, outcome: Int8Vllm, why: str) -> Int8Vllm:
 
 
 def vllm_fidelity_summary(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenItem], result: VllmGoldenResult,
-                          vocab: int, reference_logits: Optional[List[Tensor]] = None) -> dict:
+                          vocab: int, reference_logits: List[Tensor]) -> dict:
     """The gate's metrics for vLLM's outputs: logits from its prompt logprobs, greedy from its completions."""
     kw = fidelity_kwargs(cfg, tok)
     table = {tuple(g.prompt_ids + g.completion_ids): rows for g, rows in zip(golden, result.prompt_logprobs)}

@@ -53,9 +53,10 @@ class CalibratedModels:
     def plan(self, recipe: recipes.RecipeConfig):
         from policy_bundle.build.calibrate.w8a8_statistics import make_plan
 
-        key, base = plan_key(recipe), plan_key(replace(recipe, vocab_rows="float32"))
-        if base not in self.plans:  # the vocabulary rows' format changes no statistic, weight or threshold
-            self.plans[base] = make_plan(self.policy, self.linear_stats(recipe), replace(recipe, vocab_rows="float32"))
+        twin = replace(recipe, vocab_rows="float32")  # the rows' format changes no statistic, weight or threshold
+        key, base = plan_key(recipe), plan_key(twin)
+        if base not in self.plans:
+            self.plans[base] = make_plan(self.policy, self.linear_stats(recipe), twin)
         if key not in self.plans:
             self.plans[key] = replace(self.plans[base], int16_rows=recipe.vocab_rows == "int16")
         return self.plans[key]
