@@ -35,6 +35,16 @@ def hadamard(n: int) -> Tensor:
 
 
 
+def mm_rows(x: Tensor, m: Tensor) -> Tensor:
+    """``x @ m`` with a row's result the same whatever other rows ``x`` holds: one row goes in as two (the same row
+    twice, the first result kept). For one row the BLAS takes its matrix-vector kernel, whose sums are in another
+    order than its matrix kernel's (an AVX-512 CPU: 1-ulp differences between a row alone and in a batch; seen only
+    where an input is one block wide, 64 or less, as in tiny test models: SmolLM2's 576-wide rows are 9 blocks)."""
+    if x.shape[0] == 1:
+        return torch.mm(torch.cat([x, x]), m)[:1]
+    return torch.mm(x, m)
+
+
 def rotation_signs(n: int) -> Tensor:
     """The seeded +-1 signs [n] of ``R = diag(signs) @ blockdiag(H, ..., H)``, the orthogonal rotation of an
     ``n``-wide input: ``x @ R`` spreads a few loud channels over their block, so a per-token scale no longer

@@ -47,7 +47,7 @@ from policy_bundle.quantize.fbgemm_int8 import (  # noqa: F401 (quantize_weight,
     FbgemmWeight, centred_sum_bound, fake_quant_rows, quantize_rows, quantize_weight, sums_exact_in_float,
     sums_recoverable)
 from policy_bundle.quantize.rotation import (  # noqa: F401 (rotation_block, rotation_matrix: re-exported)
-    kron_factors, rotation_block, rotation_matrix, rotation_signs)
+    kron_factors, mm_rows, rotation_block, rotation_matrix, rotation_signs)
 
 OUTLIER_CHANNELS = 8  # channels of an outlier row computed in float
 
@@ -129,7 +129,7 @@ class Int8TokenLinear(nn.Module):
         x = flat * self.rot_signs
         if self.rot_a > 1:
             x = torch.matmul(self.rot_outer, x.view(-1, self.rot_a, self.rot_b))
-        return torch.mm(x.view(-1, self.rot_b), self.rot_inner).view(-1, self.in_features)  # matmul's own folding
+        return mm_rows(x.view(-1, self.rot_b), self.rot_inner).view(-1, self.in_features)  # matmul's own folding
 
     def rows(self, flat: Tensor) -> Tensor:
         """Any number of rows: per-row quantization as fbgemm's, then fbgemm's GEMM over the codes themselves (input

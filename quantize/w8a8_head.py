@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from policy_bundle.quantize.rotation import mm_rows
 from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
 
 
@@ -26,6 +27,33 @@ def quantize_rows_int16(weight: Tensor) -> Tuple[Tensor, Tensor]:
     is within about amax / 65534 of its row's float value: on SmolLM2-135M's embedding the FP32 policy with only its
     embedding in int16 matched FP32 on 1279 of 1280 greedy tokens (docs/recipes.md, 2026-12-04)."""
     return quantize_weight(weight.detach().float(), 32767, torch.int16, 1e-12)
+
+
+def quantize_rows_int12(weight: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """int8 rows with a scale per row (nearest rounding, as ``quantize_weight``) and each element's rounding residual
+    in 4 bits, packed two to a byte: (int8 [rows, dim], float scales [rows], uint8 [rows, ceil(dim / 2)]). The residual
+    ``weight / scale - q``, in [-1/2, 1/2], is rounded to fifteenths (codes 0-14 for -7/15 ... 7/15: zero exact, so
+    an exact code stays exact), so ``q + (code - 7) / 15`` is within 1/30 of a code of ``weight / scale`` (amax /
+    3810 of the row): 15 times finer than int8, at 12 bits an element. The int8 part alone is the int8 head's own
+    weight."""
+    w = weight.detach().float()
+    q, scales = quantize_weight(w)
+    codes = ((w / scales.unsqueeze(1) - q.float()) * 15.0).round_().clamp_(-7.0, 7.0).to(torch.int32) + 7
+    if codes.shape[1] % 2:  # an odd width: one padding code, cut off again where the rows are read
+        codes = torch.cat([codes, torch.full_like(codes[:, :1], 7)], dim=1)
+    return q, scales, (codes[:, 0::2] * 16 + codes[:, 1::2]).to(torch.uint8)
+
+
+def int12_rows(rows_int8: Tensor, residual: Tensor, ids: Tensor) -> Tensor:
+    """The rows ``ids`` [n] of a ``quantize_rows_int12`` matrix in units of their scale, [n, dim] float; without a
+    residual (empty) the int8 rows alone. Elementwise: a row's values do not depend on the others."""
+    rows = rows_int8.index_select(0, ids).float()
+    if residual.numel() == 0:
+        return rows
+    packed = residual.index_select(0, ids).to(torch.int32)
+    res = torch.stack([torch.bitwise_right_shift(packed, 4), torch.bitwise_and(packed, 15)], dim=-1)
+    res = res.view(packed.shape[0], -1)[:, :rows.shape[1]].float()
+    return rows + (res - 7.0) / 15.0
 
 
 def gather_int16(rows16: Tensor, scales16: Tensor, ids: Tensor) -> Tensor:
@@ -71,7 +99,7 @@ class Int8RescoredHead(nn.Module):
     """
 
     def __init__(self, int8: Int8TokenLinear, float_weight: Tensor, topk: int, rows16: Optional[Tensor] = None,
-                 scales16: Optional[Tensor] = None):
+                 scales16: Optional[Tensor] = None, residual: Optional[Tensor] = None):
         super().__init__()
         self.int8 = int8
         self.register_buffer("float_weight", float_weight)
@@ -86,6 +114,11 @@ class Int8RescoredHead(nn.Module):
         self.register_buffer("rows_int8", int8.fbgemm.shared if float_weight.numel() == 0 and self.rows16.numel() == 0
                              else torch.zeros(0, 0, dtype=torch.int8))
         self.register_buffer("rows_scale", int8.scales)
+        # with int8 rows: their 4-bit rounding residuals (``quantize_rows_int12``), shared with a tied int8 embedding;
+        # empty: the int8 rows alone
+        self.register_buffer("residual", residual if residual is not None else torch.zeros(0, 0, dtype=torch.uint8))
+        if self.residual.numel() > 0 and (self.rows_int8.numel() == 0 or self.residual.shape[0] != int8.out_features):
+            raise ValueError("a 4-bit residual goes with the head's own int8 rows, one per row")
         if float_weight.numel() == 0 and self.rows16.numel() == 0 and self.rows_int8.numel() == 0:
             raise ValueError("an int8 head rescored without float rows needs its int8 weight shared (share_weight)")
         self.topk = int(min(topk, int8.out_features))  # a vocabulary smaller than k: every row rescored
@@ -116,7 +149,7 @@ class Int8RescoredHead(nn.Module):
             exact = (rows * flat.unsqueeze(1)).sum(-1)
         else:
             xr = self.int8.rotate(flat) if self.int8.rot_block > 0 else flat
-            rows = self.rows_int8.index_select(0, pick).float().view(idx.shape[0], self.topk, self.in_features)
+            rows = int12_rows(self.rows_int8, self.residual, pick).view(idx.shape[0], self.topk, self.in_features)
             exact = (rows * xr.unsqueeze(1)).sum(-1) * self.rows_scale.index_select(0, pick).view(idx.shape)
         return out.scatter(1, idx, exact)
 
@@ -125,7 +158,8 @@ class Int8Embedding(nn.Module):
     """Token embedding from int8 rows, one scale per row (symmetric, as the head's weight). ``rot_block`` > 0: the
     rows are of ``E @ R`` (a tied int8 head's rotated weight) and each gathered row is turned back with ``R^T``."""
 
-    def __init__(self, weight_int8: Tensor, scales: Tensor, rot_outer: Tensor, rot_inner: Tensor, rot_signs: Tensor):
+    def __init__(self, weight_int8: Tensor, scales: Tensor, rot_outer: Tensor, rot_inner: Tensor, rot_signs: Tensor,
+                 residual: Optional[Tensor] = None):
         super().__init__()
         # R^T's factors are R's own: Sylvester Hadamard matrices are symmetric (and multiplied as they are stored, the
         # contiguous matrix, a row comes out the same alone or in a batch; through a transposed view it did not)
@@ -136,29 +170,34 @@ class Int8Embedding(nn.Module):
         self.register_buffer("rot_outer", rot_outer)
         self.register_buffer("rot_inner", rot_inner)
         self.register_buffer("rot_signs", rot_signs)
+        # the rows' 4-bit rounding residuals (``quantize_rows_int12``): a tied head's own; empty: int8 rows alone
+        self.register_buffer("residual", residual if residual is not None else torch.zeros(0, 0, dtype=torch.uint8))
         self.rot_a, self.rot_b = int(rot_outer.shape[0]), int(rot_inner.shape[0])
         self.num_embeddings, self.embedding_dim = int(weight_int8.shape[0]), int(weight_int8.shape[1])
 
     @classmethod
-    def tied_to(cls, head: Int8TokenLinear) -> "Int8Embedding":
+    def tied_to(cls, head: Int8TokenLinear, residual: Optional[Tensor] = None) -> "Int8Embedding":
         """The embedding of a tied model whose int8 head (or rescored head's int8 part) is ``head``: its int8 rows,
-        scales and rotation (the same tensors: saved and held once)."""
+        scales and rotation, and a rescored head's 4-bit residuals (the same tensors: saved and held once)."""
         if head.fbgemm.shared.numel() == 0:
             raise ValueError("the int8 head does not share its weight (build it with share_weight=True)")
-        return cls(head.fbgemm.shared, head.scales, head.rot_outer, head.rot_inner, head.rot_signs)
+        return cls(head.fbgemm.shared, head.scales, head.rot_outer, head.rot_inner, head.rot_signs, residual)
 
     @classmethod
-    def from_float(cls, embedding: nn.Embedding) -> "Int8Embedding":
-        """An untied embedding in int8 (nearest rounding, no rotation)."""
-        q, s = quantize_weight(embedding.weight.detach().float())
+    def from_float(cls, embedding: nn.Embedding, int12: bool = False) -> "Int8Embedding":
+        """An untied embedding in int8 (nearest rounding, no rotation); ``int12``: with its 4-bit residuals."""
         empty = torch.zeros(0, 0)
+        if int12:
+            q, s, residual = quantize_rows_int12(embedding.weight)
+            return cls(q, s, empty, empty, torch.zeros(0), residual)
+        q, s = quantize_weight(embedding.weight.detach().float())
         return cls(q, s, empty, empty, torch.zeros(0))
 
     def forward(self, tokens: Tensor) -> Tensor:
         ids = tokens.reshape(-1)
-        rows = self.weight_int8.index_select(0, ids).float() * self.scales.index_select(0, ids).unsqueeze(1)
+        rows = int12_rows(self.weight_int8, self.residual, ids) * self.scales.index_select(0, ids).unsqueeze(1)
         if self.rot_b > 0:  # rows @ R^T: each block Y [a, b] becomes H_a @ Y @ H_b (symmetric), then the signs
-            rows = torch.mm(rows.view(-1, self.rot_b), self.rot_inner)
+            rows = mm_rows(rows.view(-1, self.rot_b), self.rot_inner)
             if self.rot_a > 1:
                 rows = torch.matmul(self.rot_outer, rows.view(-1, self.rot_a, self.rot_b))
             rows = rows.reshape(-1, self.embedding_dim) * self.rot_signs

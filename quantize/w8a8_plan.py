@@ -29,7 +29,7 @@ from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothin
 from policy_bundle.quantize.w8a8 import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotation_block,
                                          rotation_matrix)
 from policy_bundle.quantize.w8a8_head import (Int8Embedding, Int8RescoredHead, Int16Embedding,
-                                             quantize_rows_int16)
+                                             quantize_rows_int12, quantize_rows_int16)
 
 
 def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
@@ -71,12 +71,24 @@ class W8A8Plan:
     # the vocabulary rows kept beside a rescored int8 head (its rescoring, and a float embedding) in int16, a scale per
     # row (``quantize.w8a8_head.Int16Embedding``); a tied embedding shares the head's int16 rows
     int16_rows: bool = False
+    # the vocabulary rows in int12 (``quantize.w8a8_head.quantize_rows_int12``): the rescored head's int8 weight, rounded
+    # to nearest, and each element's 4-bit residual; a tied embedding gathers those same rows (no float copy left)
+    int12_rows: bool = False
 
     def quantized_module(self, name: str, float_linear: nn.Linear, tied_rows: bool = False) -> nn.Module:
         """``tied_rows``: the head of a tied model whose embedding is int8 shares its int8 rows (no float rows)."""
         q, s = self.weights[name]
+        rot_block = self.rot_blocks.get(name, 0)
+        if name == "lm_head" and self.head_topk > 0 and self.int12_rows:
+            # the int8 rows the residuals complete: nearest rounding of the same (rotated) weight, not GPTQ's, whose
+            # codes can sit a whole code from the weight; the int8 logits only pick the top-k that the rows rescore
+            w = float_linear.weight.detach().float()
+            q, s, residual = quantize_rows_int12(w @ rotation_matrix(w.shape[1], rot_block) if rot_block else w)
+            int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s,
+                                              rot_block=rot_block, share_weight=True)
+            return Int8RescoredHead(int8, torch.zeros(0, 0), self.head_topk, residual=residual)
         int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s,
-                                          rot_block=self.rot_blocks.get(name, 0), share_weight=tied_rows)
+                                          rot_block=rot_block, share_weight=tied_rows)
         if name == "lm_head" and self.head_topk > 0:
             if self.int16_rows and not tied_rows:
                 rows16 = quantize_rows_int16(float_linear.weight)
@@ -90,7 +102,7 @@ class W8A8Plan:
         return W8A8Plan(self.scales, self.alphas, {n: self.weights[n] for n in names},
                         {n: self.thresholds[n] for n in names}, rounding=self.rounding, head_topk=self.head_topk,
                         rot_blocks={n: self.rot_blocks[n] for n in names if n in self.rot_blocks},
-                        int8_embedding=self.int8_embedding, int16_rows=self.int16_rows)
+                        int8_embedding=self.int8_embedding, int16_rows=self.int16_rows, int12_rows=self.int12_rows)
 
     def convert(self, policy: nn.Module, quantized: Sequence[str]) -> nn.Module:
         """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float)."""
@@ -101,16 +113,19 @@ class W8A8Plan:
             model = copy.deepcopy(policy)
         embed = getattr(model, "embed_tokens", None)
         tied = isinstance(embed, nn.Embedding) and getattr(model.get_submodule("lm_head"), "weight", None) is embed.weight
-        tied_rows = self.int8_embedding and tied and "lm_head" in quantized
+        # int12 rows are a rescored head's (``head_topk`` > 0); a tied head without rescoring leaves them float, as int16
+        tied_rows = (self.int8_embedding or (self.int12_rows and self.head_topk > 0)) and tied and "lm_head" in quantized
         for name in quantized:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
                     self.quantized_module(name, model.get_submodule(name), tied_rows and name == "lm_head"))
         if tied_rows:
             head = model.lm_head
-            model.embed_tokens = Int8Embedding.tied_to(head.int8 if isinstance(head, Int8RescoredHead) else head)
-        elif self.int8_embedding and isinstance(embed, nn.Embedding) and not tied:
-            model.embed_tokens = Int8Embedding.from_float(embed)
+            rescored = isinstance(head, Int8RescoredHead)
+            model.embed_tokens = Int8Embedding.tied_to(head.int8 if rescored else head,
+                                                       head.residual if rescored else None)
+        elif (self.int8_embedding or self.int12_rows) and isinstance(embed, nn.Embedding) and not tied:
+            model.embed_tokens = Int8Embedding.from_float(embed, int12=self.int12_rows)
         elif self.int16_rows and tied and isinstance(model.lm_head, Int8RescoredHead):
             model.embed_tokens = Int16Embedding(model.lm_head.rows16, model.lm_head.scales16)
         elif self.int16_rows and isinstance(embed, nn.Embedding) and not tied:

@@ -3,7 +3,6 @@ int8 head's top-k rescoring and the token embedding read one int16 copy of the v
 float32 copy's bytes in the file and in memory, each row within 1/65534 of its largest value."""
 
 import copy
-from dataclasses import replace
 
 import pytest
 import torch
@@ -60,28 +59,13 @@ def test_a_tied_policy_holds_one_int16_vocabulary_for_its_embedding_and_its_resc
 
 
 
-def test_an_untied_policy_gets_int16_rows_for_each_and_a_float_tied_head_keeps_its_float_embedding():
-    untied = init_random_policy(replace(CFG, tie_embeddings=False), seed=3)
-    plan, names = plan_for(untied)
-    plan.int8_embedding, plan.int16_rows = False, True
-    conv = plan.convert(untied, names)
-    assert isinstance(conv.embed_tokens, Int16Embedding) and conv.lm_head.rows16.numel() > 0
-    assert conv.embed_tokens.rows16.data_ptr() != conv.lm_head.rows16.data_ptr()  # two matrices, each its own rows
-    tied = init_random_policy(CFG, seed=3)
-    plan, names = plan_for(tied)
-    plan.int8_embedding, plan.int16_rows = False, True
-    kept = plan.convert(tied, [n for n in names if n != "lm_head"])  # the head a float fallback layer
-    assert isinstance(kept.embed_tokens, torch.nn.Embedding)
-    # the int8 embedding, where asked, wins: its rows are the head's int8 ones
-    plan.int8_embedding = True
-    assert type(plan.convert(tied, names).embed_tokens).__name__ == "Int8Embedding"
-
-
 def test_the_recipe_field_takes_float32_or_int16_and_refuses_the_rest_by_name():
     assert RecipeConfig(scheme="smooth-w8a8").vocab_rows == "float32"
     assert RecipeConfig(scheme="smooth-w8a8", vocab_rows="int16").vocab_rows == "int16"
     with pytest.raises(RecipeError, match="recipe.vocab_rows"):
         RecipeConfig(scheme="smooth-w8a8", vocab_rows="int8")
+    with pytest.raises(RecipeError, match="recipe.vocab_rows"):
+        RecipeConfig(scheme="smooth-w8a8", vocab_rows="int4")
 
 
 def test_rescoring_rows_need_their_scales():

@@ -58,7 +58,8 @@ class CalibratedModels:
         if base not in self.plans:
             self.plans[base] = make_plan(self.policy, self.linear_stats(recipe), twin)
         if key not in self.plans:
-            self.plans[key] = replace(self.plans[base], int16_rows=recipe.vocab_rows == "int16")
+            self.plans[key] = replace(self.plans[base], int16_rows=recipe.vocab_rows == "int16",
+                                      int12_rows=recipe.vocab_rows == "int12")
         return self.plans[key]
 
     def smoothing_scales(self, alpha: float):

@@ -66,11 +66,13 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
                       head_topk=recipe.lm_head_topk, max_rot_block=recipe.rotation_block, progress=progress)
     plan.int8_embedding = not kept_float("embed_tokens", recipe)
     plan.int16_rows = recipe.vocab_rows == "int16"
+    plan.int12_rows = recipe.vocab_rows == "int12"
     log(f"[w8a8] plan: {len(names)} linears in {len(groups)} input groups, {recipe.rounding} rounding"
         + (", smoothing alpha searched per group" if recipe.smooth else "")
         + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
         + (", token embedding in int8" if plan.int8_embedding else "")
-        + (", vocabulary rows in int16" if plan.int16_rows and recipe.lm_head_topk > 0 else ""))
+        + (f", vocabulary rows in {recipe.vocab_rows}" if recipe.vocab_rows != "float32" and recipe.lm_head_topk > 0
+           else ""))
     return plan
 
 
@@ -113,7 +115,11 @@ def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
             "weights": f"int8 symmetric per output channel, {plan.rounding} rounding",
             "outlier_ratio": recipe.outlier_ratio, "lm_head_topk": recipe.lm_head_topk, "rounding": recipe.rounding, "gptq_damp": recipe.gptq_damp,
             "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None,
-            "embedding": ("int8 rows, a scale per row: a tied model's int8 head's own rows (its rescoring reads them "
+            "embedding": ("int12 rows: int8 with a scale per row and a 4-bit residual per element, a tied model's "
+                          "rescored int8 head's own (nearest rounding; its rescoring reads them too), or an untied "
+                          "embedding's own; float where a tied head stays float or is not rescored (lm_head_topk 0)"
+                          if plan.int12_rows else
+                          "int8 rows, a scale per row: a tied model's int8 head's own rows (its rescoring reads them "
                           "too), or an untied embedding's own; float where a tied head stays float"
                           if plan.int8_embedding else
                           "int16 rows, a scale per row, shared with the int8 head's top-k rescoring where tied; float "
