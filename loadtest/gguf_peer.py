@@ -8,11 +8,18 @@ scale, activations quantized the same way by its kernels). 1-D tensors (norms) s
 converter keeps them. ``llama-cpp-python`` is not in the default install (a source build, about 17 min on 2 cores):
 
     .venv/bin/uv pip install --python .venv/bin/python llama-cpp-python==0.3.36
+
+On a CPU with AMX (Sapphire Rapids and later) that build puts Q8_0 weights in its AMX buffer, whose kernels crash
+(SIGSEGV) on any batch of 8 tokens or more (seen 2026-12-05 with 1 and 2 threads; one token at a time runs, at
+about 1.6x the speed without that buffer). There the decode is fed its prompt one token at a time, and the prefill and
+the teacher-forced fidelity run with llama.cpp's extra buffer types off (``use_extra_bufts``: its plain CPU
+kernels, the same Q8_0 arithmetic).
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Dict, Sequence
 
@@ -58,11 +65,41 @@ def write_gguf(src: Path, out: Path, qtype: str) -> Path:
     return out
 
 
-def load(path: Path, n_ctx: int, logits_all: bool = False):
+def amx_cpu() -> bool:
+    """Whether this CPU has AMX int8 tiles (where llama.cpp's AMX buffer crashes on batches: see the module doc)."""
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@contextmanager
+def _plain_buffers():
+    """Models loaded inside get llama.cpp's plain CPU buffers (``use_extra_bufts`` off): llama-cpp-python 0.3.36 has
+    no argument for it, so its default model parameters are wrapped for the while."""
+    import llama_cpp.llama_cpp as lc
+
+    default = lc.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lc.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lc.llama_model_default_params = default
+
+
+def load(path: Path, n_ctx: int, logits_all: bool = False, batches: bool = True):
+    """``batches``: the model will evaluate several tokens at once (on an AMX CPU: plain buffers, see the module doc)."""
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=logits_all,
-                           verbose=False, seed=0)
+    with _plain_buffers() if batches and amx_cpu() else nullcontext():
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=logits_all,
+                               verbose=False, seed=0)
 
 
 def _median(fn: Callable[[], float], repeats: int) -> float:
@@ -78,7 +115,8 @@ def speed_figures(path: Path, prompt_len: int, new_tokens: int, seq: int, vocab:
     stays unwritten without ``logits_all``)."""
     import llama_cpp
 
-    llm = load(path, n_ctx=max(prompt_len + new_tokens, seq) + 8)
+    n_ctx = max(prompt_len + new_tokens, seq) + 8
+    llm = load(path, n_ctx=n_ctx, batches=False)  # the decode, its prompt one token at a time
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, vocab, prompt_len).tolist()
 
@@ -87,13 +125,18 @@ def speed_figures(path: Path, prompt_len: int, new_tokens: int, seq: int, vocab:
 
     def decode() -> float:
         llm.reset()
-        llm.eval(prompt)
+        for token in prompt:  # untimed; one at a time, so an AMX CPU keeps llama.cpp's fastest decode buffers
+            llm.eval([token])
         t = time.perf_counter()
         for _ in range(new_tokens):
             llm.eval([int(np.argmax(last_logits()))])
         return time.perf_counter() - t
 
     rows = [rng.integers(3, vocab, seq).tolist() for _ in range(8)]
+
+    dec = new_tokens / _median(decode, repeats)
+    del llm
+    llm = load(path, n_ctx=n_ctx)
 
     def prefill() -> float:
         t = time.perf_counter()
@@ -102,7 +145,7 @@ def speed_figures(path: Path, prompt_len: int, new_tokens: int, seq: int, vocab:
             llm.eval(row)
         return time.perf_counter() - t
 
-    return new_tokens / _median(decode, repeats), 8 * seq / _median(prefill, repeats)
+    return dec, 8 * seq / _median(prefill, repeats)
 
 
 def teacher_forced_fn(path: Path, n_ctx: int) -> Callable:
