@@ -63,9 +63,10 @@ class RecipeConfig:
     lm_head_topk: int = ranged(64, 0, 4096)  # an int8 lm_head rescores each row's top-k logits in float; 0: off
     rotation_block: int = ranged(512, 0, 4096)  # w8a8: Hadamard blocks up to this size (a power of two); 0: off
     # w8a8 with a rescored int8 head: the vocabulary rows kept beside it (its top-k rescoring, and the token embedding
-    # unless that is int8) in float32, int16 with a scale per row, or int12: the head's int8 rows and a 4-bit residual
-    # per element, which a tied embedding gathers too (``quantize.w8a8_head``)
-    vocab_rows: str = choice("float32", VOCAB_ROWS)
+    # unless that is int8) as int12: the head's own int8 rows and a 4-bit residual per element, which a tied embedding
+    # gathers too (no float copy: SmolLM2-135M's policy.ts 256 -> 160 MB); float32; or int16, a scale per row
+    # (``quantize.w8a8_head``)
+    vocab_rows: str = choice("int12", VOCAB_ROWS)
 
     def __post_init__(self) -> None:
         check(self, "recipe", RecipeError)

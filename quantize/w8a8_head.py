@@ -9,6 +9,11 @@ int8 weight (``FbgemmWeight.shared``: one tensor in the file and in memory besid
 the Hadamard-rotated weight ``W @ R``: a gathered row is turned back with ``R^T`` (exact in real arithmetic; the
 quantization error is the head's). The head's rescoring then reads those same rows (``Int8RescoredHead`` without
 float rows): float activations against int8 weights, so the top-k logits carry the weight's rounding only.
+
+The default rows (``recipe.vocab_rows: int12``) are those int8 rows plus a 4-bit residual per element
+(``quantize_rows_int12``): 15 times finer than int8, 1.5 bytes an element in all. The FP32 policy with only its
+vocabulary in int12 agreed with FP32 on 0.9992 of next tokens on SmolLM2-135M's 80 held-out items; with int8 rows,
+0.9892.
 """
 
 from __future__ import annotations

@@ -59,9 +59,10 @@ def test_a_tied_policy_holds_one_int16_vocabulary_for_its_embedding_and_its_resc
 
 
 
-def test_the_recipe_field_takes_float32_or_int16_and_refuses_the_rest_by_name():
-    assert RecipeConfig(scheme="smooth-w8a8").vocab_rows == "float32"
-    assert RecipeConfig(scheme="smooth-w8a8", vocab_rows="int16").vocab_rows == "int16"
+def test_the_recipe_field_defaults_to_int12_takes_float32_or_int16_and_refuses_the_rest_by_name():
+    assert RecipeConfig(scheme="smooth-w8a8").vocab_rows == "int12"  # the default since 2026-12-05, fifth session
+    for rows in ("float32", "int16", "int12"):
+        assert RecipeConfig(scheme="smooth-w8a8", vocab_rows=rows).vocab_rows == rows
     with pytest.raises(RecipeError, match="recipe.vocab_rows"):
         RecipeConfig(scheme="smooth-w8a8", vocab_rows="int8")
     with pytest.raises(RecipeError, match="recipe.vocab_rows"):
@@ -80,7 +81,7 @@ def test_rescoring_rows_need_their_scales():
             Int8RescoredHead(lin, torch.zeros(0, 0), 4, *bad)
 
 
-def test_an_int16_rows_candidate_reuses_the_float_rows_plan(monkeypatch):
+def test_int16_and_int12_rows_candidates_reuse_the_float_rows_plan(monkeypatch):
     """The rows' format changes no statistic, weight or threshold: a ``vocab_rows=int16`` candidate takes the plan
     already made for its float32 twin, with ``int16_rows`` set, instead of searching and rounding again."""
     from policy_bundle.build.calibrate import calibrated as cal
@@ -92,7 +93,9 @@ def test_an_int16_rows_candidate_reuses_the_float_rows_plan(monkeypatch):
     models = cal.CalibratedModels.__new__(cal.CalibratedModels)
     models.plans, models.linear_stats = {}, lambda recipe: None
     models.policy = None
-    float_rows = models.plan(RecipeConfig(scheme="smooth-w8a8"))
+    float_rows = models.plan(RecipeConfig(scheme="smooth-w8a8", vocab_rows="float32"))
     int16 = models.plan(RecipeConfig(scheme="smooth-w8a8", vocab_rows="int16"))
-    assert len(made) == 1 and not float_rows.int16_rows and int16.int16_rows
-    assert int16.weights is float_rows.weights  # the same int8 weights, not a second rounding
+    int12 = models.plan(RecipeConfig(scheme="smooth-w8a8", vocab_rows="int12"))
+    assert len(made) == 1 and not float_rows.int16_rows and int16.int16_rows and not int16.int12_rows
+    assert int12.int12_rows and not int12.int16_rows and not float_rows.int12_rows
+    assert int16.weights is float_rows.weights is int12.weights  # the same int8 weights, not a second rounding
