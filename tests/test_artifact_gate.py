@@ -96,3 +96,21 @@ def test_a_golden_set_larger_than_the_prompts_allow_is_refused_with_one_line(tmp
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *FAST,
                   "--set", "calibration.golden=501")
     assert res.returncode == 2 and "calibration.golden: 501 exceeds 500" in res.stderr, res.stderr[-2000:]
+
+
+def test_the_artifact_checks_say_which_artifact_they_measure_for_the_heartbeat():
+    """Stage 7 runs minutes on a real LM (SmolLM2-135M: 169 s); its heartbeat names the artifact and the items."""
+    import torch
+
+    from policy_bundle.build.artifacts.artifact_fidelity import reference_logits_of
+    from policy_bundle.build.progress import heartbeat_line, set_status
+    from policy_bundle.quantize.fidelity import GoldenItem
+    from policy_bundle.quantize.hf_weights import init_random_policy
+
+    from test_int8_embedding import CFG
+
+    set_status("")
+    golden = [GoldenItem(prompt="a", prompt_ids=[1, 2, 3], completion_ids=[4, 5]) for _ in range(3)]
+    logits = reference_logits_of(init_random_policy(CFG, seed=0), golden)
+    assert len(logits) == 3 and all(torch.isfinite(x).all() for x in logits)
+    assert "the FP32 reference logits: 3 golden items teacher-forced" in heartbeat_line()

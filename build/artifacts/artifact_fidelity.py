@@ -14,7 +14,7 @@ import torch
 from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, BuildConfig
 from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.measure import fidelity_kwargs
-from policy_bundle.build.progress import log
+from policy_bundle.build.progress import log, set_status
 from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
 from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, evaluate_gate, measure_fidelity,
                                              policy_logits_fn, teacher_forced_logits)
@@ -34,16 +34,20 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
     """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set, against the FP32
     policy's teacher-forced logits computed once for every artifact (``reference_logits_of``)."""
     kw, layout = fidelity_kwargs(cfg, tok), BundleLayout(bundle)
+    n = len(golden)
+    set_status(f"{INT8_TORCHSCRIPT} as loaded back: {n} golden items teacher-forced, then greedy")
     scripted = load_torchscript(layout.int8_torchscript)
     ref = dict(reference_outputs=[g.completion_ids for g in golden], reference_logits=reference_logits)
     out = {"int8_torchscript": gated(measure_fidelity(policy, scripted, golden, **ref, **kw), cfg.canary.gate)}
     # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
     # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU).
+    set_status(f"the FP16 directory in float16: {n} golden items teacher-forced")
     fp16 = CastPolicy(load_policy(layout.fp16_dir, max_seq_len=cfg.policy.max_seq_len), torch.float16)
     out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, generate=False, logits_only_note=FP16_GREEDY_NOTE,
                                          **ref, **kw).summary(),
                       "computed_as": "float16 weights and compute (torch, CPU)"}
     if cfg.onnx_export():
+        set_status(f"{INT8_ONNX} in onnxruntime: {n} golden items teacher-forced")
         out["int8_onnx"] = gated(onnx_fidelity(policy, layout.int8_onnx, golden, kw, ref["reference_logits"]),
                                  cfg.canary.gate)
     return out
@@ -51,6 +55,7 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
 
 def reference_logits_of(policy: Policy, golden) -> List[torch.Tensor]:
     """The FP32 policy's teacher-forced logits on the golden items (``measure_fidelity``'s ``reference_logits``)."""
+    set_status(f"the FP32 reference logits: {len(golden)} golden items teacher-forced")
     return teacher_forced_logits(policy_logits_fn(policy), golden)
 
 

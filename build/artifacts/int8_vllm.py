@@ -28,7 +28,7 @@ from policy_bundle.build.artifacts.vllm_golden import (VllmGoldenRequest, VllmGo
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import BuildError, CanaryGateError, ConfigError
 from policy_bundle.build.gate.measure import fidelity_kwargs
-from policy_bundle.build.progress import log
+from policy_bundle.build.progress import log, set_status
 from policy_bundle.build.source.policy_source import is_task_policy
 from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
@@ -166,6 +166,7 @@ def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenIt
     gate_items, golden = len(golden), vllm_items(cfg, golden)
     reference_logits = reference_logits[:len(golden)]
     req = golden_request(cfg, policy, golden, bundle)
+    set_status(f"{INT8_VLLM_DIR}/ in vLLM: {len(golden)} of {gate_items} golden items, greedy and teacher-forced")
     pending, outcome.pending = outcome.pending, None
     if pending is not None and pending.request is None:  # started, never handed its request
         pending.submit(req)
