@@ -62,10 +62,10 @@ class RecipeConfig:
     gptq_damp: float = ranged(0.01, 0.0, 1.0, low_open=True)  # GPTQ dampening, a fraction of the mean diagonal
     lm_head_topk: int = ranged(64, 0, 4096)  # an int8 lm_head rescores each row's top-k logits in float; 0: off
     rotation_block: int = ranged(512, 0, 4096)  # w8a8: Hadamard blocks up to this size (a power of two); 0: off
-    # w8a8 with a rescored int8 head: the vocabulary rows kept beside it (its top-k rescoring, and the token embedding
-    # unless that is int8) as int12: the head's own int8 rows and a 4-bit residual per element, which a tied embedding
-    # gathers too (no float copy: SmolLM2-135M's policy.ts 256 -> 160 MB); float32; or int16, a scale per row
-    # (``quantize.w8a8_head``)
+    # w8a8 with a rescored int8 head: the vocabulary rows kept beside it for its top-k rescoring, which a tied embedding
+    # is too (whatever ``skip`` says of it), as int12: the head's own int8 rows and a 4-bit residual per element (no
+    # float copy: SmolLM2-135M's policy.ts 256 -> 160 MB; an untied embedding in int12 unless skipped); float32; or
+    # int16, a scale per row (``quantize.w8a8_head``)
     vocab_rows: str = choice("int12", VOCAB_ROWS)
 
     def __post_init__(self) -> None:

@@ -57,7 +57,7 @@ def int12_rows(rows_int8: Tensor, residual: Tensor, ids: Tensor) -> Tensor:
         return rows
     packed = residual.index_select(0, ids).to(torch.int32)
     res = torch.stack([torch.bitwise_right_shift(packed, 4), torch.bitwise_and(packed, 15)], dim=-1)
-    res = res.view(packed.shape[0], -1)[:, :rows.shape[1]].float()
+    res = res.view(packed.shape[0], 2 * packed.shape[1])[:, :rows.shape[1]].float()  # no -1: zero ids is fine too
     return rows + (res - 7.0) / 15.0
 
 
@@ -94,8 +94,9 @@ class Int8RescoredHead(nn.Module):
     are where int8 errors flip the greedy choice. The int8 logits pick the k candidates, which are then scored
     against the row's float input: with ``float_weight`` (float weight rows, shared with a float tied embedding, not
     copied) exactly, so greedy decoding is exact whenever the float top-1 is among the int8 top-k; without it
-    (``float_weight`` empty: an int8 embedding shares the head's rows) against the int8 rows and their scales, in the
-    weight's rotated basis (``x @ R`` against ``W @ R``), so only the weight's rounding is left. The tail keeps int8
+    (``float_weight`` empty: an int8 embedding shares the head's rows) against the int8 rows, with their 4-bit
+    residuals where there are (``int12_rows``: the default), and their scales, in the weight's rotated basis (``x @ R``
+    against ``W @ R``), so only the rows' rounding is left; or against int16 rows (``rows16``). The tail keeps int8
     logits.
 
     A row's logits are the same bitwise alone or in any batch (fbgemm's two entry points give the same integers; the rescoring is a per-row product and sum), so batched greedy decoding equals unbatched.
@@ -122,8 +123,9 @@ class Int8RescoredHead(nn.Module):
         # with int8 rows: their 4-bit rounding residuals (``quantize_rows_int12``), shared with a tied int8 embedding;
         # empty: the int8 rows alone
         self.register_buffer("residual", residual if residual is not None else torch.zeros(0, 0, dtype=torch.uint8))
-        if self.residual.numel() > 0 and (self.rows_int8.numel() == 0 or self.residual.shape[0] != int8.out_features):
-            raise ValueError("a 4-bit residual goes with the head's own int8 rows, one per row")
+        if self.residual.numel() > 0 and (self.rows_int8.numel() == 0 or self.residual.shape[0] != int8.out_features
+                                          or self.residual.shape[1] != (int8.in_features + 1) // 2):
+            raise ValueError("a 4-bit residual goes with the head's own int8 rows: one row of ceil(in / 2) bytes per row")
         if float_weight.numel() == 0 and self.rows16.numel() == 0 and self.rows_int8.numel() == 0:
             raise ValueError("an int8 head rescored without float rows needs its int8 weight shared (share_weight)")
         self.topk = int(min(topk, int8.out_features))  # a vocabulary smaller than k: every row rescored
@@ -160,8 +162,9 @@ class Int8RescoredHead(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Token embedding from int8 rows, one scale per row (symmetric, as the head's weight). ``rot_block`` > 0: the
-    rows are of ``E @ R`` (a tied int8 head's rotated weight) and each gathered row is turned back with ``R^T``."""
+    """Token embedding from int8 rows, one scale per row (symmetric, as the head's weight), with each element's 4-bit
+    residual where ``residual`` is not empty (``quantize_rows_int12``). ``rot_block`` > 0: the rows are of ``E @ R`` (a
+    tied int8 head's rotated weight) and each gathered row is turned back with ``R^T``."""
 
     def __init__(self, weight_int8: Tensor, scales: Tensor, rot_outer: Tensor, rot_inner: Tensor, rot_signs: Tensor,
                  residual: Optional[Tensor] = None):

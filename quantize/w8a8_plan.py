@@ -76,7 +76,8 @@ class W8A8Plan:
     int12_rows: bool = False
 
     def quantized_module(self, name: str, float_linear: nn.Linear, tied_rows: bool = False) -> nn.Module:
-        """``tied_rows``: the head of a tied model whose embedding is int8 shares its int8 rows (no float rows)."""
+        """``tied_rows``: the head of a tied model whose embedding is int8 shares its int8 rows (no float rows). A
+        rescored head with ``int12_rows`` always shares them (its rescoring reads them), tied or not."""
         q, s = self.weights[name]
         rot_block = self.rot_blocks.get(name, 0)
         if name == "lm_head" and self.head_topk > 0 and self.int12_rows:
@@ -113,8 +114,10 @@ class W8A8Plan:
             model = copy.deepcopy(policy)
         embed = getattr(model, "embed_tokens", None)
         tied = isinstance(embed, nn.Embedding) and getattr(model.get_submodule("lm_head"), "weight", None) is embed.weight
-        # int12 rows are a rescored head's (``head_topk`` > 0); a tied head without rescoring leaves them float, as int16
-        tied_rows = (self.int8_embedding or (self.int12_rows and self.head_topk > 0)) and tied and "lm_head" in quantized
+        # int12 rows are a rescored head's (``head_topk`` > 0): a tied embedding is those rows (as with int16 rows);
+        # a tied head without rescoring, or kept in float, leaves them float
+        int12 = self.int12_rows and self.head_topk > 0
+        tied_rows = (self.int8_embedding or int12) and tied and "lm_head" in quantized
         for name in quantized:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
@@ -124,8 +127,8 @@ class W8A8Plan:
             rescored = isinstance(head, Int8RescoredHead)
             model.embed_tokens = Int8Embedding.tied_to(head.int8 if rescored else head,
                                                        head.residual if rescored else None)
-        elif (self.int8_embedding or self.int12_rows) and isinstance(embed, nn.Embedding) and not tied:
-            model.embed_tokens = Int8Embedding.from_float(embed, int12=self.int12_rows)
+        elif self.int8_embedding and isinstance(embed, nn.Embedding) and not tied:  # an untied embedding: its own
+            model.embed_tokens = Int8Embedding.from_float(embed, int12=int12)  # skip setting, int12 rows if rescored
         elif self.int16_rows and tied and isinstance(model.lm_head, Int8RescoredHead):
             model.embed_tokens = Int16Embedding(model.lm_head.rows16, model.lm_head.scales16)
         elif self.int16_rows and isinstance(embed, nn.Embedding) and not tied:

@@ -20,7 +20,7 @@ from test_int8_embedding import CFG, check_loaded, plan_for
 
 
 @pytest.mark.parametrize("dim", [64, 63])
-def test_int12_rows_are_within_a_3810th_of_each_rows_largest_value_and_16_times_finer_than_int8(dim):
+def test_int12_rows_are_within_a_3810th_of_each_rows_largest_value_and_15_times_finer_than_int8(dim):
     w = torch.randn(300, dim) * torch.linspace(0.01, 5.0, 300).unsqueeze(1)
     w[7] = 0.0  # an all-zero row stays zero
     q, s, residual = quantize_rows_int12(w)
@@ -81,7 +81,7 @@ def test_an_untied_policy_gets_its_rows_for_each_matrix_and_a_float_tied_head_ke
         field, embedding, rows):
     untied = init_random_policy(replace(CFG, tie_embeddings=False), seed=3)
     plan, names = plan_for(untied)
-    plan.int8_embedding = False
+    plan.int8_embedding = field == "int12_rows"  # int12: an untied embedding follows its own skip setting
     setattr(plan, field, True)
     conv = plan.convert(untied, names)
     assert isinstance(conv.embed_tokens, embedding) and getattr(conv.lm_head, rows).numel() > 0
@@ -100,6 +100,18 @@ def test_an_untied_policy_gets_its_rows_for_each_matrix_and_a_float_tied_head_ke
     assert type(plan.convert(tied, names).embed_tokens).__name__ == "Int8Embedding"
 
 
+def test_an_untied_embedding_kept_float_by_skip_stays_float_beside_an_int12_head():
+    untied = init_random_policy(replace(CFG, tie_embeddings=False), seed=3)
+    plan, names = plan_for(untied)
+    plan.int8_embedding, plan.int12_rows = False, True  # skip=[embed_tokens]: the embedding is not the head's rows
+    conv = plan.convert(untied, names)
+    assert isinstance(conv.embed_tokens, torch.nn.Embedding) and conv.lm_head.residual.numel() > 0
+    assert torch.equal(conv.embed_tokens.weight, untied.embed_tokens.weight)
+    q, _, residual = quantize_rows_int12(torch.randn(8, 6))
+    none = torch.zeros(0, dtype=torch.long)
+    assert int12_rows(q, residual, none).shape == (0, 6)  # no rows asked, none given (no reshape error)
+
+
 def test_the_recipe_field_takes_int12_and_a_residual_needs_the_heads_int8_rows():
     assert RecipeConfig(scheme="smooth-w8a8", vocab_rows="int12").vocab_rows == "int12"
     q, s, residual = quantize_rows_int12(torch.randn(32, 16))
@@ -109,3 +121,5 @@ def test_the_recipe_field_takes_int12_and_a_residual_needs_the_heads_int8_rows()
         Int8RescoredHead(Int8TokenLinear(q, s, None, 0.0), torch.randn(32, 16), 4, residual=residual)
     with pytest.raises(ValueError, match="residual"):
         Int8RescoredHead(shared, torch.zeros(0, 0), 4, residual=residual[:5])
+    with pytest.raises(ValueError, match="residual"):
+        Int8RescoredHead(shared, torch.zeros(0, 0), 4, residual=residual[:, :3])

@@ -99,7 +99,8 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, calibrated, out: 
     recipe, plan, smoothing_scales = chosen.recipe, chosen.plan, calibrated.scales
     names = selected_linears(policy, recipe)
     if plan is not None:
-        float_policy = replace(plan, int8_embedding=False, int16_rows=False, int12_rows=False).convert(policy, [])  # float embedding
+        float_rows = replace(plan, int8_embedding=False, int16_rows=False, int12_rows=False)
+        float_policy = float_rows.convert(policy, [])  # float embedding
         loud = set(outlier_linears(calibrated.linear_stats(recipe), policy))
         # the TorchScript artifact's int8 weights, those of rotated inputs too: vLLM rotates the inputs online (but
         # for a linear with a bias: export_w8a8_checkpoint)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from policy_bundle.build.config.build_config import BuildConfig
-from policy_bundle.build.progress import bar
+from policy_bundle.build.progress import bar, log
 from policy_bundle.bundle.faults import apply_scale_fault
 from policy_bundle.quantize import observers, recipes
 from policy_bundle.quantize.model import Policy
@@ -53,13 +53,17 @@ class CalibratedModels:
     def plan(self, recipe: recipes.RecipeConfig):
         from policy_bundle.build.calibrate.w8a8_statistics import make_plan
 
-        twin = replace(recipe, vocab_rows="float32")  # the rows' format changes no statistic, weight or threshold
+        # the rows' format changes no statistic, threshold or weight but the head's (int12 rounds it to nearest when it
+        # converts: GPTQ's head weight is then unused)
+        twin = replace(recipe, vocab_rows="float32")
         key, base = plan_key(recipe), plan_key(twin)
         if base not in self.plans:
             self.plans[base] = make_plan(self.policy, self.linear_stats(recipe), twin)
         if key not in self.plans:
             self.plans[key] = replace(self.plans[base], int16_rows=recipe.vocab_rows == "int16",
                                       int12_rows=recipe.vocab_rows == "int12")
+            if recipe.vocab_rows != "float32" and recipe.lm_head_topk > 0:
+                log(f"[w8a8] vocabulary rows in {recipe.vocab_rows} (the float32 rows' plan, reused)")
         return self.plans[key]
 
     def smoothing_scales(self, alpha: float):

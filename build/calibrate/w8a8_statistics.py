@@ -70,9 +70,7 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
     log(f"[w8a8] plan: {len(names)} linears in {len(groups)} input groups, {recipe.rounding} rounding"
         + (", smoothing alpha searched per group" if recipe.smooth else "")
         + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
-        + (", token embedding in int8" if plan.int8_embedding else "")
-        + (f", vocabulary rows in {recipe.vocab_rows}" if recipe.vocab_rows != "float32" and recipe.lm_head_topk > 0
-           else ""))
+        + (", token embedding in int8" if plan.int8_embedding else ""))
     return plan
 
 
@@ -115,17 +113,23 @@ def w8a8_summary(recipe: RecipeConfig, plan: W8A8Plan) -> dict:
             "weights": f"int8 symmetric per output channel, {plan.rounding} rounding",
             "outlier_ratio": recipe.outlier_ratio, "lm_head_topk": recipe.lm_head_topk, "rounding": recipe.rounding, "gptq_damp": recipe.gptq_damp,
             "smooth_alphas": {g: a for g, a in plan.alphas.items()} if recipe.smooth else None,
-            "embedding": ("int12 rows: int8 with a scale per row and a 4-bit residual per element, a tied model's "
-                          "rescored int8 head's own (nearest rounding; its rescoring reads them too), or an untied "
-                          "embedding's own; float where a tied head stays float or is not rescored (lm_head_topk 0)"
-                          if plan.int12_rows else
-                          "int8 rows, a scale per row: a tied model's int8 head's own rows (its rescoring reads them "
-                          "too), or an untied embedding's own; float where a tied head stays float"
-                          if plan.int8_embedding else
-                          "int16 rows, a scale per row, shared with the int8 head's top-k rescoring where tied; float "
-                          "where a tied head stays float or is not rescored (lm_head_topk 0)"
-                          if plan.int16_rows else "float"),
+            "embedding": embedding_note(plan),
             "vocab_rows": recipe.vocab_rows}
+
+
+def embedding_note(plan: W8A8Plan) -> str:
+    """The manifest's word on the token embedding's format (``W8A8Plan.convert`` decides it)."""
+    if plan.int12_rows and plan.head_topk > 0:
+        return ("int12 rows (int8, a scale per row, and a 4-bit residual per element): a tied model's rescored int8 "
+                "head's own rows, nearest rounding, which its rescoring reads too; float where a tied head stays "
+                "float; an untied embedding in int12 unless skipped (then float)")
+    if plan.int8_embedding:
+        return ("int8 rows, a scale per row: a tied model's int8 head's own rows (its rescoring reads them too), or "
+                "an untied embedding's own; float where a tied head stays float")
+    if plan.int16_rows:
+        return ("int16 rows, a scale per row, shared with the int8 head's top-k rescoring where tied; float where a "
+                "tied head stays float or is not rescored (lm_head_topk 0)")
+    return "float"
 
 
 def onnx_recipe_note(recipe: RecipeConfig) -> str:
