@@ -94,8 +94,9 @@ def test_a_prefix_the_held_out_prompts_fail_walks_up_to_more_float_layers_then_b
     judged = []
     search.confirm = held_out(5, judged)
     out = search_fallback(search, lambda: RANKING, max_fp_layers=8)
-    # doubling 2 -> 4 -> 8 passes at 8; the prefixes it stepped over are bisected: 6 passes, 5 passes
-    assert judged == [2, 4, 8, 6, 5] and out.verdict.passed and out.fp32_layers == [n for n, _ in RANKING[:5]]
+    # one more up to 3, then doubling: 2 -> 3 -> 6 passes at 6; the prefixes it stepped over are bisected: 4 fails, 5
+    # passes
+    assert judged == [2, 3, 6, 4, 5] and out.verdict.passed and out.fp32_layers == [n for n, _ in RANKING[:5]]
     # each larger prefix passed the search prompts (teacher-forced) before it was judged held out; the greedy
     # confirmation is the held-out judgement's, never run on the search prompts
     assert ("teacher-forced", 8) in seen and not [k for what, k in seen if what == "whole"]
@@ -104,9 +105,22 @@ def test_a_prefix_the_held_out_prompts_fail_walks_up_to_more_float_layers_then_b
 def test_a_stepped_over_prefix_that_fails_held_out_keeps_the_larger_one():
     search, _ = search_over(lambda k: 0.5 if k < 2 else 0.05)
     judged = []
-    search.confirm = held_out(4, judged)
+    search.confirm = held_out(6, judged)
     out = search_fallback(search, lambda: RANKING, max_fp_layers=8)
-    assert judged == [2, 4, 3] and out.verdict.passed and len(out.fp32_layers) == 4
+    assert judged == [2, 3, 6, 4, 5] and out.verdict.passed and len(out.fp32_layers) == 6
+
+
+def test_a_held_out_gap_of_one_or_two_layers_is_walked_one_at_a_time():
+    """The gap SmolLM2-135M's default builds showed: the held-out prompts asking for 1-2 more float layers than the
+    search prompts. Doubling judged 2, 4 and 3 for 3 layers; stepping judges 2 and 3."""
+    from policy_bundle.build.gate.fallback import held_out_step
+
+    assert [held_out_step(k) for k in range(6)] == [1, 2, 3, 6, 8, 10]
+    search, _ = search_over(lambda k: 0.5 if k < 1 else 0.05)
+    judged = []
+    search.confirm = held_out(3, judged)
+    out = search_fallback(search, lambda: RANKING, max_fp_layers=8)
+    assert judged == [1, 2, 3] and out.verdict.passed and len(out.fp32_layers) == 3
 
 
 def test_the_held_out_walk_stops_at_the_budget_and_says_so():
@@ -114,7 +128,7 @@ def test_the_held_out_walk_stops_at_the_budget_and_says_so():
     judged = []
     search.confirm = held_out(100, judged)  # never passes held out
     out = search_fallback(search, lambda: RANKING, max_fp_layers=6)
-    assert judged == [2, 4, 6] and not out.verdict.passed and len(out.fp32_layers) == 6
+    assert judged == [2, 3, 6] and not out.verdict.passed and len(out.fp32_layers) == 6
     assert "still fail with 6 layer(s) in float, walked up from 2; canary.max_fp_layers=6" in out.rejected
 
 
