@@ -135,8 +135,9 @@ def speed_figures(path: Path, prompt_len: int, new_tokens: int, seq: int, vocab:
     rows = [rng.integers(3, vocab, seq).tolist() for _ in range(8)]
 
     dec = new_tokens / _median(decode, repeats)
-    del llm
-    llm = load(path, n_ctx=n_ctx)
+    if amx_cpu():  # the batches need plain buffers there (elsewhere the decode's model is the same)
+        del llm
+        llm = load(path, n_ctx=n_ctx)
 
     def prefill() -> float:
         t = time.perf_counter()

@@ -35,6 +35,12 @@ def hadamard(n: int) -> Tensor:
 
 
 
+def rotated_weight(weight: Tensor, block: int) -> Tensor:
+    """A linear's float weight [out, in] as its rotated input meets it, ``W @ R`` (``block`` 0: ``W`` itself)."""
+    w = weight.detach().float()
+    return w @ rotation_matrix(w.shape[1], block) if block else w
+
+
 def mm_rows(x: Tensor, m: Tensor) -> Tensor:
     """``x @ m`` with a row's result the same whatever other rows ``x`` holds: one row goes in as two (the same row
     twice, the first result kept). For one row the BLAS takes its matrix-vector kernel, whose sums are in another

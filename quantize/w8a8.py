@@ -47,7 +47,7 @@ from policy_bundle.quantize.fbgemm_int8 import (  # noqa: F401 (quantize_weight,
     FbgemmWeight, centred_sum_bound, fake_quant_rows, quantize_rows, quantize_weight, sums_exact_in_float,
     sums_recoverable)
 from policy_bundle.quantize.rotation import (  # noqa: F401 (rotation_block, rotation_matrix: re-exported)
-    kron_factors, mm_rows, rotation_block, rotation_matrix, rotation_signs)
+    kron_factors, mm_rows, rotated_weight, rotation_block, rotation_matrix, rotation_signs)
 
 OUTLIER_CHANNELS = 8  # channels of an outlier row computed in float
 
@@ -98,10 +98,7 @@ class Int8TokenLinear(nn.Module):
                    scales: Optional[Tensor] = None, rot_block: int = 0, share_weight: bool = False) -> "Int8TokenLinear":
         """``weight_int8``/``scales``, when given, are already of the rotated weight (``rot_block`` > 0)."""
         if weight_int8 is None or scales is None:
-            w = linear.weight.detach().float()
-            if rot_block:
-                w = w @ rotation_matrix(w.shape[1], rot_block)
-            weight_int8, scales = quantize_weight(w)
+            weight_int8, scales = quantize_weight(rotated_weight(linear.weight, rot_block))
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         return cls(weight_int8, scales, bias, outlier_threshold, rot_block=rot_block, share_weight=share_weight)
 

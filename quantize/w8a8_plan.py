@@ -26,8 +26,8 @@ from policy_bundle.quantize.gptq import gptq_quantize
 from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
 from policy_bundle.quantize.sensitivity import layer_sensitivity
 from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
-from policy_bundle.quantize.w8a8 import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotation_block,
-                                         rotation_matrix)
+from policy_bundle.quantize.w8a8 import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotated_weight,
+                                         rotation_block, rotation_matrix)
 from policy_bundle.quantize.w8a8_head import (Int8Embedding, Int8RescoredHead, Int16Embedding,
                                              quantize_rows_int12, quantize_rows_int16)
 
@@ -83,8 +83,7 @@ class W8A8Plan:
         if name == "lm_head" and self.head_topk > 0 and self.int12_rows:
             # the int8 rows the residuals complete: nearest rounding of the same (rotated) weight, not GPTQ's, whose
             # codes can sit a whole code from the weight; the int8 logits only pick the top-k that the rows rescore
-            w = float_linear.weight.detach().float()
-            q, s, residual = quantize_rows_int12(w @ rotation_matrix(w.shape[1], rot_block) if rot_block else w)
+            q, s, residual = quantize_rows_int12(rotated_weight(float_linear.weight, rot_block))
             int8 = Int8TokenLinear.from_float(float_linear, self.thresholds[name], weight_int8=q, scales=s,
                                               rot_block=rot_block, share_weight=True)
             return Int8RescoredHead(int8, torch.zeros(0, 0), self.head_topk, residual=residual)

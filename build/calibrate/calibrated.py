@@ -51,7 +51,7 @@ class CalibratedModels:
         return self.stats[key]
 
     def plan(self, recipe: recipes.RecipeConfig):
-        from policy_bundle.build.calibrate.w8a8_statistics import make_plan
+        from policy_bundle.build.calibrate.w8a8_statistics import make_plan, rows_flags
 
         # the rows' format changes no statistic, threshold or weight but the head's (int12 rounds it to nearest when it
         # converts: GPTQ's head weight is then unused)
@@ -60,8 +60,8 @@ class CalibratedModels:
         if base not in self.plans:
             self.plans[base] = make_plan(self.policy, self.linear_stats(recipe), twin)
         if key not in self.plans:
-            self.plans[key] = replace(self.plans[base], int16_rows=recipe.vocab_rows == "int16",
-                                      int12_rows=recipe.vocab_rows == "int12")
+            int16_rows, int12_rows = rows_flags(recipe)
+            self.plans[key] = replace(self.plans[base], int16_rows=int16_rows, int12_rows=int12_rows)
             if recipe.vocab_rows != "float32" and recipe.lm_head_topk > 0:
                 log(f"[w8a8] vocabulary rows in {recipe.vocab_rows} (the float32 rows' plan, reused)")
         return self.plans[key]

@@ -51,6 +51,11 @@ def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: Re
     return stats
 
 
+def rows_flags(recipe: RecipeConfig) -> Tuple[bool, bool]:
+    """``recipe.vocab_rows`` as the plan's (``int16_rows``, ``int12_rows``)."""
+    return recipe.vocab_rows == "int16", recipe.vocab_rows == "int12"
+
+
 def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) -> W8A8Plan:
     tick = Throttled()
     groups = ls.input_groups(policy)
@@ -65,8 +70,7 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
                       rounding=recipe.rounding, gptq_damp=recipe.gptq_damp, outlier_ratio=recipe.outlier_ratio,
                       head_topk=recipe.lm_head_topk, max_rot_block=recipe.rotation_block, progress=progress)
     plan.int8_embedding = not kept_float("embed_tokens", recipe)
-    plan.int16_rows = recipe.vocab_rows == "int16"
-    plan.int12_rows = recipe.vocab_rows == "int12"
+    plan.int16_rows, plan.int12_rows = rows_flags(recipe)
     log(f"[w8a8] plan: {len(names)} linears in {len(groups)} input groups, {recipe.rounding} rounding"
         + (", smoothing alpha searched per group" if recipe.smooth else "")
         + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
