@@ -1,11 +1,10 @@
 """FP32 eager vs INT8 TorchScript vs INT8 onnxruntime vs FP16 via vLLM, side by side in one run (ratios, not asserts).
-Per model: decode tokens/s at batch 1 (prefill, then one token per step; onnxruntime has no KV
-cache, so its "decode" recomputes the sequence each token), prefill throughput at batch 8 (the next token's logits:
-the head at the last position only, as a server and vLLM compute it; onnxruntime's graph computes every position's),
-``--bundle DIR`` benchmarks a built bundle instead (the real LM: build ``build/configs/smollm2.yaml``),
-peak resident memory (each variant runs in a fresh process, so VmHWM is that variant's alone) and
-artifact size. Throughput at 8 and 32 concurrent requests through the served bundle is
-``loadtest.bench_sweep``. Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_int8 [--quick] [--no-vllm]``.
+Per model: decode tokens/s at batch 1 (prefill, then one token per step; onnxruntime has no KV cache, so its "decode"
+recomputes the sequence each token), prefill throughput at batch 8 (the next token's logits: the head at the last
+position only, as a server and vLLM compute it; onnxruntime's graph computes every position's), 32 rows decoding
+together, peak resident memory (each variant in a fresh process: VmHWM is that variant's alone) and artifact size.
+``--bundle DIR``: a built bundle instead (the real LM: ``build/configs/smollm2.yaml``); served: ``loadtest.bench_sweep``.
+Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_int8 [--quick] [--no-vllm]``.
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ import torch
 from policy_bundle.loadtest.bench_models import bench_models
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
-from policy_bundle.quantize.blocks import cache_len_for
 from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.script_runner import load_torchscript
+from policy_bundle.quantize.slots import SlotBatch
 from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm, vllm_available
 
 warnings.filterwarnings("ignore")
@@ -54,25 +53,26 @@ def onnx_decode_tps(sess, prompt_len: int, new_tokens: int, vocab: int, repeats:
     def run():
         seq = ids
         for _ in range(new_tokens):
-            logits = sess.run(None, {"input_ids": seq})[0]
-            seq = __import__("numpy").concatenate([seq, logits[:, -1:].argmax(-1)], axis=1)
+            seq = __import__("numpy").concatenate([seq, sess.run(None, {"input_ids": seq})[0][:, -1:].argmax(-1)], axis=1)
 
     return new_tokens / median_time(run, repeats)
 
 
 @torch.no_grad()
 def batch_decode_tps(module, rows: int, prompt_len: int, new_tokens: int, vocab: int, repeats: int) -> float:
-    """Tokens/s of ``rows`` sequences decoding together (``decode_batch``, one token per row per step; prefill
-    untimed), median over ``repeats`` fresh caches after one warm-up."""
-    prompts = torch.randint(3, vocab, (rows, prompt_len), generator=torch.Generator().manual_seed(3))
+    """Tokens/s of ``rows`` sequences decoding in the served engine's ``SlotBatch``: prompts prefilled into slots one by
+    one, untimed (one 32-row prefill until 2026-12-05), then ``decode_batch`` steps, timed; median after a warm-up."""
+    prompts = torch.randint(3, vocab, (rows, prompt_len), generator=torch.Generator().manual_seed(3)).tolist()
 
     def run() -> float:
-        k, v = module.new_cache(rows, cache_len_for(prompt_len + new_tokens + 1))  # as a served batch allocates
-        nxt = module.prefill(prompts, k, v)[:, -1:].argmax(-1)
+        slots, nxt = SlotBatch(module, prompt_len + new_tokens + 1, rows), []
+        slots.grow(rows)  # as a served batch allocates: whole attention blocks (``cache_len_for``)
+        for p in prompts:
+            nxt.append(int(slots.prefill(p).argmax()))
+            slots.join(len(nxt))
         t = time.perf_counter()
-        for step in range(new_tokens):
-            pos = torch.full((rows,), prompt_len + step, dtype=torch.long)
-            nxt = module.decode_batch(nxt, pos, k, v)[:, -1:].argmax(-1)
+        for _ in range(new_tokens):
+            nxt = slots.step(nxt).argmax(-1).tolist()
         return time.perf_counter() - t
 
     run()

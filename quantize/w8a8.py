@@ -149,7 +149,7 @@ class Int8TokenLinear(nn.Module):
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(codes, 1.0, 128, self.fbgemm.packed)
             sums = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)
             acc = sums[:n] - sums[n:] if split else sums
-        acc = acc.add_((128 - zp.to(torch.int32)) * self.col_sums).float()
+        acc = acc.addcmul_(128 - zp.to(torch.int32), self.col_sums).float()  # in place: no [rows, out] product
         if self.unit_scales:  # as fbgemm's one row with unit scales (its sum times the row's scale), then ours
             return acc.mul_(scale).mul_(self.scales)
         return acc.mul_(scale * self.scales)

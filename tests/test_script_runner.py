@@ -1,6 +1,8 @@
 """The INT8 TorchScript runs without the graph executor's profiling and optimisation, on whichever thread calls it
 (the switch is thread-local): the profiling executor held 2-3 GB more on SmolLM2-135M's INT8 policy for no speed."""
 
+import subprocess
+import sys
 import threading
 
 import torch
@@ -47,3 +49,52 @@ def test_runner_calls_skip_profiling_on_any_thread_and_raw_module_does_not(tmp_p
     assert torch.equal(method["value"], x * 3.0)
     assert torch.equal(runner.prefill(x, scale=2.0), x * 2.0)  # keyword arguments pass through too
     assert hasattr(runner, "prefill") and not hasattr(runner, "decode_batch")  # attributes pass through
+
+
+CHURN = '''
+import sys
+from pathlib import Path
+
+import torch
+
+from policy_bundle.quantize.script_runner import TRIM_POSITIONS, ScriptRunner
+
+
+class Churn(torch.nn.Module):
+    @torch.jit.export
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        # 64 temporaries of 1 MB, then a 2 MB tensor the caller keeps: it sits above them at the heap's top, so glibc
+        # keeps the 64 MB freed under it (as a policy's prefill leaves its scattered temporaries)
+        held = [torch.ones(262144) for _ in range(64)]
+        return torch.ones(524288) * float(len(held))
+
+
+def rss_mb() -> int:
+    line = [s for s in Path("/proc/self/status").read_text().splitlines() if s.startswith("VmRSS")][0]
+    return int(line.split()[1]) // 1024
+
+
+torch.ones(4 << 20).sum()  # a 16 MB block freed: glibc's mmap threshold rises to it, so 1 MB blocks come from the heap
+module = torch.jit.script(Churn())
+runner = ScriptRunner(module)
+positions = TRIM_POSITIONS + int(sys.argv[1])
+before = rss_mb()
+kept = runner.prefill(torch.zeros(1, positions, dtype=torch.long))
+print(rss_mb() - before)
+'''
+
+
+def grown_mb(script, extra_positions: int) -> int:
+    """A fresh process's resident growth over one call (each its own process: the heap starts the same)."""
+    out = subprocess.run([sys.executable, str(script), str(extra_positions)], capture_output=True, text=True,
+                         check=True, timeout=300)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_call_over_trim_positions_hands_its_freed_heap_back(tmp_path):
+    """A call over TRIM_POSITIONS token positions or more leaves the process no larger than what it still holds; the
+    same call one position short of the threshold keeps the freed temporaries resident (the negative control)."""
+    script = tmp_path / "churn.py"  # a file: TorchScript reads the module's source
+    script.write_text(CHURN)
+    assert grown_mb(script, -1) >= 48  # one position short of the threshold: nothing handed back
+    assert grown_mb(script, 0) <= 16  # the 2 MB it returns, and the interpreter's own
