@@ -104,6 +104,27 @@ LONGEST_FIRST = ("test_real_lm", "test_drills", "test_torchtitan", "test_w8a8_bu
                  "test_batching", "test_vllm_launch", "test_gguf_peer", "test_build_output", "test_tokenizer")
 
 
+def cpu_line() -> str:
+    """The CPU the suite ran on: kernels and figures differ between AVX2, AVX-512 VNNI and AMX machines (fbgemm's int8
+    sums saturate without VNNI), and CI's machine has not always been the one described."""
+    flags: set = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    named = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16") if f in flags]
+    from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
+
+    return (f"cpu: {os.cpu_count()} cores, {' '.join(named) or 'no AVX2/AVX-512/VNNI/AMX flags'}; "
+            f"fbgemm int8 sums saturate: {fbgemm_saturates()}")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # once, beside the result line (the header is hidden under -q)
+        terminalreporter.write_line(cpu_line())
+
+
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("OMP_NUM_THREADS") == "1":
         import torch
