@@ -201,13 +201,13 @@ def test_rescored_head_gives_exact_float_logits_for_its_top_k():
 
 
 def test_rescored_head_gives_a_row_the_same_logits_alone_or_in_any_batch():
-    """Batched greedy decoding equals unbatched with an int8 head: one row and many (fbgemm's two entry points, 64 rows
-    at a time past 64) give each row the same logits, bitwise."""
+    """Batched greedy decoding equals unbatched with an int8 head: one row and many (fbgemm's two entry points, 16 rows
+    at a time past 16) give each row the same logits, bitwise."""
     torch.manual_seed(1)
     head = torch.nn.Linear(32, 500, bias=False)
     rescored = Int8RescoredHead(Int8TokenLinear.from_float(head), head.weight.detach(), topk=16)
     scripted = torch.jit.script(rescored)
-    x = torch.randn(2, 75, 32)  # 150 rows: two full chunks of 64 and a part
+    x = torch.randn(2, 75, 32)  # 150 rows: nine full chunks of 16 and a part
     out = scripted(x)
     assert out.shape == (2, 75, 500)
     alone = torch.cat([scripted(row) for row in x.reshape(-1, 1, 32)]).reshape(2, 75, 500)
