@@ -67,10 +67,9 @@ def write_gguf(src: Path, out: Path, qtype: str) -> Path:
 
 def amx_cpu() -> bool:
     """Whether this CPU has AMX int8 tiles (where llama.cpp's AMX buffer crashes on batches: see the module doc)."""
-    try:
-        return " amx_int8" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    from policy_bundle.quantize.fbgemm_int8 import cpu_flags
+
+    return "amx_int8" in cpu_flags()
 
 
 @contextmanager

@@ -7,7 +7,8 @@ these are the pieces both need to agree bitwise.
 from __future__ import annotations
 
 import warnings
-from typing import Tuple
+from pathlib import Path
+from typing import FrozenSet, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -108,6 +109,16 @@ def sums_exact_in_float(bound: int) -> bool:
     packed with unit scales, fbgemm's GEMM then hands them back as they are, so the weight needs no second copy
     (``Int8TokenLinear.unit_scales``; SmolLM2-135M's ``down_proj``: under half the bound)."""
     return bound < 2 ** 24
+
+
+def cpu_flags() -> FrozenSet[str]:
+    """This CPU's feature flags as Linux lists them (``avx2``, ``avx512_vnni``, ``amx_int8``...); empty where
+    ``/proc/cpuinfo`` cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return next((frozenset(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), frozenset())
 
 
 def fbgemm_saturates() -> bool:

@@ -33,10 +33,7 @@ class ScriptRunner:
         self.module = module
 
     def __call__(self, *args, **kwargs):
-        with torch.jit.optimized_execution(False):
-            out = self.module(*args, **kwargs)
-        _trim_after(args)
-        return out
+        return _run(self.module, args, kwargs)
 
     def __getattr__(self, name: str):
         if name == "module":  # not set yet (a copy being built): no recursion through ourselves
@@ -44,13 +41,16 @@ class ScriptRunner:
         attr = getattr(self.module, name)
         if not callable(attr):
             return attr
+        return lambda *args, **kwargs: _run(attr, args, kwargs)
 
-        def call(*args, **kwargs):
-            with torch.jit.optimized_execution(False):
-                out = attr(*args, **kwargs)
-            _trim_after(args)
-            return out
-        return call
+
+def _run(fn, args: tuple, kwargs: dict):
+    """One call of the module or one of its methods: without the executor's optimisations, the heap trimmed after it
+    where it was a long one (``_trim_after``)."""
+    with torch.jit.optimized_execution(False):
+        out = fn(*args, **kwargs)
+    _trim_after(args)
+    return out
 
 
 def _trim_after(args: tuple) -> None:

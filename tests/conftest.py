@@ -108,14 +108,10 @@ def cpu_line() -> str:
     """The CPU the suite ran on: kernels and figures differ between AVX2, AVX-512 VNNI and AMX machines (fbgemm's int8
     sums saturate without VNNI), and CI's machine has not always been the one described. Never fails the run."""
     try:
-        flags: set = set()
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-        named = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16") if f in flags]
-        from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates, use_fbgemm
+        from policy_bundle.quantize.fbgemm_int8 import cpu_flags, fbgemm_saturates, use_fbgemm
 
+        flags = cpu_flags()
+        named = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16") if f in flags]
         use_fbgemm()
         return (f"cpu: {len(os.sched_getaffinity(0))} cores, {' '.join(named) or 'no AVX2/AVX-512/VNNI/AMX flags'}; "
                 f"fbgemm int8 sums saturate: {fbgemm_saturates()}")
