@@ -1,7 +1,8 @@
 """The INT8 engine alone: one sequence at a time (token-interleaved) vs continuous batching.
 
 Both on the same TorchScript artifact, side by side in one run, each engine in its own process (two
-engine threads in one process slow each other's decode ~5x through torch's intra-op thread pools).
+engines' threads with several intra-op threads each, in one process, slowed each other's decode ~5x through
+torch's intra-op thread pools; the batched engine's ``--lanes`` are decode threads of one intra-op thread each).
 No HTTP, so it lives beside the engine in serve/ (loadtest/ only talks to the service over HTTP).
 
 Per concurrency level (closed-loop callers, greedy, ``--new-tokens`` each): generated tokens/s,
@@ -27,7 +28,7 @@ import torch
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.quantize.percentile import percentile
 from policy_bundle.quantize.script_runner import load_torchscript
-from policy_bundle.serve.batching import BatchedEngine
+from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
 
 
@@ -70,8 +71,11 @@ def measure(args) -> List[dict]:
     module = load_torchscript(artifact)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, cfg["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(64)]
-    engine = BatchedEngine(module, ctx, "batched", threads=args.threads) if args.engine == "batched" else \
-        CachedPolicyEngine(module, ctx, "sequential", threads=args.threads)
+    if args.engine == "sequential":
+        engine = CachedPolicyEngine(module, ctx, "sequential", threads=args.threads)
+    else:  # "batched": one decode thread; "lanes": --lanes of them
+        lanes = 1 if args.engine == "batched" else args.lanes
+        engine = policy_engine(module, ctx, args.engine, threads=args.threads, lanes=lanes)
     asyncio.run(level(engine, prompts, 2, 1.0, args.new_tokens))  # warm-up
     return [asyncio.run(level(engine, prompts, int(c), args.seconds, args.new_tokens)) for c in args.levels.split(",")]
 
@@ -86,24 +90,29 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the decode thread (engine_threads)")
-    ap.add_argument("--engine", choices=("sequential", "batched"), help=argparse.SUPPRESS)  # the child's part
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="the batched engine's decode lanes (engine_lanes; 0: one per --threads usable cores)")
+    ap.add_argument("--engine", choices=("sequential", "batched", "lanes"), help=argparse.SUPPRESS)  # the child's part
     args = ap.parse_args()
     if args.engine:
         print(json.dumps(measure(args)))
         return
+    names = ["sequential", "batched"] + (["lanes"] if args.lanes != 1 else [])
     results = {}
-    for name in ("sequential", "batched"):
+    for name in names:
         out = subprocess.run([sys.executable, "-m", "policy_bundle.serve.bench_batching", *sys.argv[1:],
                               "--engine", name], capture_output=True, text=True, check=True).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
     artifact = artifact_path(args)
     print(f"{artifact}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.seconds:.0f} s per level, "
-          f"{args.threads} intra-op thread(s) on the decode thread")
-    print(f"\n{'clients':>8s} | {'sequential tok/s':>16s} {'ITL p50/p99 ms':>15s} | {'batched tok/s':>13s} "
-          f"{'ITL p50/p99 ms':>15s} | {'batched/seq':>11s}")
-    for s, b in zip(results["sequential"], results["batched"]):
-        print(f"{s['clients']:8d} | {s['tok_s']:16.1f} {s['itl_p50_ms']:7.1f}/{s['itl_p99_ms']:<7.1f} | "
-              f"{b['tok_s']:13.1f} {b['itl_p50_ms']:7.1f}/{b['itl_p99_ms']:<7.1f} | {b['tok_s'] / s['tok_s']:11.2f}")
+          f"{args.threads} intra-op thread(s) per decode thread; lanes: {args.lanes or 'one per usable core'}")
+    head = " | ".join(f"{n + ' tok/s':>15s} {'ITL p50/p99 ms':>15s}" for n in names)
+    print(f"\n{'clients':>8s} | {head} | {'batched/seq':>11s}" + (f" | {'lanes/batched':>13s}" if len(names) > 2 else ""))
+    for rows in zip(*(results[n] for n in names)):
+        cells = " | ".join(f"{r['tok_s']:15.1f} {r['itl_p50_ms']:7.1f}/{r['itl_p99_ms']:<7.1f}" for r in rows)
+        ratios = f"{rows[1]['tok_s'] / rows[0]['tok_s']:11.2f}" + \
+            (f" | {rows[2]['tok_s'] / rows[1]['tok_s']:13.2f}" if len(rows) > 2 else "")
+        print(f"{rows[0]['clients']:8d} | {cells} | {ratios}")
     b = results["batched"]
     print(f"batched: {b[-1]['clients']} clients / 1 client = {b[-1]['tok_s'] / b[0]['tok_s']:.2f}x tokens/s")
     if args.json:

@@ -40,11 +40,14 @@ class RouterSettings:
     sticky_salt: str = "policy-bundle"
     max_inflight: int = ranged(32, 0)  # calls in flight (client, shadow, golden); beyond this: 429 with Retry-After
     background_slots: int = ranged(2, 0)  # of those, the most shadow + golden-canary calls at once
-    max_batch: int = ranged(32, 1)  # sequences one INT8 (TorchScript) decode step advances at once (continuous)
+    max_batch: int = ranged(32, 1)  # sequences the INT8 (TorchScript) engine decodes at once, over all its lanes
     prefill_chunk: int = ranged(64, 1)  # prompt tokens prefilled per decode step while others decode (long prompts)
     # intra-op threads of a torch engine's decode thread (engines.py says why); the default is what the build's gate
     # decoded with (quantize.decode.DECODE_THREADS): another count rounds otherwise and rows depend on their batch
     engine_threads: int = ranged(DECODE_THREADS, 1, 256)
+    # decode threads (lanes) of the INT8 TorchScript engine, each its own batch of up to max_batch sequences on the
+    # one loaded module (serve/batching.py's Lanes); 0 = one per engine_threads usable cores
+    engine_lanes: int = ranged(0, 0, 256)
     request_timeout_s: float = ranged(60.0, 0.0)
     health_interval_s: float = ranged(1.0, 0.0)  # variant health probes; a variant that fails one gets no new traffic
     health_timeout_s: float = ranged(3.0, 0.0)

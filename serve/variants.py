@@ -100,7 +100,8 @@ def variant_health(variant, **extra) -> dict:
 
 def batching_settings() -> dict:
     s = settings_or_exit()
-    return {"max_batch": s.max_batch, "prefill_chunk": s.prefill_chunk, "threads": s.engine_threads}
+    return {"max_batch": s.max_batch, "prefill_chunk": s.prefill_chunk, "threads": s.engine_threads,
+            "lanes": s.engine_lanes}
 
 
 def engine_stats(engine) -> Optional[dict]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from policy_bundle.quantize.decode import decode_steps, greedy_pick
-from policy_bundle.serve.batching import BatchedEngine, policy_engine
+from policy_bundle.serve.batching import BatchedEngine, Lanes, policy_engine
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
 
 PROMPTS = [[1, 6, 8, 13, 7, 14], [1, 9, 9, 12, 4, 14], [1, 5, 13, 5, 14], [1, 7, 3, 2, 13, 8, 8, 14],
@@ -103,6 +103,39 @@ def test_batched_greedy_equals_unbatched_with_requests_joining_and_leaving(artif
     assert stats["peak_batch"] >= (5 if chunk > 8 else 2) and wait_idle(engine), stats
 
 
+def test_lanes_split_concurrent_requests_and_each_gets_the_tokens_it_gets_alone(artifact):
+    """Two decode threads on one module: a request goes to the lane with the fewest, and a greedy request gets the
+    tokens it gets alone on one engine (each lane decodes with one intra-op thread, as the gate did)."""
+    alone = solo(BatchedEngine(artifact, 32, "int8"))
+    engine = policy_engine(artifact, 32, "int8", lanes=2)
+    assert isinstance(engine, Lanes) and [lane.name for lane in engine.lanes] == ["int8-lane0", "int8-lane1"]
+    assert [lane.max_batch for lane in engine.lanes] == [16, 16]  # the lanes share max_batch: no more KV slots
+    assert [lane.max_batch for lane in policy_engine(artifact, 32, "int8", max_batch=5, lanes=2).lanes] == [3, 2]
+    assert isinstance(policy_engine(artifact, 32, "int8", max_batch=1, lanes=2), BatchedEngine)
+    one_by_one = solo(engine)  # negative control: a lone client never needs the second lane
+    assert engine.stats()["per_lane"][1]["steps"] == 0
+
+    async def together():
+        return await asyncio.gather(*[collect(engine, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+
+    laned = asyncio.run(together())
+    for a, b, c in zip(alone, one_by_one, laned):
+        assert [s.token_id for s in a] == [s.token_id for s in b] == [s.token_id for s in c]
+        assert all(math.isclose(x.logprob, y.logprob, abs_tol=1e-4) for x, y in zip(a, c))
+    stats = engine.stats()
+    assert stats["lanes"] == 2 and all(s["steps"] > 0 and s["peak_batch"] >= 2 for s in stats["per_lane"]), stats
+    assert wait_idle(engine) and engine._load == [0, 0]
+
+    async def hang_up():  # a caller that stops early hands its lane back too
+        gen = engine.generate(PROMPTS[0], SamplingParams(max_tokens=6))
+        await gen.__anext__()
+        assert engine._load == [1, 0]
+        await gen.aclose()
+
+    asyncio.run(hang_up())
+    assert engine._load == [0, 0] and wait_idle(engine)
+
+
 def test_cancelling_one_stream_does_not_disturb_the_others(artifact):
     engine = BatchedEngine(artifact, 32, "int8")
     alone = solo(engine)
@@ -141,13 +174,15 @@ def test_sampling_stays_per_request_seeds_and_stop_tokens(artifact):
 
 
 def test_served_int8_batches_concurrent_streams_and_frees_a_disconnected_ones_slot(small_bundle, tmp_path):
-    """Over HTTP: the INT8 variant's own /stream API, four clients at once, one of them hangs up."""
+    """Over HTTP: the INT8 variant's own /stream API, four clients at once on two decode lanes, one client hangs up."""
     import httpx
 
     from serve_helpers import Server, bundle_version
 
+    (tmp_path / "router.yaml").write_text("engine_lanes: 2\n")
     env = {"POLICY_BUNDLE_STATE_DIR": str(tmp_path / "state"), "POLICY_BUNDLE_VERSION": bundle_version(small_bundle),
-           "POLICY_BUNDLE_DISABLE_VLLM": "1", "POLICY_BUNDLE_TEST_FAULT": "slow:factor=0.1"}
+           "POLICY_BUNDLE_DISABLE_VLLM": "1", "POLICY_BUNDLE_TEST_FAULT": "slow:factor=0.1",
+           "POLICY_ROUTER_CONFIG": str(tmp_path / "router.yaml")}
     server = Server(env, tmp_path / "int8.log", target="policy_bundle.serve.variants:Int8Policy").wait_ready()
     prompts, n = PROMPTS[:4], 14
 
@@ -186,11 +221,13 @@ def test_served_int8_batches_concurrent_streams_and_frees_a_disconnected_ones_sl
             assert tokens == a["token_ids"][:2]
         else:
             assert tokens == a["token_ids"] and json.loads(lines[-1]) == {"done": True}
-    assert max(s["peak_batch"] for s in seen) >= 3
-    # every stream makes 14 tokens: a batch of 3 well before the end means the hung-up stream's slot was
+    # two streams on each lane, each lane batching its two
+    assert health["batch"]["lanes"] == 2 and all(lane["peak_batch"] == 2 for lane in health["batch"]["per_lane"])
+    # every stream makes 14 tokens: 3 active well before the end means the hung-up stream's slot was
     # freed while the others were still decoding
-    # (at least 5 decode steps before the end: not a row that merely joined one step late and ends early)
-    assert any(s["active"] == 3 and s["steps"] <= health["batch"]["steps"] - 5 for s in seen), (seen, health)
+    # (at least 5 decode steps of each lane before its end: not a row that merely joined one step late and ends early)
+    assert any(s["active"] == 3 and all(lane["steps"] <= end["steps"] - 5 for lane, end in
+                                        zip(s["per_lane"], health["batch"]["per_lane"])) for s in seen), (seen, health)
     assert health["batch"]["active"] == 0
 
 

@@ -58,3 +58,13 @@ def test_engine_threads_default_to_one_and_have_a_range(tmp_path, monkeypatch):
     assert settings_from(tmp_path, monkeypatch, "engine_threads: 4\n").engine_threads == 4
     with pytest.raises(SettingsError, match=r"^engine_threads: .* is out of range \[1, 256\]$"):
         settings_from(tmp_path, monkeypatch, "engine_threads: 0\n")
+
+
+def test_engine_lanes_default_to_one_per_usable_core_and_have_a_range(tmp_path, monkeypatch):
+    from policy_bundle.serve.batching import lane_count, usable_cores
+
+    assert settings_from(tmp_path, monkeypatch, "model_name: policy\n").engine_lanes == 0
+    assert lane_count(0, 1) == usable_cores() and lane_count(0, 10_000) == 1  # at least one lane
+    assert lane_count(3, 1) == 3
+    with pytest.raises(SettingsError, match=r"^engine_lanes: .* is out of range \[0, 256\]$"):
+        settings_from(tmp_path, monkeypatch, "engine_lanes: -1\n")
