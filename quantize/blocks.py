@@ -3,7 +3,7 @@ decoder block (``quantize/model.py`` puts them together)."""
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -80,24 +80,16 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module = nn.Identity()
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        # True where a projection's rows do not depend on each other (per-token int8: ``quantize.w8a8.mark_batchable``):
+        # a step that decodes some sequences and prefills others runs it once over all their rows (``forward_parts``)
+        self.batchable_qkv = False
+        self.batchable_o = False
 
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """Rotated queries and keys, and values, as [B, heads, T, head_dim]."""
         b, t, _ = x.shape
-        if self.fused_qkv and not self.use_qk_norm:
-            # queries and keys side by side, as the fused projection returns them: one rotary pass for both
-            qkv = self.qkv_proj(x)
-            nqk = (self.n_heads + self.n_kv_heads) * self.head_dim
-            qk = rope(qkv.narrow(2, 0, nqk).reshape(b, t, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2),
-                      cos, sin)
-            v = qkv.narrow(2, nqk, qkv.shape[2] - nqk).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            return qk.narrow(1, 0, self.n_heads), qk.narrow(1, self.n_heads, self.n_kv_heads), v
         if self.fused_qkv:
-            qkv = self.qkv_proj(x)
-            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q = qkv[:, :, :nq].reshape(b, t, self.n_heads, self.head_dim)
-            k = qkv[:, :, nq : nq + nkv].reshape(b, t, self.n_kv_heads, self.head_dim)
-            v = qkv[:, :, nq + nkv :].reshape(b, t, self.n_kv_heads, self.head_dim)
+            return self._heads(self.qkv_proj(x), cos, sin)
         else:
             q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
             k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
@@ -106,7 +98,27 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
+    def _heads(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """``_qkv`` from the fused projection's output [B, T, (heads + 2 kv heads) * head_dim]."""
+        b, t = qkv.shape[0], qkv.shape[1]
+        if not self.use_qk_norm:
+            # queries and keys side by side, as the fused projection returns them: one rotary pass for both
+            nqk = (self.n_heads + self.n_kv_heads) * self.head_dim
+            qk = rope(qkv.narrow(2, 0, nqk).reshape(b, t, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2),
+                      cos, sin)
+            v = qkv.narrow(2, nqk, qkv.shape[2] - nqk).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            return qk.narrow(1, 0, self.n_heads), qk.narrow(1, self.n_heads, self.n_kv_heads), v
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q = self.q_norm(qkv[:, :, :nq].reshape(b, t, self.n_heads, self.head_dim))
+        k = self.k_norm(qkv[:, :, nq : nq + nkv].reshape(b, t, self.n_kv_heads, self.head_dim))
+        v = qkv[:, :, nq + nkv :].reshape(b, t, self.n_kv_heads, self.head_dim)
+        return rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        return self.o_proj(self._sdpa(q, keys, values, mask))
+
+    def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """Attention before the output projection, [B, T, heads * head_dim]."""
         b, t = q.shape[0], q.shape[2]
         if self.n_kv_heads != self.n_heads:
             # Grouped-query attention without copying the cache per query head: the ``rep`` query heads
@@ -118,7 +130,7 @@ class Attention(nn.Module):
             out = out.reshape(b, self.n_heads, t, self.head_dim)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
@@ -135,11 +147,50 @@ class Attention(nn.Module):
     ) -> Tensor:
         """One token per row, each row at its own position ``pos[b]`` (batched decode)."""
         q, k, v = self._qkv(x, cos, sin)
-        rows = torch.arange(x.shape[0])
-        # [B, S, kv_heads, head_dim] views of the cache: (row, pos) picks the slot this row writes.
-        k_cache.transpose(1, 2).index_put_([rows, pos], k.select(2, 0))
-        v_cache.transpose(1, 2).index_put_([rows, pos], v.select(2, 0))
+        _write_rows(k, v, pos, k_cache, v_cache)
         return self._attend(q, k_cache, v_cache, mask)
+
+    def forward_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
+                      masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
+        """``x`` [N, dim] holds parts (``part_views``): a decode step's ``rows`` rows first where there are any (each at
+        its own ``pos``, as ``forward_rows``), then prompt chunks (one sequence each, from ``starts[j]``, as
+        ``forward``), each with its own rotary tables, mask and cache. Each part's rows come out as its own call gives
+        them; a projection whose rows are independent (``batchable_*``) runs once over all of them. [N, dim]."""
+        if self.batchable_qkv:
+            heads = [self._heads(p, cos[j], sin[j]) for j, p in enumerate(part_views(self.qkv_proj(x), sizes, rows))]
+        else:
+            heads = [self._qkv(p, cos[j], sin[j]) for j, p in enumerate(part_views(x, sizes, rows))]
+        outs: List[Tensor] = []
+        for j, (q, k, v) in enumerate(heads):
+            if j == 0 and rows > 0:
+                _write_rows(k, v, pos, ks[j], vs[j])
+            else:
+                ks[j].narrow(2, starts[j], q.shape[2]).copy_(k)
+                vs[j].narrow(2, starts[j], q.shape[2]).copy_(v)
+            outs.append(self._sdpa(q, ks[j], vs[j], masks[j]))
+        if self.batchable_o:
+            return self.o_proj(torch.cat([o.reshape(-1, o.shape[2]) for o in outs]))
+        return torch.cat([self.o_proj(o).reshape(-1, x.shape[1]) for o in outs])
+
+
+def _write_rows(k: Tensor, v: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """Row b's key and value (one token each) into its cache slot b at ``pos[b]``."""
+    rows = torch.arange(k.shape[0])
+    # [B, S, kv_heads, head_dim] views of the cache: (row, pos) picks the slot this row writes.
+    k_cache.transpose(1, 2).index_put_([rows, pos], k.select(2, 0))
+    v_cache.transpose(1, 2).index_put_([rows, pos], v.select(2, 0))
+
+
+def part_views(x: Tensor, sizes: List[int], rows: int) -> List[Tensor]:
+    """``x`` [N, width] cut into its parts as each part's own call holds them: a decode step's ``rows`` rows (the
+    first part, where ``rows`` > 0) as [rows, 1, width], a prompt chunk of T tokens as [1, T, width]."""
+    out: List[Tensor] = []
+    start = 0
+    for j, n in enumerate(sizes):
+        part = x.narrow(0, start, n)
+        out.append(part.view(n, 1, x.shape[1]) if j == 0 and rows > 0 else part.view(1, n, x.shape[1]))
+        start += n
+    return out
 
 
 class MLP(nn.Module):
@@ -151,6 +202,7 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.fused_gate_up = False  # as Attention.fused_qkv: gate/up as one projection in an int8 export
         self.gate_up_proj: nn.Module = nn.Identity()
+        self.batchable = False  # as Attention.batchable_qkv, for gate/up and down together
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused_gate_up:
@@ -158,6 +210,13 @@ class MLP(nn.Module):
             n = self.intermediate_size
             return self.down_proj(F.silu(gu.narrow(-1, 0, n)) * gu.narrow(-1, n, n))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_parts(self, x: Tensor, sizes: List[int], rows: int) -> Tensor:
+        """``forward`` of each part of ``x`` [N, dim] (``part_views``) as its own call gives it: once over all rows
+        where the projections' rows are independent (``batchable``)."""
+        if self.batchable:
+            return self.forward(x)
+        return torch.cat([self.forward(p).reshape(-1, x.shape[1]) for p in part_views(x, sizes, rows)])
 
 
 class Block(nn.Module):
@@ -179,3 +238,8 @@ class Block(nn.Module):
     ) -> Tensor:
         x = x + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
+                      masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
+        x = x + self.self_attn.forward_parts(self.input_layernorm(x), sizes, rows, cos, sin, masks, pos, starts, ks, vs)
+        return x + self.mlp.forward_parts(self.post_attention_layernorm(x), sizes, rows)

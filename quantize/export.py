@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from policy_bundle.quantize.hf_weights import save_hf_weights
 from policy_bundle.quantize.model import FullSequence, Policy, PolicyConfig
-from policy_bundle.quantize.w8a8 import fuse_projections, stabilize_float_linears
+from policy_bundle.quantize.w8a8 import fuse_projections, mark_batchable, stabilize_float_linears
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
@@ -26,11 +26,13 @@ def copy_tokenizer_files(source_dir: Path, out: Path) -> None:
 
 def script_int8(int8: nn.Module) -> torch.jit.ScriptModule:
     """The INT8 policy as it ships, scripted: its int8 q/k/v and gate/up projections are fused in place first (the
-    same outputs, one activation quantization and one matmul per input), and its float fallback linears made
-    row-stable (``stabilize_float_linears``: a decode batch's rows as alone). In place, not on a copy: a deep copy
+    same outputs, one activation quantization and one matmul per input), its float fallback linears made
+    row-stable (``stabilize_float_linears``: a decode batch's rows as alone), and its all-int8 blocks marked to run a
+    step's decode rows and prompt chunks together (``mark_batchable``). In place, not on a copy: a deep copy
     turns the int8 LM head's float rows, an alias of the tied embedding, into a second 113 MB tensor."""
     fuse_projections(int8)
     stabilize_float_linears(int8)
+    mark_batchable(int8)
     # for inference: no parameter asks for gradients (a caller without no_grad paid autograd's bookkeeping on every
     # op: a SmolLM2-135M decode step 18 ms instead of 13), and the fused modules (new, so in training mode) in eval
     int8.eval().requires_grad_(False)
@@ -38,8 +40,8 @@ def script_int8(int8: nn.Module) -> torch.jit.ScriptModule:
 
 
 def export_torchscript(int8: nn.Module, out: Path) -> Path:
-    """Script the INT8 policy (``script_int8``); the file exposes ``new_cache``, ``prefill``, ``decode`` and
-    ``decode_batch``."""
+    """Script the INT8 policy (``script_int8``); the file exposes ``new_cache``, ``prefill``, ``next_logits``,
+    ``decode``, ``decode_batch`` and ``step_and_prefill``."""
     scripted = script_int8(int8)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.jit.save(scripted, str(out))

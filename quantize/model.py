@@ -9,7 +9,7 @@ a scripted module can serve many independent sequences.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +63,14 @@ class Policy(nn.Module):
         """The last layer's output [B, T, dim] (before the final norm), the cache written at ``start_pos..``."""
         t = tokens.shape[1]
         k_cache, v_cache = attended_cache(k_cache, v_cache, start_pos + t)
+        cos, sin, mask = self._chunk_tables(t, start_pos, k_cache)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, start_pos, k_cache[i], v_cache[i])
+        return x
+
+    def _chunk_tables(self, t: int, start_pos: int, k_cache: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Rotary tables and additive mask of ``t`` tokens of one sequence from ``start_pos``, over ``k_cache``."""
         cache_len = k_cache.shape[3]
         cos = self.rope_cos[start_pos : start_pos + t].to(k_cache.dtype)
         sin = self.rope_sin[start_pos : start_pos + t].to(k_cache.dtype)
@@ -71,11 +79,16 @@ class Policy(nn.Module):
         mask = torch.arange(cache_len).unsqueeze(0) <= q_pos
         if self.gqa_rep > 1:  # the same [t, S] mask for each of a kv head's query heads (``Attention._attend``)
             mask = mask.repeat(self.gqa_rep, 1)
-        mask = additive_mask(mask, k_cache.dtype)
-        x = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, start_pos, k_cache[i], v_cache[i])
-        return x
+        return cos, sin, additive_mask(mask, k_cache.dtype)
+
+    def _row_tables(self, pos: Tensor, k_cache: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Rotary tables and additive mask of decode rows, row b at ``pos[b]``, over ``k_cache``."""
+        cache_len = k_cache.shape[3]
+        cos = self.rope_cos.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
+        sin = self.rope_sin.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
+        mask = additive_mask((torch.arange(cache_len).unsqueeze(0) <= pos.unsqueeze(1)).view(pos.shape[0], 1, 1, cache_len),
+                             k_cache.dtype)
+        return cos, sin, mask
 
     @torch.jit.export
     def prefill(self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
@@ -93,15 +106,62 @@ class Policy(nn.Module):
         S > max(pos); row b attends to its slots 0..pos[b] (over ``attention_len`` slots: its answer does not depend on
         the other rows' positions). Returns logits [B, 1, V]."""
         k_cache, v_cache = attended_cache(k_cache, v_cache, int(pos.max()) + 1)
-        cache_len = k_cache.shape[3]
-        cos = self.rope_cos.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
-        sin = self.rope_sin.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
-        mask = additive_mask((torch.arange(cache_len).unsqueeze(0) <= pos.unsqueeze(1)).view(pos.shape[0], 1, 1, cache_len),
-                             k_cache.dtype)
+        cos, sin, mask = self._row_tables(pos, k_cache)
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             x = layer.forward_rows(x, cos, sin, mask, pos, k_cache[i], v_cache[i])
         return self.lm_head(self.norm(x))
+
+    @torch.jit.export
+    def step_and_prefill(self, tokens: Tensor, pos: Tensor, prompts: List[Tensor], starts: List[int], k_cache: Tensor,
+                         v_cache: Tensor) -> Tensor:
+        """``decode_batch`` of rows 0..B-1 (``tokens`` [B, 1] at ``pos`` [B]; B may be 0) and, in the same forward,
+        ``next_logits`` of each prompt chunk ``prompts[j]`` [1, T_j] written at ``starts[j]..`` of cache slot B + j
+        (caches [layers, B + chunks, kv_heads, S, head_dim]). Returns [B + chunks, 1, V]: each row's logits as those
+        calls give them, bitwise where the LM head's rows are independent (int8). Projections whose rows are
+        independent (per-token int8) run once over every row of the step; float ones, attention and the cache
+        writes run per part as alone (``Block.forward_parts``). A server's newcomers join a running batch without a
+        pass over the weights of their own."""
+        rows, n = tokens.shape[0], len(prompts)
+        sizes: List[int] = []
+        starts_all: List[int] = []
+        ids: List[Tensor] = []
+        cos: List[Tensor] = []
+        sin: List[Tensor] = []
+        masks: List[Tensor] = []
+        ks: List[Tensor] = []
+        vs: List[Tensor] = []
+        last: List[int] = []
+        if rows > 0:
+            k, v = attended_cache(k_cache.narrow(1, 0, rows), v_cache.narrow(1, 0, rows), int(pos.max()) + 1)
+            c, s, m = self._row_tables(pos, k)
+            sizes.append(rows)
+            starts_all.append(0)
+            ids.append(tokens.reshape(-1))
+            cos.append(c)
+            sin.append(s)
+            masks.append(m)
+            ks.append(k)
+            vs.append(v)
+            last = [i for i in range(rows)]
+        for j in range(n):
+            t = prompts[j].shape[1]
+            k, v = attended_cache(k_cache.narrow(1, rows + j, 1), v_cache.narrow(1, rows + j, 1), starts[j] + t)
+            c, s, m = self._chunk_tables(t, starts[j], k)
+            sizes.append(t)
+            starts_all.append(starts[j])
+            ids.append(prompts[j].reshape(-1))
+            cos.append(c)
+            sin.append(s)
+            masks.append(m)
+            ks.append(k)
+            vs.append(v)
+            last.append(sum(sizes) - 1)
+        x = self.embed_tokens(torch.cat(ids))
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_parts(x, sizes, rows, cos, sin, masks, pos, starts_all, [k[i] for k in ks],
+                                    [v[i] for v in vs])
+        return self.lm_head(self.norm(x.index_select(0, torch.tensor(last)).unsqueeze(1)))
 
 
 class FullSequence(nn.Module):

@@ -10,7 +10,7 @@ independent: float policies, per-token or static int8).
 
 from __future__ import annotations
 
-from typing import Callable, Generic, List, Optional, Sequence, TypeVar
+from typing import Callable, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -32,6 +32,7 @@ class SlotBatch(Generic[R]):
         self.rows: List[R] = []
         self.pos: List[int] = []
         self.filling = 0  # prompt positions already in the next free slot (a part-prefilled prompt)
+        self._queued: List[int] = []  # the prompt positions of the free slots after it (``step_and_prefill``'s chunks)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -76,7 +77,32 @@ class SlotBatch(Generic[R]):
         """The next free slot, its prompt prefilled, becomes ``row``: its next token goes after the prompt."""
         self.rows.append(row)
         self.pos.append(self.filling)
-        self.filling = 0
+        self.filling = self._queued.pop(0) if self._queued else 0
+
+    def can_fuse(self) -> bool:
+        """Whether the module runs a step and prompt chunks in one forward (``step_and_prefill``; artifacts exported
+        since 2026-12-05)."""
+        return hasattr(self.module, "step_and_prefill")
+
+    def step_and_prefill(self, tokens: Sequence[int], chunks: Sequence[Tuple[Sequence[int], int]]) -> Tuple[Tensor, Tensor]:
+        """``step(tokens)`` for the rows and, in the same forward (the module's ``step_and_prefill``), each chunk
+        ``(ids, start)`` written at ``start..`` of free slot ``len(rows) + j`` as ``prefill`` writes it (the first chunk
+        continues a part-prefilled prompt from ``filling``; only the last may stop short of its prompt's end). Returns
+        the rows' next logits [n, V] and each chunk's last logits [chunks, V]; then ``join`` each whole prompt, in order."""
+        n, m = len(self.rows), len(chunks)
+        if n + m > self.capacity:
+            raise ValueError(f"no free slot: {n} rows and {m} prompts overfill the cache's {self.capacity} slots")
+        ends = [start + len(ids) for ids, start in chunks]
+        s = self.attended(max([p + 1 for p in self.pos] + ends))
+        logits = self.module.step_and_prefill(torch.tensor(list(tokens), dtype=torch.long).view(n, 1),
+                                              torch.tensor(self.pos, dtype=torch.long),
+                                              [torch.tensor([list(ids)]) for ids, _ in chunks],
+                                              [start for _, start in chunks],
+                                              self.k[:, : n + m, :, :s], self.v[:, : n + m, :, :s])[:, 0]
+        self.pos = [p + 1 for p in self.pos]
+        if ends:
+            self.filling, self._queued = ends[0], ends[1:]
+        return logits[:n], logits[n:]
 
     def step(self, tokens: Sequence[int]) -> Tensor:
         """Feed ``tokens[i]`` to row ``i`` at ``pos[i]``; returns the next logits [n, V]. One row runs the
@@ -111,7 +137,7 @@ class SlotBatch(Generic[R]):
 
     def clear(self) -> None:
         """Forget every row and any part-prefilled prompt (the cache stays allocated)."""
-        self.rows, self.pos, self.filling = [], [], 0
+        self.rows, self.pos, self.filling, self._queued = [], [], 0, []
 
     def _copy(self, src: int, dst: int, n: int) -> None:
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]

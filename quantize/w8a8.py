@@ -221,6 +221,24 @@ def fuse_projections(model: nn.Module) -> int:
     return fused
 
 
+def mark_batchable(model: nn.Module) -> int:
+    """In place: each attention block whose q/k/v (fused) and output projections, and each MLP whose gate/up (fused)
+    and down projections, are ``Int8TokenLinear`` (per-token int8 with exact sums: a row's output the same beside any
+    rows) is marked batchable, so ``Policy.step_and_prefill`` runs them once over a step's decode rows and prompt
+    chunks together; the rest run per part, as alone. Returns the projections marked."""
+    marked = 0
+    for mod in model.modules():
+        if hasattr(mod, "batchable_qkv"):
+            mod.batchable_qkv = bool(mod.fused_qkv) and type(mod.qkv_proj) is Int8TokenLinear
+            mod.batchable_o = type(mod.o_proj) is Int8TokenLinear
+            marked += int(mod.batchable_qkv) + int(mod.batchable_o)
+        elif hasattr(mod, "fused_gate_up"):
+            mod.batchable = (bool(mod.fused_gate_up) and type(mod.gate_up_proj) is Int8TokenLinear
+                             and type(mod.down_proj) is Int8TokenLinear)
+            marked += 2 * int(mod.batchable)
+    return marked
+
+
 class RowStableLinear(nn.Module):
     """A float linear kept in an int8 policy (a fallback layer) whose rows in a decode batch come out as they do
     alone. A float GEMM over B rows sums in another order than the one-row product (1-ulp differences), and the int8

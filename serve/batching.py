@@ -11,6 +11,10 @@ slots ``0..n-1`` and a step runs on a view of the cache, never on a copy. Sampli
 tokens and logprobs stay per request (``pick_token`` with the request's own generator), so a greedy
 request gets the tokens it gets alone.
 
+Where the artifact has ``step_and_prefill`` (exported since 2026-12-05) newcomers' prompt chunks go into the step's
+own forward, every row's logits bitwise as apart (SmolLM2-135M INT8, 1 thread: 16 rows plus two 6-token prompts took
+96 ms in one forward, 68 + 2 x 37 ms apart).
+
 ``Lanes`` runs several such engines on one loaded module, one decode thread each (one intra-op thread each by
 default), and hands each request to the least loaded: on a CPU where one decode thread at one intra-op thread leaves
 cores idle, the others decode too, with the arithmetic the build's gate decoded with (a row's tokens do not depend on
@@ -21,18 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Deque, List, Optional
+from typing import AsyncIterator, Deque, List, Optional, Tuple
 
 import torch
 
 from policy_bundle.quantize.slots import SlotBatch
 from policy_bundle.serve.engines import (SamplingParams, Step, check_threads, decode_thread_setup, last_position_logits,
                                          pick_token)
+from policy_bundle.serve.lanes import Lanes, lane_count
 
 log = logging.getLogger("policy_bundle.serve")
 
@@ -78,6 +82,9 @@ class BatchedEngine:
         self._cv = threading.Condition()
         self.slots: SlotBatch[_Request] = SlotBatch(module, max_seq_len, self.max_batch)  # rows: the active requests
         self._filling: Optional[_Request] = None  # a newcomer whose prompt is part-way into slot len(slots)
+        self._chunked: List[_Request] = []  # newcomers whose chunks are in the forward now running (failed with it)
+        self.fused = self.slots.can_fuse()
+        self.fused_chunks = 0  # prompt chunks that went into a step's own forward
         self.peak_batch = 0
         self.steps = 0
         self.loop_errors = 0
@@ -109,7 +116,8 @@ class BatchedEngine:
 
     def stats(self) -> dict:
         return {"active": len(self.slots), "pending": len(self._pending), "capacity": self.slots.capacity,
-                "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps}
+                "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps,
+                "fused_chunks": self.fused_chunks}
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:
         return last_position_logits(self.module, batch)
@@ -123,60 +131,92 @@ class BatchedEngine:
                 with self._cv:
                     while not self._pending and not len(self.slots) and self._filling is None:
                         self._cv.wait()
-                self._admit()
-                if len(self.slots):
-                    self._step()
+                self._admit_and_step()
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep the loop alive
                 self.loop_errors += 1
+                failed = self.slots.rows + ([self._filling] if self._filling else []) + self._chunked
                 log.error("%s: batched decode failed (%s: %s); failing %d request(s)", self.name,
-                          type(exc).__name__, exc, len(self.slots))
-                for r in self.slots.rows + ([self._filling] if self._filling else []):
+                          type(exc).__name__, exc, len(failed))
+                for r in failed:
                     r.emit(RuntimeError(f"{type(exc).__name__}: {exc}"))
                 self.slots.clear()
-                self._filling = None
+                self._filling, self._chunked = None, []
 
-    def _next_newcomer(self) -> Optional[_Request]:
-        if len(self.slots) >= self.max_batch:
-            return None
-        with self._cv:
-            while self._pending:
-                r = self._pending.popleft()
-                if not r.cancelled:
-                    return r
-        return None
-
-    def _admit(self) -> None:
-        """Prefill newcomers into slot ``len(slots)``: all of them when nothing is decoding, else at
-        most ``prefill_chunk`` prompt tokens this step (the rest of a long prompt waits for the next)."""
-        budget = self.prefill_chunk if len(self.slots) else None
-        while budget is None or budget > 0:
-            r = self._filling or self._next_newcomer()
+    def _chunks(self) -> List[Tuple[_Request, int, int]]:
+        """This step's prompt chunks ``(request, start, end)``: the part-prefilled prompt's next, then newcomers', one
+        free slot each, at most ``prefill_chunk`` tokens in all (an idle engine's first prompt whole); only the last
+        may stop short of its prompt's end."""
+        taken: List[Tuple[_Request, int, int]] = []
+        budget, idle = self.prefill_chunk, not len(self.slots)
+        while budget > 0 and len(self.slots) + len(taken) < self.max_batch:
+            r = self._filling
             self._filling = None
+            if r is None:
+                with self._cv:
+                    r = self._pending.popleft() if self._pending else None
             if r is None:
                 break
             if r.cancelled:
                 continue
-            start, n = r.filled, len(r.prompt)
-            end = n if budget is None else min(n, start + budget)
-            try:  # a failed allocation (out of memory) fails this request only
-                if self.slots.grow(len(self.slots) + 1):
-                    log.info("%s: KV cache grown to %d slots of %d tokens", self.name, self.slots.capacity,
-                             self.max_seq_len)
-                logits = self.slots.prefill(r.prompt[start:end], start)
-            except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
-                r.emit(RuntimeError(f"prefill failed (KV cache of {self.slots.capacity} slots): "
-                                    f"{type(exc).__name__}: {exc}"))
-                continue
-            self._sleep_for_fault()
-            r.filled = end
-            if budget is not None:
-                budget -= end - start
-            if end < n:
-                self._filling = r
+            end = len(r.prompt) if idle and not taken else min(len(r.prompt), r.filled + budget)
+            taken.append((r, r.filled, end))
+            budget -= end - r.filled
+            if end < len(r.prompt):
                 break
+        return taken
+
+    def _admit_and_step(self) -> None:
+        """This step's prompt chunks (``_chunks``) and the rows' next tokens: in one forward where the module can
+        (``SlotBatch.step_and_prefill``), else a prefill call per chunk, then the step. A newcomer whose prompt is
+        complete joins the rows with its first token."""
+        taken = self._chunks()
+        if not self.fused or not taken:
+            for r, start, end in taken:
+                try:  # a failed allocation (out of memory) fails this request only
+                    self._grow(len(self.slots) + 1)
+                    logits = self.slots.prefill(r.prompt[start:end], start)
+                except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
+                    r.emit(_prefill_failed(self.slots.capacity, exc))
+                    continue
+                self._sleep_for_fault()
+                self._took(r, end, logits)
+            self.slots.drop(_leaves)
+            if len(self.slots):
+                self._step()
+            return
+        try:  # a failed allocation (out of memory) fails the newcomers only
+            self._grow(len(self.slots) + len(taken))
+        except Exception as exc:  # noqa: BLE001 - these requests' failure, not the batch's
+            for r, _, _ in taken:
+                r.emit(_prefill_failed(self.slots.capacity, exc))
+            taken = []
+        if not taken:
+            if len(self.slots):
+                self._step()
+            return
+        rows = list(self.slots.rows)
+        self._chunked = [r for r, _, _ in taken]
+        row_logits, chunk_logits = self.slots.step_and_prefill([r.last for r in rows],
+                                                               [(r.prompt[a:b], a) for r, a, b in taken])
+        self._chunked = []
+        self.steps += bool(rows)
+        self.fused_chunks += len(taken)
+        self._sleep_for_fault()
+        for r, logits in zip(rows, row_logits):
+            self._advance(r, logits)
+        for (r, _, end), logits in zip(taken, chunk_logits):
+            self._took(r, end, logits)
+        self.peak_batch = max(self.peak_batch, len(self.slots))
+        self.slots.drop(_leaves)
+
+    def _took(self, r: _Request, end: int, logits) -> None:
+        """``r``'s prompt is in its slot up to ``end``: the rest waits for the next step, or it joins the rows."""
+        r.filled = end
+        if end < len(r.prompt):
+            self._filling = r
+        else:
             self.slots.join(r)
             self._advance(r, logits)
-        self.slots.drop(_leaves)
 
     def _step(self) -> None:
         rows = self.slots.rows
@@ -205,59 +245,17 @@ class BatchedEngine:
             r.done = True
             r.emit(None)
 
+    def _grow(self, n: int) -> None:
+        if self.slots.grow(n):
+            log.info("%s: KV cache grown to %d slots of %d tokens", self.name, self.slots.capacity, self.max_seq_len)
+
     def _sleep_for_fault(self) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
 
 
-class Lanes:
-    """``generate`` on whichever of several ``BatchedEngine`` lanes (one decode thread each, on one shared module)
-    has the fewest requests of its own; ties go to the first, so a lone client always decodes on lane 0.
-
-    Measured on SmolLM2-135M's INT8 policy (2 cores, one intra-op thread per lane, 6-token prompts, 8 new tokens,
-    ``serve/bench_batching.py --lanes 0``, each engine in its own process): 2 lanes against 1 made 104.6 against 59.5
-    tok/s at 2 clients, 162.2 against 104.6 at 8 and 248.4 against 136.0 at 32; at 1 client the same. One decode
-    thread cannot use a second core: its intra-op threads stay at one (``engine_threads``: the arithmetic the gate
-    decoded with)."""
-
-    def __init__(self, engines: List[BatchedEngine], name: str):
-        self.lanes, self.name = engines, name
-        self._load = [0] * len(engines)  # requests handed to each lane and not yet finished (or dropped)
-        self._lock = threading.Lock()  # callers on several event loops or threads (BentoML's workers)
-
-    async def generate(self, prompt_ids: List[int], params: SamplingParams) -> AsyncIterator[Step]:
-        with self._lock:
-            lane = min(range(len(self.lanes)), key=self._load.__getitem__)
-            self._load[lane] += 1
-        try:
-            async for step in self.lanes[lane].generate(prompt_ids, params):
-                yield step
-        finally:
-            with self._lock:
-                self._load[lane] -= 1
-
-    def stats(self) -> dict:
-        """The lanes' counts summed (their peak batch: the largest), and each lane's own under ``per_lane``."""
-        per = [e.stats() for e in self.lanes]
-        total = {k: sum(s[k] for s in per) for k in ("active", "pending", "capacity", "steps")}
-        return {**total, "max_batch": sum(s["max_batch"] for s in per), "peak_batch": max(s["peak_batch"] for s in per),
-                "lanes": len(per), "per_lane": per}
-
-    def score(self, batch: List[List[int]]) -> List[List[float]]:
-        return self.lanes[0].score(batch)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity; the machine's count where there is no affinity call)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def lane_count(lanes: int, threads: int) -> int:
-    """``engine_lanes``: 0 means one decode thread per ``threads`` usable cores (at least one)."""
-    return lanes if lanes > 0 else max(1, usable_cores() // max(1, threads))
+def _prefill_failed(capacity: int, exc: BaseException) -> RuntimeError:
+    return RuntimeError(f"prefill failed (KV cache of {capacity} slots): {type(exc).__name__}: {exc}")
 
 
 def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64, threads: int = 1,

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from policy_bundle.quantize.decode import decode_steps, greedy_pick
-from policy_bundle.serve.batching import BatchedEngine, Lanes, policy_engine
+from policy_bundle.serve.batching import BatchedEngine, policy_engine
+from policy_bundle.serve.lanes import Lanes
 from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
 
 PROMPTS = [[1, 6, 8, 13, 7, 14], [1, 9, 9, 12, 4, 14], [1, 5, 13, 5, 14], [1, 7, 3, 2, 13, 8, 8, 14],
@@ -64,10 +65,25 @@ def test_artifact_has_batched_decode_and_the_engine_picks_it(artifact):
         [s.token_id for s in decode_steps(artifact, PROMPTS[0], 6, greedy_pick, max_seq_len=32)]
 
 
+class WithoutFusedStep:
+    """The artifact as exported before ``step_and_prefill`` existed: a prefill call per newcomer, then the step."""
+
+    def __init__(self, artifact):
+        self.artifact = artifact
+
+    def __getattr__(self, name):
+        if name == "step_and_prefill":
+            raise AttributeError(name)
+        return getattr(self.artifact, name)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["chunks-in-the-step", "prefill-calls"])
 @pytest.mark.parametrize("chunk", [64, 2], ids=["whole-prompts", "prompts-in-chunks-of-2"])
-def test_batched_greedy_equals_unbatched_with_requests_joining_and_leaving(artifact, chunk):
-    """Newcomers' prompts are prefilled while others decode: whole, or 2 tokens per step across steps."""
-    engine = BatchedEngine(artifact, 32, "int8", prefill_chunk=chunk)
+def test_batched_greedy_equals_unbatched_with_requests_joining_and_leaving(artifact, chunk, fused):
+    """Newcomers' prompts are prefilled while others decode: whole, or 2 tokens per step across steps; in the step's
+    own forward (``step_and_prefill``), or by a prefill call each (an artifact without it)."""
+    engine = BatchedEngine(artifact if fused else WithoutFusedStep(artifact), 32, "int8", prefill_chunk=chunk)
+    assert engine.fused is fused
     alone = solo(engine)
     # the one decode loop of the build, no engine at all
     loop = [[s.token_id for s in decode_steps(artifact, p, n, greedy_pick, max_seq_len=32)]
@@ -101,6 +117,7 @@ def test_batched_greedy_equals_unbatched_with_requests_joining_and_leaving(artif
     stats = engine.stats()
     # whole prompts join at once; in chunks of 2, newcomers join over several steps while the first ones leave
     assert stats["peak_batch"] >= (5 if chunk > 8 else 2) and wait_idle(engine), stats
+    assert (stats["fused_chunks"] > 0) is fused, stats
 
 
 def test_lanes_split_concurrent_requests_and_each_gets_the_tokens_it_gets_alone(artifact):
