@@ -143,9 +143,12 @@ class BatchedEngine:
                 self._filling, self._chunked = None, []
 
     def _chunks(self) -> List[Tuple[_Request, int, int]]:
-        """This step's prompt chunks ``(request, start, end)``: the part-prefilled prompt's next, then newcomers', one
-        free slot each, at most ``prefill_chunk`` tokens in all (an idle engine's first prompt whole); only the last
-        may stop short of its prompt's end."""
+        """This step's prompt chunks ``(request, start, end)``, one free slot each, at most ``prefill_chunk`` tokens in
+        all: the part-prefilled prompt's next, then newcomers'. A prompt is cut only where it is longer than
+        ``prefill_chunk``, and then at multiples of it (an idle engine takes its first prompt whole): a float layer's
+        sums over a prompt's rows depend on how many there are, so a prompt cut where other traffic left the budget
+        got another continuation than whole, as the gate decodes it (SmolLM2-135M INT8, its 80 held-out prompts served
+        16 at a time: 2 of them). Such a prompt waits a step instead."""
         taken: List[Tuple[_Request, int, int]] = []
         budget, idle = self.prefill_chunk, not len(self.slots)
         while budget > 0 and len(self.slots) + len(taken) < self.max_batch:
@@ -158,7 +161,18 @@ class BatchedEngine:
                 break
             if r.cancelled:
                 continue
-            end = len(r.prompt) if idle and not taken else min(len(r.prompt), r.filled + budget)
+            rest = len(r.prompt) - r.filled
+            if (idle and not taken) or rest <= budget:
+                end = len(r.prompt)
+            elif not taken:  # the whole budget: a long prompt's next prefill_chunk tokens
+                end = r.filled + budget
+            else:  # it would be cut where this step's budget runs out: it goes first next step
+                if r.filled:
+                    self._filling = r
+                else:
+                    with self._cv:
+                        self._pending.appendleft(r)
+                break
             taken.append((r, r.filled, end))
             budget -= end - r.filled
             if end < len(r.prompt):

@@ -120,6 +120,42 @@ def test_batched_greedy_equals_unbatched_with_requests_joining_and_leaving(artif
     assert (stats["fused_chunks"] > 0) is fused, stats
 
 
+class ChunksSeen:
+    """The artifact, recording each prompt chunk that goes into a step's forward: (start, length)."""
+
+    def __init__(self, artifact):
+        self.artifact, self.chunks = artifact, []
+
+    def step_and_prefill(self, tokens, pos, prompts, starts, k, v):
+        self.chunks += [(start, p.shape[1]) for p, start in zip(prompts, starts)]
+        return self.artifact.step_and_prefill(tokens, pos, prompts, starts, k, v)
+
+    def __getattr__(self, name):
+        return getattr(self.artifact, name)
+
+
+@pytest.mark.parametrize("chunk", [8, 4])
+def test_a_prompt_is_cut_only_where_it_is_longer_than_the_prefill_budget(artifact, chunk):
+    """A float layer's sums over a prompt's rows depend on how many there are: a prompt cut where other newcomers
+    left the budget got another continuation than whole (the gate's). One that fits ``prefill_chunk`` waits a step
+    instead; a longer one is cut at multiples of it (every prompt here fits 8 tokens; at 4 most are longer)."""
+    module = ChunksSeen(artifact)
+    engine = BatchedEngine(module, 32, "int8", prefill_chunk=chunk)
+
+    async def together():
+        return await asyncio.gather(*[collect(engine, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+
+    asyncio.run(together())
+    assert len(module.chunks) >= len(PROMPTS)
+    if chunk == 8:
+        assert all(start == 0 for start, _ in module.chunks) and \
+            sorted(n for _, n in module.chunks) == sorted(len(p) for p in PROMPTS)
+    else:
+        first, rest = module.chunks[0], module.chunks[1:]  # an idle engine takes its first prompt whole
+        assert first[0] == 0 and first[1] in {len(p) for p in PROMPTS}
+        assert {start for start, _ in rest} == {0, 4} and all(n <= 4 for _, n in rest)
+
+
 def test_lanes_split_concurrent_requests_and_each_gets_the_tokens_it_gets_alone(artifact):
     """Two decode threads on one module: a request goes to the lane with the fewest, and a greedy request gets the
     tokens it gets alone on one engine (each lane decodes with one intra-op thread, as the gate did)."""

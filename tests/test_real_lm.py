@@ -136,3 +136,79 @@ def test_the_served_decode_is_what_the_gate_measured(smollm2_bundle):
             assert greedy_generate_batch(ts, prompts, new, eos, 8) != alone
         finally:
             slots.SlotBatch.attended = exact
+
+
+@pytest.mark.real_lm
+def test_newcomers_in_the_decode_steps_forward_change_no_row(smollm2_bundle):
+    """The served engine puts newcomers' prompt chunks into the decode step's own forward (``step_and_prefill``). On
+    SmolLM2-135M's INT8 policy (its float ``down_proj``s: those MLPs run per sequence) the step's logits and cache are
+    bitwise those of ``decode_batch`` and ``next_logits`` apart, and the held-out golden prompts served by two lanes of
+    8 rows, arriving while others decode, each get the continuation they get alone (the gate's). Negative controls:
+    the float MLPs run over every row at once (``batchable`` forced) give other logits, and so does a prompt cut in
+    two (what the engine no longer does to a prompt that fits its prefill budget)."""
+    import asyncio
+
+    from policy_bundle.bundle.info import read_golden_jsonl
+    from policy_bundle.quantize.blocks import attention_len
+    from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, threads
+    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.serve.batching import policy_engine
+    from policy_bundle.serve.engines import SamplingParams
+
+    out, _ = smollm2_bundle
+    m = json.loads((out / "bundle.json").read_text())
+    prompts = [it.prompt_ids for it in read_golden_jsonl(out / "golden.jsonl")]
+    eos, new = m["policy"]["config"].get("eos_token_id"), m["config"]["prompts"]["max_new_tokens"]
+    ts = load_torchscript(out / "int8" / "policy.ts")
+    float_mlps = [layer.mlp for _, layer in ts.module.layers.named_children() if not layer.mlp.batchable]
+    assert float_mlps, "the default build keeps float down_projs: the per-sequence path is what this test covers"
+
+    def step(batchable_float: bool):
+        for mlp in float_mlps:
+            mlp.batchable = batchable_float
+        k, v = ts.new_cache(8, 128)
+        rows = prompts[:5]
+        for i, p in enumerate(rows):
+            s = attention_len(len(p), 128)
+            ts.next_logits(torch.tensor([p]), 0, k[:, i : i + 1, :, :s], v[:, i : i + 1, :, :s])
+        chunks = [(torch.tensor([prompts[5]]), 0), (torch.tensor([prompts[6][:9]]), 0)]
+        pos = torch.tensor([len(p) for p in rows])
+        tokens = torch.tensor([[p[-1]] for p in rows])
+        s = attention_len(max(len(p) for p in prompts[:7]) + 1, 128)
+        k2, v2 = k.clone(), v.clone()
+        apart = [ts.decode_batch(tokens, pos, k[:, :5, :, :s], v[:, :5, :, :s])[:, 0]]
+        for j, (c, _) in enumerate(chunks):
+            n = attention_len(c.shape[1], 128)
+            apart.append(ts.next_logits(c, 0, k[:, 5 + j : 6 + j, :, :n], v[:, 5 + j : 6 + j, :, :n])[:, -1])
+        fused = ts.step_and_prefill(tokens, pos, [c for c, _ in chunks], [0, 0], k2[:, :7, :, :s], v2[:, :7, :, :s])
+        return torch.cat(apart), fused[:, 0], (k, v), (k2, v2)
+
+    with threads(DECODE_THREADS), torch.no_grad():
+        try:
+            apart, fused, (k, v), (k2, v2) = step(False)
+            assert torch.equal(fused, apart) and torch.equal(k, k2) and torch.equal(v, v2)
+            apart, forced, _, _ = step(True)
+            assert not torch.equal(forced, apart)
+        finally:
+            for mlp in float_mlps:
+                mlp.batchable = False
+
+        def cut_at(p, at):
+            k, v = ts.new_cache(1, 64)
+            if at:
+                ts.next_logits(torch.tensor([p[:at]]), 0, k, v)
+            return ts.next_logits(torch.tensor([p[at:]]), at, k, v)
+
+        assert any(not torch.equal(cut_at(p, 1), cut_at(p, 0)) for p in prompts[:10])
+        alone = [greedy_generate(ts, p, new, eos) for p in prompts]
+
+    engine = policy_engine(ts, 256, "int8", max_batch=16, prefill_chunk=64, lanes=2)
+
+    async def served():
+        async def one(p):
+            return [s.token_id async for s in engine.generate(p, SamplingParams(max_tokens=new, stop_token_id=eos))]
+        return await asyncio.gather(*[one(p) for p in prompts])
+
+    assert asyncio.run(served()) == alone
+    stats = engine.stats()
+    assert stats["fused_chunks"] >= len(prompts) and all(lane["peak_batch"] >= 4 for lane in stats["per_lane"]), stats
