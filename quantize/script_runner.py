@@ -60,8 +60,10 @@ def _trim_after(args: tuple) -> None:
     covers every arena, so a scored batch on another thread also trims the decode thread's heap (its next step
     faults its temporaries in once)."""
     tokens = args[0] if args else None
-    if (isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] > 1
-            and tokens.numel() >= TRIM_POSITIONS):
+    positions = tokens.numel() if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] > 1 else 0
+    # ``step_and_prefill``'s prompt chunks (a list of [1, T] tensors) count too; its decode rows are [B, 1]
+    positions += sum(t.numel() for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor))
+    if positions >= TRIM_POSITIONS:
         release_freed_memory()
 
 

@@ -95,6 +95,8 @@ class BatchedEngine:
     # ---- the caller's side (event loop) ----
 
     async def generate(self, prompt_ids: List[int], params: SamplingParams) -> AsyncIterator[Step]:
+        if not prompt_ids:  # checked here, not in the shared forward: it would fail every row of that step
+            raise ValueError("prompt_ids: empty (at least one token)")
         total = min(len(prompt_ids) + params.max_tokens, self.max_seq_len)
         if total <= len(prompt_ids):
             return
@@ -281,7 +283,7 @@ def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, pref
 
     if hasattr(module, "decode_batch"):
         total = max(1, max_batch)
-        n = min(lane_count(lanes, threads), total)
+        n = lane_count(lanes, threads, total)
         sizes = [total // n + (i < total % n) for i in range(n)]
         engines = [BatchedEngine(module, max_seq_len, name if n == 1 else f"{name}-lane{i}", max_batch=size,
                                  prefill_chunk=prefill_chunk, threads=threads) for i, size in enumerate(sizes)]

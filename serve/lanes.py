@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+from contextlib import aclosing
+from pathlib import Path
 from typing import AsyncIterator, List
 
 from policy_bundle.serve.engines import SamplingParams, Step
@@ -29,8 +32,9 @@ class Lanes:
             lane = min(range(len(self.lanes)), key=self._load.__getitem__)
             self._load[lane] += 1
         try:
-            async for step in self.lanes[lane].generate(prompt_ids, params):
-                yield step
+            async with aclosing(self.lanes[lane].generate(prompt_ids, params)) as steps:
+                async for step in steps:
+                    yield step
         finally:
             with self._lock:
                 self._load[lane] -= 1
@@ -46,14 +50,29 @@ class Lanes:
         return self.lanes[0].score(batch)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity; the machine's count where there is no affinity call)."""
+def usable_cores(cgroup_cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may run on: its CPU affinity (the machine's count where there is no affinity call),
+    and no more than its cgroup's CPU quota (a container limited to 2 CPUs on a 64-core node: 2)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cgroup_cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
-def lane_count(lanes: int, threads: int) -> int:
-    """``engine_lanes``: 0 means one decode thread per ``threads`` usable cores (at least one)."""
-    return lanes if lanes > 0 else max(1, usable_cores() // max(1, threads))
+AUTO_MIN_ROWS = 8  # the automatic lane count leaves each lane room to batch this many sequences
+
+
+def lane_count(lanes: int, threads: int, max_batch: int) -> int:
+    """``engine_lanes``: 0 means one decode thread per ``threads`` usable cores, but no more than leaves each lane
+    ``AUTO_MIN_ROWS`` of ``max_batch`` (many one-row lanes would each read every weight per step and batch nothing);
+    at least one, and never more than ``max_batch``."""
+    if lanes <= 0:
+        lanes = min(usable_cores() // max(1, threads), max_batch // AUTO_MIN_ROWS)
+    return max(1, min(lanes, max_batch))

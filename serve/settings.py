@@ -45,8 +45,9 @@ class RouterSettings:
     # intra-op threads of a torch engine's decode thread (engines.py says why); the default is what the build's gate
     # decoded with (quantize.decode.DECODE_THREADS): another count rounds otherwise and rows depend on their batch
     engine_threads: int = ranged(DECODE_THREADS, 1, 256)
-    # decode threads (lanes) of the INT8 TorchScript engine, each its own batch of up to max_batch sequences on the
-    # one loaded module (serve/batching.py's Lanes); 0 = one per engine_threads usable cores
+    # decode threads (lanes) of a torch engine (INT8 TorchScript, the FP fallback), each its own batch and KV cache
+    # on the one loaded module, sharing max_batch (serve/lanes.py); 0 = one per engine_threads usable cores, at most
+    # one per 8 of max_batch
     engine_lanes: int = ranged(0, 0, 256)
     request_timeout_s: float = ranged(60.0, 0.0)
     health_interval_s: float = ranged(1.0, 0.0)  # variant health probes; a variant that fails one gets no new traffic

@@ -187,6 +187,10 @@ def test_lanes_split_concurrent_requests_and_each_gets_the_tokens_it_gets_alone(
 
     asyncio.run(hang_up())
     assert engine._load == [0, 0] and wait_idle(engine)
+    with pytest.raises(ValueError, match="prompt_ids: empty"):  # refused before it joins a step it would fail
+        asyncio.run(collect(engine, [], 3))
+    assert engine._load == [0, 0] and [s.token_id for s in asyncio.run(collect(engine, PROMPTS[0], 6))] == \
+        [s.token_id for s in alone[0]]
 
 
 def test_cancelling_one_stream_does_not_disturb_the_others(artifact):

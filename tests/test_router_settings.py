@@ -64,7 +64,13 @@ def test_engine_lanes_default_to_one_per_usable_core_and_have_a_range(tmp_path, 
     from policy_bundle.serve.lanes import lane_count, usable_cores
 
     assert settings_from(tmp_path, monkeypatch, "model_name: policy\n").engine_lanes == 0
-    assert lane_count(0, 1) == usable_cores() and lane_count(0, 10_000) == 1  # at least one lane
-    assert lane_count(3, 1) == 3
+    assert lane_count(0, 1, 32) == min(usable_cores(), 4) and lane_count(0, 10_000, 32) == 1  # at least one lane
+    assert lane_count(0, 1, 8) == 1  # each automatic lane keeps room to batch 8 sequences
+    assert lane_count(3, 1, 32) == 3 and lane_count(3, 1, 2) == 2  # asked for: no more lanes than sequences
+    quota = tmp_path / "cpu.max"
+    quota.write_text("200000 100000\n")  # a container's quota of 2 CPUs
+    assert usable_cores(quota) == min(2, usable_cores()) and usable_cores(tmp_path / "none") == usable_cores()
+    quota.write_text("max 100000\n")
+    assert usable_cores(quota) == usable_cores(tmp_path / "none")
     with pytest.raises(SettingsError, match=r"^engine_lanes: .* is out of range \[0, 256\]$"):
         settings_from(tmp_path, monkeypatch, "engine_lanes: -1\n")

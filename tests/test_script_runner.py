@@ -56,6 +56,7 @@ def test_runner_calls_skip_profiling_on_any_thread_and_raw_module_does_not(tmp_p
 CHURN = '''
 import sys
 from pathlib import Path
+from typing import List
 
 import torch
 
@@ -70,6 +71,10 @@ class Churn(torch.nn.Module):
         held = [torch.ones(262144) for _ in range(64)]
         return torch.ones(524288) * float(len(held))
 
+    @torch.jit.export
+    def step_and_prefill(self, tokens: torch.Tensor, prompts: List[torch.Tensor]) -> torch.Tensor:
+        return self.prefill(tokens)  # a step's [B, 1] rows and its prompt chunks' tokens, the same churn
+
 
 def rss_mb() -> int:
     line = [s for s in Path("/proc/self/status").read_text().splitlines() if s.startswith("VmRSS")][0]
@@ -82,7 +87,12 @@ runner = ScriptRunner(module)
 positions = TRIM_POSITIONS + int(sys.argv[1])
 shape = [positions, 1] if sys.argv[2] == "steps" else [1, positions]  # a decode step's [B, 1], or one sequence
 before = rss_mb()
-kept = runner.prefill(torch.zeros(shape, dtype=torch.long))
+if sys.argv[2] == "chunks":  # four decode rows and two prompt chunks of the positions between them
+    half = positions // 2
+    kept = runner.step_and_prefill(torch.zeros([4, 1], dtype=torch.long),
+                                   [torch.zeros([1, half], dtype=torch.long), torch.zeros([1, positions - half], dtype=torch.long)])
+else:
+    kept = runner.prefill(torch.zeros(shape, dtype=torch.long))
 print(rss_mb() - before)
 '''
 
@@ -105,3 +115,5 @@ def test_a_call_over_trim_positions_hands_its_freed_heap_back(tmp_path):
     assert grown_mb(script, -1) >= 48  # one position short of the threshold: nothing handed back
     assert grown_mb(script, 0, "steps") >= 48  # as many rows of one token each: a decode step, not trimmed
     assert grown_mb(script, 0) <= 16  # the 2 MB it returns, and the interpreter's own
+    # a step with prompt chunks (``step_and_prefill``): the chunks' positions count, the decode rows' do not
+    assert grown_mb(script, -1, "chunks") >= 48 and grown_mb(script, 0, "chunks") <= 16
