@@ -186,6 +186,13 @@ class BatchedEngine:
         (``SlotBatch.step_and_prefill``), else a prefill call per chunk, then the step. A newcomer whose prompt is
         complete joins the rows with its first token."""
         taken = self._chunks()
+        if self.fused and taken:
+            try:  # a failed allocation (out of memory) fails the newcomers only
+                self._grow(len(self.slots) + len(taken))
+            except Exception as exc:  # noqa: BLE001 - these requests' failure, not the batch's
+                for r, _, _ in taken:
+                    r.emit(_prefill_failed(self.slots.capacity, exc))
+                taken = []
         if not self.fused or not taken:
             for r, start, end in taken:
                 try:  # a failed allocation (out of memory) fails this request only
@@ -197,16 +204,6 @@ class BatchedEngine:
                 self._sleep_for_fault()
                 self._took(r, end, logits)
             self.slots.drop(_leaves)
-            if len(self.slots):
-                self._step()
-            return
-        try:  # a failed allocation (out of memory) fails the newcomers only
-            self._grow(len(self.slots) + len(taken))
-        except Exception as exc:  # noqa: BLE001 - these requests' failure, not the batch's
-            for r, _, _ in taken:
-                r.emit(_prefill_failed(self.slots.capacity, exc))
-            taken = []
-        if not taken:
             if len(self.slots):
                 self._step()
             return

@@ -59,11 +59,10 @@ def usable_cores(cgroup_cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
         cores = os.cpu_count() or 1
     try:
         quota, period = cgroup_cpu_max.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores
+        limit = cores if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):  # no cgroup v2 quota file, or one we cannot read: the affinity stands
+        limit = cores
+    return min(cores, limit)
 
 
 AUTO_MIN_ROWS = 8  # the automatic lane count leaves each lane room to batch this many sequences
