@@ -203,6 +203,7 @@ class MLP(nn.Module):
         self.fused_gate_up = False  # as Attention.fused_qkv: gate/up as one projection in an int8 export
         self.gate_up_proj: nn.Module = nn.Identity()
         self.batchable = False  # as Attention.batchable_qkv, for gate/up and down together
+        self.batchable_gate_up = False  # gate/up alone (a float down_proj): it runs once over every part
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused_gate_up:
@@ -213,9 +214,15 @@ class MLP(nn.Module):
 
     def forward_parts(self, x: Tensor, sizes: List[int], rows: int) -> Tensor:
         """``forward`` of each part of ``x`` [N, dim] (``part_views``) as its own call gives it: once over all rows
-        where the projections' rows are independent (``batchable``)."""
+        where the projections' rows are independent (``batchable``); gate/up and the elementwise product once where
+        only theirs are (``batchable_gate_up``), then the down projection per part."""
         if self.batchable:
             return self.forward(x)
+        if self.batchable_gate_up:
+            gu = self.gate_up_proj(x)
+            n = self.intermediate_size
+            h = F.silu(gu.narrow(-1, 0, n)) * gu.narrow(-1, n, n)
+            return torch.cat([self.down_proj(p).reshape(-1, x.shape[1]) for p in part_views(h, sizes, rows)])
         return torch.cat([self.forward(p).reshape(-1, x.shape[1]) for p in part_views(x, sizes, rows)])
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates, use_fbgemm
+from policy_bundle.quantize.row_stable import probe_row_stable
 
 
 TRIM_POSITIONS = 256  # a call over at least this many token positions hands the heap it freed back afterwards
@@ -92,6 +93,7 @@ def load_torchscript(path: Path) -> ScriptRunner:
             release_freed_memory()
     release_freed_memory()
     require_exact_sums(module, path)
+    probe_row_stable(module)  # the float linears' decode chunks, as this CPU's BLAS keeps rows apart
     return ScriptRunner(module)
 
 

@@ -40,12 +40,12 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from policy_bundle.quantize.fbgemm_int8 import (  # noqa: F401 (quantize_weight, fake_quant_rows: re-exported)
     FbgemmWeight, centred_sum_bound, fake_quant_rows, quantize_rows, quantize_weight, sums_exact_in_float,
     sums_recoverable)
+from policy_bundle.quantize.row_stable import RowStableLinear
 from policy_bundle.quantize.rotation import (  # noqa: F401 (rotation_block, rotation_matrix: re-exported)
     kron_factors, mm_rows, rotated_weight, rotation_block, rotation_matrix, rotation_signs)
 
@@ -79,6 +79,8 @@ class Int8TokenLinear(nn.Module):
         weight_int8 = weight_int8.contiguous()
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("col_sums", weight_int8.sum(dim=1, dtype=torch.int32))
+        # the zero-point term (128 - zp) x col_sums (|128 - zp| <= 128) is an exact float: ``rows`` adds it in float
+        self.float_sums = 128 * int(self.col_sums.abs().max()) < 2 ** 24 if self.col_sums.numel() > 0 else True
         # A weight whose scaled sums are not recoverable but whose plain sums are exact floats is packed with unit
         # scales, its own applied after the kernel at one row and at more alike (``unit_scales``): no second copy.
         bound = centred_sum_bound(weight_int8)
@@ -128,14 +130,24 @@ class Int8TokenLinear(nn.Module):
             x = torch.matmul(self.rot_outer, x.view(-1, self.rot_a, self.rot_b))
         return mm_rows(x.view(-1, self.rot_b), self.rot_inner).view(-1, self.in_features)  # matmul's own folding
 
-    def rows(self, flat: Tensor) -> Tensor:
+    def rows(self, flat: Tensor, lo: Optional[Tensor] = None, hi: Optional[Tensor] = None) -> Tensor:
         """Any number of rows: per-row quantization as fbgemm's, then fbgemm's GEMM over the codes themselves (input
         scale 1 and zero point 128: the codes pass through unchanged). It returns ``fl(acc * scale_j)``: dividing the
         scale out and rounding gives ``acc`` back exactly (``sums_recoverable``; a weight it does not hold for runs
         ``torch._int_mm`` on its kept copy). The zero-point term is added back from the column sums and the float
-        result formed as the one-row kernel forms it: the same floats, bitwise (tested)."""
-        q, scale, zp = quantize_rows(flat)
+        result formed as the one-row kernel forms it: the same floats, bitwise (tested). ``lo``/``hi``: the rows' min and
+        max, where ``forward`` has them already."""
+        q, scale, zp = quantize_rows(flat, lo, hi)
         q = q.sub_(128.0)  # in place here and below: the same elementwise operations, fewer [rows, n] buffers
+        if self.float_sums and self.int_mm_weight.numel() == 0 and not self.fbgemm.exact_one_row:
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128, self.fbgemm.packed)
+            # in float, in place: the sums (exact: under 2^22, or 2^24 with unit scales) plus the zero-point term (exact:
+            # ``float_sums``), rounded once, as the int32 path below rounds its exact sum to float; without its two
+            # [rows, out] conversions (SmolLM2-135M's gate/up at 28 rows: 43 us against 69)
+            acc = (y if self.unit_scales else y.div_(self.scales).round_()).addcmul_((128.0 - zp).float(), self.col_sums)
+            if self.unit_scales:
+                return acc.mul_(scale).mul_(self.scales)
+            return acc.mul_(scale * self.scales)
         if self.int_mm_weight.numel() > 0:
             acc = torch._int_mm(q.to(torch.int8), self.int_mm_weight.t())
         else:
@@ -143,12 +155,11 @@ class Int8TokenLinear(nn.Module):
             # the centred codes d = q - 128 go in split: sum(d w) = sum(d+ w) - sum(d- w), d+ = max(d, 0) and
             # d- = max(-d, 0) in [0, 128], whose pairs of products stay within int16 (2 x 128 x 127). Both halves go in
             # one call (one read of the weight); each comes back as sum((code - 128) w), and the 128 sum(w) terms cancel.
-            split = self.fbgemm.exact_one_row
             n = q.shape[0]
-            codes = torch.cat([q.clamp_min(0.0), q.neg().clamp_min_(0.0)]).sub_(128.0) if split else q
+            codes = torch.cat([q.clamp_min(0.0), q.neg().clamp_min_(0.0)]).sub_(128.0)
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(codes, 1.0, 128, self.fbgemm.packed)
             sums = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)
-            acc = sums[:n] - sums[n:] if split else sums
+            acc = sums[:n] - sums[n:]
         acc = acc.addcmul_(128 - zp.to(torch.int32), self.col_sums).float()  # in place: no [rows, out] product
         if self.unit_scales:  # as fbgemm's one row with unit scales (its sum times the row's scale), then ours
             return acc.mul_(scale).mul_(self.scales)
@@ -173,11 +184,15 @@ class Int8TokenLinear(nn.Module):
                 out = torch.ops.quantized.linear_dynamic(flat, self.fbgemm.packed, False)
                 if self.unit_scales:
                     out = out * self.scales
-        else:
-            rows = torch.empty(0, dtype=torch.long)
+        else:  # the rows' min and max serve the outlier test (max |x| is max(max, -min)) and the quantization alike
+            lo, hi = flat.amin(dim=-1, keepdim=True), flat.amax(dim=-1, keepdim=True)
+            loud = torch.empty(0, dtype=torch.bool)
             if self.outlier_threshold > 0.0:
-                rows = (flat.abs().amax(dim=-1) > self.outlier_threshold).nonzero().squeeze(1)
-            out = self._with_outliers(flat, rows) if rows.numel() > 0 else self.rows(flat)
+                loud = torch.maximum(hi, lo.neg()).squeeze(1) > self.outlier_threshold
+            if bool(loud.any()):
+                out = self._with_outliers(flat, loud.nonzero().squeeze(1))
+            else:
+                out = self.rows(flat, lo, hi)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(x.shape[:-1] + (self.out_features,))
@@ -225,7 +240,8 @@ def mark_batchable(model: nn.Module) -> int:
     """In place: each attention block whose q/k/v (fused) and output projections, and each MLP whose gate/up (fused)
     and down projections, are ``Int8TokenLinear`` (per-token int8 with exact sums: a row's output the same beside any
     rows) is marked batchable, so ``Policy.step_and_prefill`` runs them once over a step's decode rows and prompt
-    chunks together; the rest run per part, as alone. Returns the projections marked."""
+    chunks together; an MLP whose gate/up alone is int8 runs that once and its float ``down_proj`` per part
+    (``batchable_gate_up``); the rest run per part, as alone. Returns the projections marked."""
     marked = 0
     for mod in model.modules():
         if hasattr(mod, "batchable_qkv"):
@@ -233,30 +249,10 @@ def mark_batchable(model: nn.Module) -> int:
             mod.batchable_o = type(mod.o_proj) is Int8TokenLinear
             marked += int(mod.batchable_qkv) + int(mod.batchable_o)
         elif hasattr(mod, "fused_gate_up"):
-            mod.batchable = (bool(mod.fused_gate_up) and type(mod.gate_up_proj) is Int8TokenLinear
-                             and type(mod.down_proj) is Int8TokenLinear)
-            marked += 2 * int(mod.batchable)
+            mod.batchable_gate_up = bool(mod.fused_gate_up) and type(mod.gate_up_proj) is Int8TokenLinear
+            mod.batchable = mod.batchable_gate_up and type(mod.down_proj) is Int8TokenLinear
+            marked += int(mod.batchable_gate_up) + int(mod.batchable)
     return marked
-
-
-class RowStableLinear(nn.Module):
-    """A float linear kept in an int8 policy (a fallback layer) whose rows in a decode batch come out as they do
-    alone. A float GEMM over B rows sums in another order than the one-row product (1-ulp differences), and the int8
-    layers after it turn such a difference into another activation code now and then: on SmolLM2-135M with one
-    float ``down_proj`` a two-row decode step's logits differed from the one-row step's by up to 0.55. So a decode
-    step's rows (``x`` [B, 1, in]) each take the one-row call; a prefill or a teacher-forced forward (T > 1) runs the
-    GEMM as before."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight = linear.weight
-        self.bias: Optional[Tensor] = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 3 and x.shape[1] == 1 and x.shape[0] > 1:
-            return torch.cat([F.linear(x[i : i + 1], self.weight, self.bias) for i in range(x.shape[0])])
-        return F.linear(x, self.weight, self.bias)
 
 
 def stabilize_float_linears(model: nn.Module) -> int:

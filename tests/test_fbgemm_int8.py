@@ -27,7 +27,7 @@ def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch)
         lin.weight.copy_(torch.randn(shape[1], shape[0], generator=g))
     m = Int8TokenLinear.from_float(lin)
     # the packed weight is the only int8 copy; 1536 inputs: scaled sums fbgemm cannot hand back, unit scales
-    assert m.int_mm_weight.numel() == 0 and m.unit_scales == (shape[0] == 1536)
+    assert m.int_mm_weight.numel() == 0 and m.unit_scales == (shape[0] == 1536) and m.float_sums  # float epilogue
     x = torch.randn(4000, shape[0], generator=g) * torch.rand(4000, 1, generator=g) * 10
     x[::3] = x[::3].abs()  # one-sided rows: zero point 0
     x[1::7, :6] *= 40  # a few loud channels
@@ -39,8 +39,8 @@ def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch)
     from policy_bundle.quantize import w8a8
     from policy_bundle.quantize.fbgemm_int8 import row_qparams
 
-    def two_roundings(flat):  # the negative control: the formula this kernel had
-        scale, zp = row_qparams(flat)
+    def two_roundings(flat, lo=None, hi=None):  # the negative control: the formula this kernel had
+        scale, zp = row_qparams(flat, lo, hi)
         return torch.round(flat / scale + zp.float()).clamp(0.0, 255.0), scale, zp
 
     monkeypatch.setattr(w8a8, "quantize_rows", two_roundings)
@@ -57,12 +57,13 @@ def test_a_weight_whose_sums_fbgemm_cannot_hand_back_keeps_exact_int32_sums(tmp_
     with torch.no_grad():
         wide.weight.copy_(torch.randint(120, 128, (64, 1100), generator=g).float())  # sums near 255 * 127 * 1100
     m = Int8TokenLinear.from_float(wide)
-    assert m.int_mm_weight.shape == (64, 1100) and not m.unit_scales
+    assert m.int_mm_weight.shape == (64, 1100) and not m.unit_scales and not m.float_sums
     with torch.no_grad():
         narrower = torch.nn.Linear(1000, 64, bias=False)
         narrower.weight.copy_(torch.randint(120, 128, (64, 1000), generator=g).float())  # 128 x 123.5k < 2^24
     narrower = Int8TokenLinear.from_float(narrower)
-    assert narrower.unit_scales and narrower.int_mm_weight.numel() == 0
+    # its zero-point term (up to 128 x 123.5k) still an exact float: added in float (``float_sums``), one rounding
+    assert narrower.unit_scales and narrower.int_mm_weight.numel() == 0 and narrower.float_sums
     together, alone = rows_alone_and_together(narrower, torch.rand(300, 1000, generator=g) * 5)
     assert torch.equal(together, alone)
     x = torch.rand(300, 1100, generator=g) * 5  # all positive: codes near 255, sums near the bound
@@ -205,25 +206,6 @@ def test_a_loaded_weight_is_packed_at_its_first_use_or_by_the_loader_and_its_rea
     assert torch.equal(raw(x), m(x))
     runner = load_torchscript(path)
     assert runner.module.fbgemm.pending.numel() == 0 and torch.equal(runner(x), m(x))
-
-
-def test_a_float_fallback_linear_gives_a_decode_batchs_rows_as_alone():
-    """A float linear kept in an int8 policy: a decode step over B rows ([B, 1, in]) gives each row what the one-row
-    step gives it (the int8 layers after it would turn a 1-ulp difference into another activation code); the plain
-    GEMM over the same rows is the control, and a prefill (T > 1) keeps the GEMM."""
-    from policy_bundle.quantize.w8a8 import RowStableLinear
-
-    g = torch.Generator().manual_seed(3)
-    lin = torch.nn.Linear(1536, 576, bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(576, 1536, generator=g) * 0.02)
-        x = torch.randn(8, 1, 1536, generator=g)
-        alone = torch.cat([lin(x[i : i + 1]) for i in range(8)])
-        assert not torch.equal(lin(x), alone)  # the float GEMM over 8 rows sums in another order
-        stable = torch.jit.script(RowStableLinear(lin))
-        assert torch.equal(stable(x), alone)
-        y = torch.randn(1, 8, 1536, generator=g)
-        assert torch.equal(stable(y), lin(y))
 
 
 def test_bench_kernels_stream_reports_each_kernel_against_a_plain_read(capsys):
