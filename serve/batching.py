@@ -34,9 +34,10 @@ from typing import AsyncIterator, Deque, List, Optional, Tuple
 import torch
 
 from policy_bundle.quantize.slots import SlotBatch
-from policy_bundle.serve.engines import (SamplingParams, Step, check_threads, decode_thread_setup, last_position_logits,
-                                         pick_token)
+from policy_bundle.serve.engines import (SamplingParams, Step, check_threads, decode_thread_setup, greedy_steps,
+                                         last_position_logits, pick_token)
 from policy_bundle.serve.lanes import Lanes, lane_count
+from policy_bundle.serve.schemas import MIN_TEMPERATURE
 
 log = logging.getLogger("policy_bundle.serve")
 
@@ -215,8 +216,7 @@ class BatchedEngine:
         self.steps += bool(rows)
         self.fused_chunks += len(taken)
         self._sleep_for_fault()
-        for r, logits in zip(rows, row_logits):
-            self._advance(r, logits)
+        self._advance_rows(rows, row_logits)
         for (r, _, end), logits in zip(taken, chunk_logits):
             self._took(r, end, logits)
         self.peak_batch = max(self.peak_batch, len(self.slots))
@@ -237,17 +237,23 @@ class BatchedEngine:
         logits = self.slots.step([r.last for r in rows])
         self.steps += 1
         self._sleep_for_fault()
-        for r, row_logits in zip(rows, logits):
-            self._advance(r, row_logits)
+        self._advance_rows(rows, logits)
         self.slots.drop(_leaves)
 
-    def _advance(self, r: _Request, logits) -> None:
-        """Pick the request's next token from its logits row and hand it over; mark it done when it ends."""
+    def _advance_rows(self, rows: List[_Request], logits) -> None:
+        """``_advance`` of each row; the greedy rows' tokens picked in one call (``greedy_steps``)."""
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature < MIN_TEMPERATURE and not r.cancelled]
+        steps = dict(zip(greedy, greedy_steps(logits[greedy]))) if len(greedy) > 1 else {}
+        for i, r in enumerate(rows):
+            self._advance(r, logits[i], steps.get(i))
+
+    def _advance(self, r: _Request, logits, step: Optional[Step] = None) -> None:
+        """Pick the request's next token (or take ``step``, picked already), hand it over; mark it done when it ends."""
         if r.cancelled:
             r.done = True
             return
         try:
-            step = pick_token(logits, r.params, r.gen)
+            step = step if step is not None else pick_token(logits, r.params, r.gen)
         except Exception as exc:  # noqa: BLE001 - e.g. non-finite logits: this request fails, the batch goes on
             r.done = True
             r.emit(RuntimeError(f"sampling failed: {type(exc).__name__}: {exc}"))

@@ -23,7 +23,8 @@ FLOAT_LINEAR = "layers.1.mlp.down_proj"  # kept in float: that MLP runs per part
 # (rows decoding: their prompt lengths; prompt chunks: their lengths; whether the first chunk continues a part-filled
 # prompt from position 5)
 CASES = [([5, 9, 7], [6, 4], False), ([5, 9, 7], [6, 4], True), ([5], [6], False), ([5], [6], True),
-         ([], [6, 3, 11], False), ([], [6, 3, 11], True), ([12, 3], [1], False), ([40, 3, 8, 2, 30], [6, 7], True)]
+         ([], [6, 3, 11], False), ([], [6, 3, 11], True), ([12, 3], [1], False), ([40, 3, 8, 2, 30], [6, 7], True),
+         ([5, 9], [20, 3], False)]  # a chunk longer than the float layer's rows_per_call
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,8 @@ def int8_policy():
     scripted = script_int8(int8)
     assert isinstance(int8.get_submodule(FLOAT_LINEAR), RowStableLinear)
     assert [m.batchable for m in int8.layers.modules() if hasattr(m, "fused_gate_up")] == [True, False]
+    assert all(m.batchable_gate_up for m in int8.layers.modules() if hasattr(m, "fused_gate_up"))
+    assert int8.get_submodule(FLOAT_LINEAR).rows_per_call >= 2  # the decode rows in chunks
     assert all(m.batchable_qkv and m.batchable_o for m in int8.modules() if hasattr(m, "batchable_qkv"))
     assert isinstance(int8.layers[0].mlp.gate_up_proj, Int8TokenLinear) and isinstance(int8.lm_head, Int8TokenLinear)
     return scripted

@@ -1,5 +1,5 @@
 """Guards below the HTTP tests, each pinned on its own: the engine's greedy cut-off for a tiny temperature (what
-a variant's own API does when the router's schema is bypassed), an artifact symlinked out of its bundle, and a
+a variant's own API does when the router's schema is bypassed), its greedy rows picked together, an artifact symlinked out of its bundle, and a
 variant whose health names another build's manifest."""
 
 import asyncio
@@ -23,6 +23,17 @@ def test_the_engine_picks_greedily_below_the_minimum_temperature(temperature):
     gen = torch.Generator().manual_seed(0)
     picked = {pick_token(torch.zeros(4), SamplingParams(temperature=1.0), gen).token_id for _ in range(50)}
     assert len(picked) > 1
+
+
+def test_a_steps_greedy_rows_picked_together_are_each_rows_pick_alone():
+    """The batched engine picks a step's greedy rows in one log-softmax (``greedy_steps``): each row's token and
+    logprob are bitwise what ``pick_token`` gives it alone; a tie takes the first index alike."""
+    from policy_bundle.serve.engines import SamplingParams, greedy_steps, pick_token
+
+    logits = torch.randn(17, 49152, generator=torch.Generator().manual_seed(0)) * 5  # a step's rows
+    logits[3, 9] = logits[3, 7] = logits[3].max() + 1
+    alone = [pick_token(logits[i], SamplingParams(), None) for i in range(17)]
+    assert greedy_steps(logits) == alone and alone[3].token_id == 7
 
 
 def test_an_artifact_symlinked_out_of_the_bundle_is_refused_before_loading(tmp_path):
