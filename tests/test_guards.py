@@ -26,14 +26,18 @@ def test_the_engine_picks_greedily_below_the_minimum_temperature(temperature):
 
 
 def test_a_steps_greedy_rows_picked_together_are_each_rows_pick_alone():
-    """The batched engine picks a step's greedy rows in one log-softmax (``greedy_steps``): each row's token and
-    logprob are bitwise what ``pick_token`` gives it alone; a tie takes the first index alike."""
+    """The batched engine picks a step's greedy rows together (``greedy_steps``): each row's token and logprob are
+    bitwise what ``pick_token`` gives it alone; a tie takes the first index alike; the token is the argmax of the row's
+    log-softmax in double, and the logprob its value there within 1e-5."""
     from policy_bundle.serve.engines import SamplingParams, greedy_steps, pick_token
 
     logits = torch.randn(17, 49152, generator=torch.Generator().manual_seed(0)) * 5  # a step's rows
     logits[3, 9] = logits[3, 7] = logits[3].max() + 1
     alone = [pick_token(logits[i], SamplingParams(), None) for i in range(17)]
     assert greedy_steps(logits) == alone and alone[3].token_id == 7
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    assert [s.token_id for s in alone] == exact.argmax(dim=-1).tolist()
+    assert all(abs(s.logprob - float(exact[i, s.token_id])) < 1e-5 for i, s in enumerate(alone))
 
 
 def test_an_artifact_symlinked_out_of_the_bundle_is_refused_before_loading(tmp_path):
