@@ -9,8 +9,10 @@ The BLAS picks its kernel by shape. On this project's CPUs (MKL in torch 2.13, o
 SmolLM2-135M's four shapes); one row takes its matrix-vector kernel. So a decode step's rows go in chunks of at most
 ``rows_per_call`` and a lone row goes in twice (the first result kept): every row is summed as it is alone.
 ``rows_per_call`` is probed on the CPU that runs the policy (``stable_rows_per_call``: where the weight is built and
-again where it is loaded), at the decode's one intra-op thread; a CPU whose calls of 2 rows already differ keeps one
-call per row, as every policy did until 2026-12-05. SmolLM2-135M's three float ``down_proj``s at 16 rows: 16 one-row
+again where it is loaded), at the decode's one intra-op thread (at more threads a call's rows may be split differently:
+the served engine decodes at one, as the gate does); a CPU whose calls of 2 rows already differ keeps one call per row,
+as every policy did until 2026-12-05. A chunk whose rows are not 64-byte aligned (a width not a multiple of 16 floats)
+goes in as a fresh copy, as the probe's rows do. SmolLM2-135M's three float ``down_proj``s at 16 rows: 16 one-row
 calls were 16 % of a decode step's time (py-spy), two calls of 8 rows a third of that.
 """
 
@@ -70,7 +72,7 @@ class RowStableLinear(nn.Module):
         self.rows_per_call = stable_rows_per_call(self.weight, self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 3 or x.shape[1] != 1 or (x.shape[0] == 1 and self.rows_per_call < 2):
+        if x.dim() != 3 or x.shape[1] != 1 or x.shape[0] == 0 or (x.shape[0] == 1 and self.rows_per_call < 2):
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
         if self.rows_per_call < 2:
@@ -81,6 +83,8 @@ class RowStableLinear(nn.Module):
         outs: List[Tensor] = []
         for start in range(0, rows, size):
             part = flat[start : start + size]
+            if self.in_features % 16 != 0:  # rows not 64-byte aligned: a fresh copy, as the probe's (MKL's sums may
+                part = part.clone()  # depend on alignment)
             if part.shape[0] == 1:  # a lone row: twice, as the probe compared
                 outs.append(F.linear(torch.cat([part, part]), self.weight, self.bias)[:1])
             else:

@@ -79,8 +79,6 @@ class Int8TokenLinear(nn.Module):
         weight_int8 = weight_int8.contiguous()
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("col_sums", weight_int8.sum(dim=1, dtype=torch.int32))
-        # the zero-point term (128 - zp) x col_sums (|128 - zp| <= 128) is an exact float: ``rows`` adds it in float
-        self.float_sums = 128 * int(self.col_sums.abs().max()) < 2 ** 24 if self.col_sums.numel() > 0 else True
         # A weight whose scaled sums are not recoverable but whose plain sums are exact floats is packed with unit
         # scales, its own applied after the kernel at one row and at more alike (``unit_scales``): no second copy.
         bound = centred_sum_bound(weight_int8)
@@ -139,11 +137,13 @@ class Int8TokenLinear(nn.Module):
         max, where ``forward`` has them already."""
         q, scale, zp = quantize_rows(flat, lo, hi)
         q = q.sub_(128.0)  # in place here and below: the same elementwise operations, fewer [rows, n] buffers
-        if self.float_sums and self.int_mm_weight.numel() == 0 and not self.fbgemm.exact_one_row:
+        if self.int_mm_weight.numel() == 0 and not self.fbgemm.exact_one_row:
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128, self.fbgemm.packed)
-            # in float, in place: the sums (exact: under 2^22, or 2^24 with unit scales) plus the zero-point term (exact:
-            # ``float_sums``), rounded once, as the int32 path below rounds its exact sum to float; without its two
-            # [rows, out] conversions (SmolLM2-135M's gate/up at 28 rows: 43 us against 69)
+            # in float, in place: the sums (exact: under 2^22, or 2^24 with unit scales) plus the zero-point term
+            # (128 - zp) x col_sums, exact too (|128 - zp| <= 128 and |col_sums| <= sum |w|, so under the weight's
+            # ``centred_sum_bound``, which is under 2^24 wherever there is no ``torch._int_mm`` copy), rounded once, as
+            # the int32 path below rounds its exact sum to float; without its two [rows, out] conversions (SmolLM2-135M's
+            # gate/up at 28 rows: 43 us against 69)
             acc = (y if self.unit_scales else y.div_(self.scales).round_()).addcmul_((128.0 - zp).float(), self.col_sums)
             if self.unit_scales:
                 return acc.mul_(scale).mul_(self.scales)
@@ -249,7 +249,10 @@ def mark_batchable(model: nn.Module) -> int:
             mod.batchable_o = type(mod.o_proj) is Int8TokenLinear
             marked += int(mod.batchable_qkv) + int(mod.batchable_o)
         elif hasattr(mod, "fused_gate_up"):
-            mod.batchable_gate_up = bool(mod.fused_gate_up) and type(mod.gate_up_proj) is Int8TokenLinear
+            # the float down_proj then reads each part as a view into one [rows, n] tensor: with n a multiple of 16
+            # floats every part starts 64-byte aligned, as its own fresh tensor would (MKL's sums may depend on it)
+            mod.batchable_gate_up = (bool(mod.fused_gate_up) and type(mod.gate_up_proj) is Int8TokenLinear
+                                     and mod.intermediate_size % 16 == 0)
             mod.batchable = mod.batchable_gate_up and type(mod.down_proj) is Int8TokenLinear
             marked += int(mod.batchable_gate_up) + int(mod.batchable)
     return marked

@@ -120,9 +120,10 @@ class Int8RescoredHead(nn.Module):
     Many rows (a decode batch, a teacher-forced batch) go ``row_chunk`` (32) at a time into the output: the float
     temporaries over the vocabulary stay 32 rows' (SmolLM2-135M: 6 MB each; 512 rows at once made 100 MB each). Until
     2026-12-05 the chunk was 16 rows, and a served step of 16 decoding rows and two newcomers' prompts read the 28 MB
-    head twice (16 + 2 rows); its int32 temporaries are gone since (``Int8TokenLinear.float_sums``). At 64 rows a time
-    the INT8 process's peak in ``bench_int8`` (32 rows decoding) was 25 MB higher (medians of four runs, 629 vs 604 MB),
-    for no measurable speed.
+    head twice (16 + 2 rows); its int32 temporaries are gone since (``Int8TokenLinear.rows``' float epilogue), and the
+    INT8 process's peak in ``bench_int8`` (32 rows decoding) was 614 MB with 32-row chunks (one run). At 64 rows a
+    time it was 25 MB higher than at 16 in the sixth session (medians of four runs, 629 vs 604 MB), for no measurable
+    speed.
     """
 
     def __init__(self, int8: Int8TokenLinear, float_weight: Tensor, topk: int, rows16: Optional[Tensor] = None,

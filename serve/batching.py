@@ -34,10 +34,9 @@ from typing import AsyncIterator, Deque, List, Optional, Tuple
 import torch
 
 from policy_bundle.quantize.slots import SlotBatch
-from policy_bundle.serve.engines import (SamplingParams, Step, check_threads, decode_thread_setup, greedy_steps,
+from policy_bundle.serve.engines import (SamplingParams, Step, check_threads, decode_thread_setup, greedy_picks,
                                          last_position_logits, pick_token)
 from policy_bundle.serve.lanes import Lanes, lane_count
-from policy_bundle.serve.schemas import MIN_TEMPERATURE
 
 log = logging.getLogger("policy_bundle.serve")
 
@@ -241,9 +240,8 @@ class BatchedEngine:
         self.slots.drop(_leaves)
 
     def _advance_rows(self, rows: List[_Request], logits) -> None:
-        """``_advance`` of each row; the greedy rows' tokens picked in one call (``greedy_steps``)."""
-        greedy = [i for i, r in enumerate(rows) if r.params.temperature < MIN_TEMPERATURE and not r.cancelled]
-        steps = dict(zip(greedy, greedy_steps(logits[greedy]))) if len(greedy) > 1 else {}
+        """``_advance`` of each row; the greedy rows' tokens picked in one call (``greedy_picks``)."""
+        steps = greedy_picks(logits, [None if r.cancelled else r.params for r in rows])
         for i, r in enumerate(rows):
             self._advance(r, logits[i], steps.get(i))
 

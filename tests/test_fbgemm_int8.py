@@ -27,7 +27,7 @@ def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch)
         lin.weight.copy_(torch.randn(shape[1], shape[0], generator=g))
     m = Int8TokenLinear.from_float(lin)
     # the packed weight is the only int8 copy; 1536 inputs: scaled sums fbgemm cannot hand back, unit scales
-    assert m.int_mm_weight.numel() == 0 and m.unit_scales == (shape[0] == 1536) and m.float_sums  # float epilogue
+    assert m.int_mm_weight.numel() == 0 and m.unit_scales == (shape[0] == 1536)
     x = torch.randn(4000, shape[0], generator=g) * torch.rand(4000, 1, generator=g) * 10
     x[::3] = x[::3].abs()  # one-sided rows: zero point 0
     x[1::7, :6] *= 40  # a few loud channels
@@ -57,13 +57,13 @@ def test_a_weight_whose_sums_fbgemm_cannot_hand_back_keeps_exact_int32_sums(tmp_
     with torch.no_grad():
         wide.weight.copy_(torch.randint(120, 128, (64, 1100), generator=g).float())  # sums near 255 * 127 * 1100
     m = Int8TokenLinear.from_float(wide)
-    assert m.int_mm_weight.shape == (64, 1100) and not m.unit_scales and not m.float_sums
+    assert m.int_mm_weight.shape == (64, 1100) and not m.unit_scales
     with torch.no_grad():
         narrower = torch.nn.Linear(1000, 64, bias=False)
         narrower.weight.copy_(torch.randint(120, 128, (64, 1000), generator=g).float())  # 128 x 123.5k < 2^24
     narrower = Int8TokenLinear.from_float(narrower)
-    # its zero-point term (up to 128 x 123.5k) still an exact float: added in float (``float_sums``), one rounding
-    assert narrower.unit_scales and narrower.int_mm_weight.numel() == 0 and narrower.float_sums
+    # its zero-point term too (up to 128 x 123.5k) is an exact float: the float epilogue, one rounding
+    assert narrower.unit_scales and narrower.int_mm_weight.numel() == 0
     together, alone = rows_alone_and_together(narrower, torch.rand(300, 1000, generator=g) * 5)
     assert torch.equal(together, alone)
     x = torch.rand(300, 1100, generator=g) * 5  # all positive: codes near 255, sums near the bound

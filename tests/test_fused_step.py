@@ -24,7 +24,8 @@ FLOAT_LINEAR = "layers.1.mlp.down_proj"  # kept in float: that MLP runs per part
 # prompt from position 5)
 CASES = [([5, 9, 7], [6, 4], False), ([5, 9, 7], [6, 4], True), ([5], [6], False), ([5], [6], True),
          ([], [6, 3, 11], False), ([], [6, 3, 11], True), ([12, 3], [1], False), ([40, 3, 8, 2, 30], [6, 7], True),
-         ([5, 9], [20, 3], False)]  # a chunk longer than the float layer's rows_per_call
+         ([5, 9], [20, 3], False),  # a chunk longer than the float layer's rows_per_call
+         ([4] * 17, [6], False)]  # more decode rows than it takes in one call
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def run_case(module, rows, chunk_lens, continued, seed=0):
         return torch.randint(3, CFG.vocab_size, (1, n), generator=g)
 
     with torch.no_grad():
-        k, v = module.new_cache(8, 64)
+        k, v = module.new_cache(max(8, len(rows) + len(chunk_lens)), 64)
         for i, n in enumerate(rows):
             s = attention_len(n, 64)
             module.next_logits(ids(n), 0, k[:, i : i + 1, :, :s], v[:, i : i + 1, :, :s])

@@ -38,6 +38,12 @@ def test_a_steps_greedy_rows_picked_together_are_each_rows_pick_alone():
     exact = torch.log_softmax(logits.double(), dim=-1)
     assert [s.token_id for s in alone] == exact.argmax(dim=-1).tolist()
     assert all(abs(s.logprob - float(exact[i, s.token_id])) < 1e-5 for i, s in enumerate(alone))
+    odd = logits[:3].clone()
+    odd[0, 5] = float("inf")
+    odd[1, 11] = float("nan")  # a broken row: the same token alone and together, a NaN logprob, no exception
+    together, apart = greedy_steps(odd), [pick_token(odd[i], SamplingParams(), None) for i in range(3)]
+    assert [s.token_id for s in together] == [s.token_id for s in apart] == [5, 11, alone[2].token_id]
+    assert math.isnan(together[1].logprob) and together[2] == alone[2]
 
 
 def test_an_artifact_symlinked_out_of_the_bundle_is_refused_before_loading(tmp_path):

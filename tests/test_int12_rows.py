@@ -123,3 +123,39 @@ def test_the_recipe_field_takes_int12_and_a_residual_needs_the_heads_int8_rows()
         Int8RescoredHead(shared, torch.zeros(0, 0), 4, residual=residual[:5])
     with pytest.raises(ValueError, match="residual"):
         Int8RescoredHead(shared, torch.zeros(0, 0), 4, residual=residual[:, :3])
+
+
+def test_int12_rows_read_by_table_are_the_unpacked_floats_bitwise():
+    """``int12_rows`` looks each byte's two residuals up in a [256, 2] table: the same floats as unpacking the nibbles
+    and forming ``(code - 7) / 15`` did, for every code, at an odd width too."""
+    for dim in (576, 63):
+        q, _, residual = quantize_rows_int12(torch.randn(300, dim, generator=torch.Generator().manual_seed(dim)))
+        ids = torch.arange(300).flip(0)
+        packed = residual.index_select(0, ids).to(torch.int32)
+        res = torch.stack([torch.bitwise_right_shift(packed, 4), torch.bitwise_and(packed, 15)], dim=-1)
+        res = res.view(300, 2 * packed.shape[1])[:, :dim].float()
+        unpacked = q.index_select(0, ids).float() + (res - 7.0) / 15.0  # the formula before 2026-12-05
+        assert torch.equal(int12_rows(q, residual, ids), unpacked)
+    every = torch.arange(256, dtype=torch.uint8).view(128, 2)  # every byte value once
+    assert torch.equal(int12_rows(torch.zeros(128, 4, dtype=torch.int8), every, torch.arange(128)).flatten(),
+                       torch.stack([every.flatten() // 16, every.flatten() % 16], -1).flatten().float().sub(7.0).div(15.0))
+
+
+@pytest.mark.parametrize("vocab", [49152, 49153, 4096])
+def test_top_indices_over_block_maxima_find_the_k_largest_values(vocab):
+    """The rescored head's candidates (``top_indices``): the k largest values of each row, as ``topk`` finds them,
+    from the k blocks with the largest maxima; with ties at the k-th value (either tied index may be kept), a NaN
+    row, and a vocabulary that is not a whole number of blocks or too small for them (``topk`` itself)."""
+    from policy_bundle.quantize.w8a8_head import top_indices
+
+    out = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
+    out[2] = torch.randint(0, 4, (vocab,), generator=torch.Generator().manual_seed(1)).float()  # many ties
+    out[3, 100:110] = float("nan")
+    got = top_indices(out, 64)
+    assert got.shape == (6, 64) and all(len(set(r)) == 64 for r in got.tolist())
+    want = out.topk(64, dim=-1).values
+    picked = out.gather(1, got)
+    assert torch.equal(picked.sort(-1).values[[0, 1, 2, 4, 5]], want.sort(-1).values[[0, 1, 2, 4, 5]])
+    assert torch.isnan(picked[3]).sum() == 10 and set(range(100, 110)) <= set(got[3].tolist())
+    for i in range(6):  # a row's candidates do not depend on the other rows
+        assert torch.equal(top_indices(out[i : i + 1], 64), got[i : i + 1])

@@ -67,3 +67,18 @@ def test_a_loaded_policy_probes_its_float_linears_on_the_cpu_that_runs_it(tmp_pa
     (sub,) = [s for s in loaded.module.modules() if s.original_name == "RowStableLinear"]
     assert sub.rows_per_call == stable_rows_per_call(float_linear().weight, None) >= 2
     assert probe_row_stable(torch.nn.Sequential(torch.nn.Linear(4, 4))) == 0
+
+
+def test_chunks_with_a_lone_last_row_a_bias_an_unaligned_width_and_no_rows():
+    """Small chunks leave a lone last row (3 a call, 7 rows: 3 + 3 + 1), which goes in twice; a bias; a width that is
+    not a multiple of 16 floats (the chunks' rows start unaligned, and go in as fresh copies); an empty step."""
+    for width in (1536, 100):
+        lin = torch.nn.Linear(width, 64, bias=True)
+        stable = torch.jit.script(RowStableLinear(lin))
+        with torch.no_grad():
+            x = torch.randn(7, 1, width, generator=torch.Generator().manual_seed(width))
+            for per_call in (3, stable_rows_per_call(lin.weight, lin.bias)):
+                stable.rows_per_call = per_call
+                alone = torch.cat([stable(x[i : i + 1]) for i in range(7)])
+                assert torch.equal(stable(x), alone), (width, per_call)
+            assert stable(x[:0]).shape == (0, 1, 64)
