@@ -8,8 +8,8 @@ token with the artifact's ``decode_batch(tokens [B, 1], pos [B], k, v)``: each r
 position (``decode`` when there is one row). A finished or
 cancelled request leaves at once; the last row moves into its slot, so the active rows are always
 slots ``0..n-1`` and a step runs on a view of the cache, never on a copy. Sampling, seeds, stop
-tokens and logprobs stay per request (``pick_token`` with the request's own generator), so a greedy
-request gets the tokens it gets alone.
+tokens and logprobs stay per request (``pick_token`` with the request's own generator; a step's greedy rows
+together, each as alone: ``greedy_picks``), so a greedy request gets the tokens it gets alone.
 
 Where the artifact has ``step_and_prefill`` (exported since 2026-12-05) newcomers' prompt chunks go into the step's
 own forward, every row's logits bitwise as apart (SmolLM2-135M INT8, 1 thread: 16 rows plus two 6-token prompts took
