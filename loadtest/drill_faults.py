@@ -45,12 +45,19 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
             run.marks.append({"t": run.crash_t, "label": "INT8 worker SIGKILLed"})
             # BentoML's watcher restarts a dead worker within seconds: look while it is down. /status shows
             # what the router's probe loop last saw (a killed worker's probe times out after health_timeout_s).
+            # A worker back before a health probe's timeout (3 s) is never seen down: its port stays open (the arbiter
+            # holds it), so probes and requests just wait (a 2026-12-05 CI run: back in 3 s, no fail-over). So each
+            # restarted worker is killed too until the router reports the variant down.
             degraded = []
             async with httpx.AsyncClient(timeout=10) as client:
                 for _ in range(150):
                     degraded.append((await client.get(f"{server.url}/status")).json())
                     if degraded[-1]["variants"]["int8"]["ready"] is False:
                         break
+                    for pid in int8_worker_pids(server):
+                        if pid not in pids:
+                            os.kill(pid, signal.SIGKILL)
+                            pids.append(pid)
                     await asyncio.sleep(0.1)
             status = degraded[-1]
             state = await watch(run, server.url, seconds / 2, until="rolled-back")
