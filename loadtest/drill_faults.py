@@ -29,6 +29,14 @@ def int8_worker_pids(server: Server) -> List[int]:
     return [p.pid for p in server_processes(server.proc.pid) if p.role == "int8"]
 
 
+def kill_new_int8_workers(server: Server, killed: List[int]) -> None:
+    """SIGKILL each INT8 worker of ``server`` not in ``killed`` yet (the first, or one BentoML restarted), adding it."""
+    for pid in int8_worker_pids(server):
+        if pid not in killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+
 def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
     server = start_server(run, home, build_bundle(home, run.out / "good", broken=False), "server.log", 4.0)
     try:
@@ -38,9 +46,8 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
             stop = asyncio.Event()
             load = asyncio.create_task(drive(run, server.url, seconds, stop=stop))
             await asyncio.sleep(seconds / 3)
-            pids = int8_worker_pids(server)
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
+            pids: List[int] = []
+            kill_new_int8_workers(server, pids)
             run.crash_t = time.monotonic() - run.t0
             run.marks.append({"t": run.crash_t, "label": "INT8 worker SIGKILLed"})
             # BentoML's watcher restarts a dead worker within seconds: look while it is down. /status shows
@@ -54,10 +61,7 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
                     degraded.append((await client.get(f"{server.url}/status")).json())
                     if degraded[-1]["variants"]["int8"]["ready"] is False:
                         break
-                    for pid in int8_worker_pids(server):
-                        if pid not in pids:
-                            os.kill(pid, signal.SIGKILL)
-                            pids.append(pid)
+                    kill_new_int8_workers(server, pids)
                     await asyncio.sleep(0.1)
             status = degraded[-1]
             state = await watch(run, server.url, seconds / 2, until="rolled-back")

@@ -145,11 +145,9 @@ class Int8TokenLinear(nn.Module):
             # the int32 path below rounds its exact sum to float; without its two [rows, out] conversions (SmolLM2-135M's
             # gate/up at 28 rows: 43 us against 69)
             acc = (y if self.unit_scales else y.div_(self.scales).round_()).addcmul_((128.0 - zp).float(), self.col_sums)
-            if self.unit_scales:
-                return acc.mul_(scale).mul_(self.scales)
-            return acc.mul_(scale * self.scales)
-        if self.int_mm_weight.numel() > 0:
+        elif self.int_mm_weight.numel() > 0:
             acc = torch._int_mm(q.to(torch.int8), self.int_mm_weight.t())
+            acc = acc.addcmul_(128 - zp.to(torch.int32), self.col_sums).float()  # in place: no [rows, out] product
         else:
             # Where fbgemm adds u8 x s8 products in int16 pairs and saturates (``fbgemm_saturates``: AVX2 without VNNI),
             # the centred codes d = q - 128 go in split: sum(d w) = sum(d+ w) - sum(d- w), d+ = max(d, 0) and
@@ -159,8 +157,7 @@ class Int8TokenLinear(nn.Module):
             codes = torch.cat([q.clamp_min(0.0), q.neg().clamp_min_(0.0)]).sub_(128.0)
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(codes, 1.0, 128, self.fbgemm.packed)
             sums = (y if self.unit_scales else y.div_(self.scales).round_()).to(torch.int32)
-            acc = sums[:n] - sums[n:]
-        acc = acc.addcmul_(128 - zp.to(torch.int32), self.col_sums).float()  # in place: no [rows, out] product
+            acc = (sums[:n] - sums[n:]).addcmul_(128 - zp.to(torch.int32), self.col_sums).float()
         if self.unit_scales:  # as fbgemm's one row with unit scales (its sum times the row's scale), then ours
             return acc.mul_(scale).mul_(self.scales)
         return acc.mul_(scale * self.scales)
