@@ -35,6 +35,7 @@ from policy_bundle.build.errors import RegistrationError
 from policy_bundle.build.gate.canary_report import add_artifact_comparison
 from policy_bundle.build.gate.families import by_family, handler
 from policy_bundle.build.gate.recipe_choice import ChosenRecipe, choose_recipe
+from policy_bundle.build.source.memory_plan import check_memory, plan_memory
 from policy_bundle.build.progress import Stages, Throttled, bar, heartbeat, log
 from policy_bundle.build.source.policy_source import resolve_policy_dir
 from policy_bundle.bundle.faults import active_fault, apply_onnx_fault
@@ -136,6 +137,10 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
 def load_stage(cfg: BuildConfig, stages: Stages) -> Loaded:
     with stages.run("load policy") as s:
         policy_dir = resolve_policy_dir(cfg, log=log)
+        memory = plan_memory(cfg, policy_dir, cfg.calibration.samples * (cfg.prompts.max_new_tokens + 64),
+                             cfg.calibration.procs)
+        log(f"[build] {memory.line()}")
+        check_memory(memory)
         policy = load_policy(policy_dir, max_seq_len=cfg.policy.max_seq_len)
         tok = load_tokenizer(policy_dir)
         s.detail = f"{policy_dir}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params"

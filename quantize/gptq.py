@@ -15,20 +15,39 @@ import torch
 from torch import Tensor
 
 
-def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = 0.01, block: int = 128) -> tuple[Tensor, Tensor]:
-    """int8 [out, in] and per-row scales [out] for ``weight`` given the input Hessian [in, in]."""
-    w = weight.detach().double().clone()
+ROWS_PER_PASS = 4096  # output rows rounded together: a vocabulary-sized head's float64 copies stay ~100 MB each
+
+
+def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = 0.01, block: int = 128,
+                  rows_per_pass: int = ROWS_PER_PASS) -> tuple[Tensor, Tensor]:
+    """int8 [out, in] and per-row scales [out] for ``weight`` given the input Hessian [in, in]. Output rows do not
+    interact (each row's error feedback runs along its own columns), so they are rounded ``rows_per_pass`` at a time:
+    the float64 working copies are of that many rows, not of the whole weight."""
     h = hessian.detach().double().clone()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
     perm = torch.argsort(torch.diag(h), descending=True)
-    w, h = w[:, perm], h[perm][:, perm]
+    h = h[perm][:, perm]
     h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    del h
+    inverse = torch.argsort(perm)
+    codes = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32)
+    for r1 in range(0, weight.shape[0], rows_per_pass):
+        r2 = min(r1 + rows_per_pass, weight.shape[0])
+        w = weight.detach()[r1:r2].double()
+        s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
+        w[:, dead] = 0.0
+        q = _rows(w[:, perm], hinv, s.unsqueeze(1), block)
+        codes[r1:r2] = q[:, inverse].to(torch.int8)
+        scales[r1:r2] = s.float()
+    return codes, scales
+
+
+def _rows(w: Tensor, hinv: Tensor, s: Tensor, block: int) -> Tensor:
+    """GPTQ's column loop over some rows (columns already in act order; ``w`` is consumed)."""
     q_all = torch.zeros_like(w)
-    s = scales.unsqueeze(1)
     for i1 in range(0, w.shape[1], block):
         i2 = min(i1 + block, w.shape[1])
         w1 = w[:, i1:i2].clone()
@@ -44,5 +63,4 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = 0.01, block: in
             err1[:, i : i + 1] = e
         q_all[:, i1:i2] = q1
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    inverse = torch.argsort(perm)
-    return q_all[:, inverse].to(torch.int8), scales.float()
+    return q_all

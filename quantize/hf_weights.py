@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 
-from policy_bundle.quantize.model import Policy, PolicyConfig, UnsupportedModelError
+from policy_bundle.quantize.model import Policy, PolicyConfig, UnsupportedModelError, rope_tables
+from policy_bundle.quantize.safetensors_io import mapped_tensors, read_header, shapes_of, write_streaming
 
 
 def load_hf_config(path: Path, max_seq_len: Optional[int] = None) -> PolicyConfig:
@@ -28,42 +29,65 @@ def _hf_key(ours: str) -> str:
     return ours if ours.startswith("lm_head") else "model." + ours
 
 
-def load_policy(path: Path | str, max_seq_len: Optional[int] = None) -> Policy:
-    """Load a Llama/Qwen2/Qwen3 HF directory (safetensors) into an FP32 ``Policy`` in eval mode."""
-    from safetensors.torch import load_file
+def load_policy(path: Path | str, max_seq_len: Optional[int] = None, layers: Optional[Sequence[int]] = None) -> Policy:
+    """Load a Llama/Qwen2/Qwen3 HF directory (safetensors) into an FP32 ``Policy`` in eval mode.
 
+    Float32 weights are views of a private memory map of the files (``quantize.safetensors_io``): loading reads
+    nothing, and the process holds only the pages its forwards touch. Float16/bfloat16 weights are widened one
+    tensor at a time (never a second whole copy). ``layers``: only these decoder layers get weights (the others stay
+    on the meta device, holding nothing): a process that works on a share of the layers."""
     path = Path(path)
     cfg = load_hf_config(path, max_seq_len)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{path}: no *.safetensors weights found")
-    weights = {}
+    weights: Dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
-    policy = Policy(cfg)
+        weights.update(mapped_tensors(f))
+    with torch.device("meta"):
+        policy = Policy(cfg)
+    keep = None if layers is None else {f"layers.{i}." for i in layers}
     state = {}
     for name in policy.state_dict():
+        if keep is not None and name.startswith("layers.") and not any(name.startswith(k) for k in keep):
+            continue
         key = _hf_key(name)
         if key not in weights:
             if name == "lm_head.weight" and cfg.tie_embeddings:
                 continue
             raise UnsupportedModelError(f"{path}: weight {key!r} missing from safetensors")
-        state[name] = weights[key].float()
-    policy.load_state_dict(state, strict=not cfg.tie_embeddings)
+        t = weights.pop(key)
+        state[name] = t if t.dtype == torch.float32 else t.float()
+    policy.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        policy.lm_head.weight = policy.embed_tokens.weight
+    cos, sin = rope_tables(cfg)
+    policy.register_buffer("rope_cos", cos, persistent=False)
+    policy.register_buffer("rope_sin", sin, persistent=False)
+    missing = [n for n, p in policy.named_parameters() if p.is_meta
+               and (keep is None or not n.startswith("layers.") or any(n.startswith(k) for k in keep))]
+    if missing:
+        raise UnsupportedModelError(f"{path}: weight {_hf_key(missing[0])!r} missing from safetensors")
     return policy.eval()
 
 
-def save_hf_weights(policy: Policy, cfg: PolicyConfig, out: Path, dtype: torch.dtype) -> None:
-    """Write config.json + model.safetensors in HF layout (tied lm_head stored once)."""
-    from safetensors.torch import save_file
+def hf_weight_bytes(path: Path | str) -> Dict[str, int]:
+    """Bytes of the directory's safetensors data per dtype name (``F32``, ``BF16``...), read from the headers."""
+    out: Dict[str, int] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        for entry in read_header(f)[0].values():
+            b, e = entry["data_offsets"]
+            out[entry["dtype"]] = out.get(entry["dtype"], 0) + e - b
+    return out
 
+
+def save_hf_weights(policy: Policy, cfg: PolicyConfig, out: Path, dtype: torch.dtype) -> None:
+    """Write config.json + model.safetensors in HF layout (tied lm_head stored once), one tensor converted at a time
+    (``quantize.safetensors_io.write_streaming``): no whole converted copy of the model."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in policy.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_embeddings:
-            continue
-        tensors[_hf_key(name)] = t.detach().to(dtype).contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    state = {_hf_key(name): t for name, t in policy.state_dict().items()
+             if not (name == "lm_head.weight" and cfg.tie_embeddings)}
+    write_streaming(out / "model.safetensors", shapes_of(state.items(), dtype), state.__getitem__, {"format": "pt"})
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     hf["dtype"] = hf["torch_dtype"]

@@ -20,6 +20,15 @@ from policy_bundle.quantize.policy_config import (  # noqa: F401 (re-exported: t
     SUPPORTED_ARCHITECTURES, PolicyConfig, UnsupportedModelError, rope_inv_freq)
 
 
+def rope_tables(cfg: PolicyConfig) -> Tuple[Tensor, Tensor]:
+    """cos and sin of every position's rotary angles [max_seq_len, head_dim] on the CPU; sin with its first half
+    negated: what ``rope`` multiplies the rolled halves by."""
+    with torch.device("cpu"):
+        freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+
+
 class Policy(nn.Module):
     """Decoder-only policy. ``forward(tokens, start_pos, k_cache, v_cache)`` returns logits [B, T, V]."""
 
@@ -34,12 +43,9 @@ class Policy(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq = rope_inv_freq(cfg)
-        freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        # sin with its first half negated: what ``rope`` multiplies the rolled halves by
-        self.register_buffer("rope_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.jit.export
     def new_cache(self, batch_size: int, max_len: int = 0) -> Tuple[Tensor, Tensor]:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from policy_bundle.quantize.gptq import gptq_quantize
 from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
 from policy_bundle.quantize.sensitivity import layer_sensitivity
-from policy_bundle.quantize.smooth import apply_smoothing, group_scale, smoothing_groups
+from policy_bundle.quantize.smooth import group_scale, smoothing_groups
 from policy_bundle.quantize.w8a8 import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotated_weight,
                                          rotation_block, rotation_matrix)
 from policy_bundle.quantize.w8a8_head import (Int8Embedding, Int8RescoredHead, Int16Embedding,
@@ -105,12 +105,12 @@ class W8A8Plan:
                         int8_embedding=self.int8_embedding, int16_rows=self.int16_rows, int12_rows=self.int12_rows)
 
     def convert(self, policy: nn.Module, quantized: Sequence[str]) -> nn.Module:
-        """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float)."""
+        """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float). No copy of the
+        float model: the new model shares every tensor smoothing leaves alone (embedding, unsmoothed linears), and
+        holds new ones only for what smoothing changes and stays float (norms, biases, float linears)."""
+        model = shared_copy(policy)
         if self.scales:
-            ones = {p: torch.ones(_channels(policy, p, c)) for p, c in smoothing_groups(policy)}
-            model = apply_smoothing(policy, {**ones, **self.scales})
-        else:
-            model = copy.deepcopy(policy)
+            smooth_kept_float(model, self.scales, set(quantized))
         embed = getattr(model, "embed_tokens", None)
         tied = isinstance(embed, nn.Embedding) and getattr(model.get_submodule("lm_head"), "weight", None) is embed.weight
         # int12 rows are a rescored head's (``head_topk`` > 0): a tied embedding is those rows (as with int16 rows);
@@ -134,6 +134,37 @@ class W8A8Plan:
             model.embed_tokens = Int16Embedding.from_float(embed)
         # a tied model whose head stays float keeps its float embedding: the float rows are there anyway
         return model.eval()
+
+
+def shared_copy(policy: nn.Module) -> nn.Module:
+    """A new module tree over the same parameters and buffers: modules may be swapped and tensors reassigned in it
+    without touching ``policy``, and nothing is copied."""
+    memo = {id(t): t for t in [*policy.parameters(), *policy.buffers()]}
+    return copy.deepcopy(policy, memo)
+
+
+@torch.no_grad()
+def smooth_kept_float(model: nn.Module, scales: Dict[str, Tensor], quantized: set) -> None:
+    """``apply_smoothing`` on a ``shared_copy``, out of place: new tensors for the norms, the producers' biases and the
+    weights of the linears that stay float (a quantized linear's weight comes from the plan); the same operations in
+    the same order, so bitwise the same values."""
+    for producer, consumers in smoothing_groups(model):
+        if producer not in scales:
+            continue  # s = 1: the division and the product would be exact
+        s = scales[producer].to(torch.float32)
+        s_in = _input_scale(model, producer, s)
+        prod = model.get_submodule(producer)
+        if isinstance(prod, nn.Linear):
+            if producer not in quantized:
+                prod.weight = nn.Parameter(prod.weight / s.unsqueeze(1), requires_grad=False)
+            if prod.bias is not None:
+                prod.bias = nn.Parameter(prod.bias / s, requires_grad=False)
+        else:
+            prod.weight = nn.Parameter(prod.weight / s, requires_grad=False)
+        for c in consumers:
+            if c not in quantized:
+                lin = model.get_submodule(c)
+                lin.weight = nn.Parameter(lin.weight * s_in.unsqueeze(0), requires_grad=False)
 
 
 Progress = Callable[[str], None]
@@ -167,7 +198,6 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
             if alpha is not None:
                 plan.scales[producer] = s
             progress(f"smoothing search {i + 1}/{len(work)}: {producer} alpha {alpha}")
-    smoothed = plan.convert(policy, [])
     for i, (producer, mine) in enumerate(work.items()):
         st = stats[producer]
         s_in = _input_scale(policy, producer, plan.scales.get(producer, torch.ones(_channels(policy, producer, mine))))
@@ -182,7 +212,7 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
             h = None if h is None else rot.t().double() @ h @ rot.double()
         threshold = _smoothed_threshold(st, s_in, outlier_ratio, rot)
         for c in mine:
-            w = smoothed.get_submodule(c).weight.detach().float()
+            w = smoothed_weight(policy, c, producer, plan.scales)
             if rot is not None:
                 w = w @ rot
                 plan.rot_blocks[c] = block
@@ -192,6 +222,18 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
         progress(f"weights {i + 1}/{len(work)}: {producer} ({len(mine)} linears, {rounding})")
     plan.sensitivity.sort(key=lambda t: -t[1])
     return plan
+
+
+def smoothed_weight(policy: nn.Module, name: str, producer: str, scales: Dict[str, Tensor]) -> Tensor:
+    """Linear ``name``'s float weight as ``apply_smoothing`` leaves it, without a smoothed copy of the model: its
+    columns times its input group's s (``producer``'s), then, where it produces a group itself (v_proj, up_proj), its
+    rows divided by that group's s, in that order (bitwise ``apply_smoothing``'s)."""
+    w = policy.get_submodule(name).weight.detach().float()
+    if producer in scales:
+        w = w * _input_scale(policy, producer, scales[producer].to(torch.float32)).unsqueeze(0)
+    if name in scales:
+        w = w / scales[name].to(torch.float32).unsqueeze(1)
+    return w
 
 
 def _group_rotation(policy: nn.Module, producer: str, groups: Dict[str, List[str]],
@@ -249,6 +291,40 @@ def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max:
 
 def plan_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
                      progress: Callable[[int, int, str, float], None] = lambda *_: None) -> List[Tuple[str, float]]:
-    """The w8a8 ranking (``quantize.sensitivity``): the reference is the plan's float model (its smoothing
-    scales and rotations, no linear in int8), each linear swapped for ``plan.quantized_module``."""
-    return layer_sensitivity(plan.convert(policy, []), names, plan.quantized_module, probe, progress)
+    """The w8a8 ranking (``quantize.sensitivity``): the reference is the float model (smoothing and rotation are
+    function-preserving: the plan's float model gives the same logits up to rounding), each linear swapped for its
+    int8 module as it acts there (``unsmoothed_swap``). No smoothed float copy of the model is made."""
+    return layer_sensitivity(policy, names, unsmoothed_swap(policy, plan), probe, progress)
+
+
+def unsmoothed_swap(policy: nn.Module, plan: W8A8Plan) -> Callable[[str, nn.Module], nn.Module]:
+    """(linear's name, its float module in ``policy``) -> its int8 module acting as it does in the plan's smoothed
+    model (``UnsmoothedSwap``): what ``quantize.sensitivity`` swaps into the unsmoothed float model."""
+    producers = {c: p for p, cs in smoothing_groups(policy) for c in cs}
+
+    def swapped(name: str, float_module: nn.Module) -> nn.Module:
+        s_in = plan.scales.get(producers.get(name, ""))
+        s_out = plan.scales.get(name)
+        if s_in is None and s_out is None:
+            return plan.quantized_module(name, float_module)
+        module = shared_copy(float_module)
+        if s_out is not None and module.bias is not None:
+            module.bias = nn.Parameter(module.bias / s_out.float(), requires_grad=False)
+        inner = plan.quantized_module(name, module)
+        return UnsmoothedSwap(inner, None if s_in is None else _input_scale(policy, producers[name], s_in.float()),
+                              None if s_out is None else s_out.float())
+
+    return swapped
+
+
+class UnsmoothedSwap(nn.Module):
+    """A smoothed linear's int8 module in the unsmoothed model: its input divided by its group's s (what the smoothed
+    norm or producer would have done), its output times its own group's s (what its consumers would undo)."""
+
+    def __init__(self, inner: nn.Module, s_in: Optional[Tensor], s_out: Optional[Tensor]):
+        super().__init__()
+        self.inner, self.s_in, self.s_out = inner, s_in, s_out
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.inner(x if self.s_in is None else x / self.s_in)
+        return y if self.s_out is None else y * self.s_out

@@ -18,10 +18,12 @@ from policy_bundle.bundle.faults import Fault
 from policy_bundle.quantize import observers, recipes
 
 class CalibrationActor(Actor):
-    """Holds one prepared copy of the policy; all endpoints are sync (Monarch refuses mixed actors)."""
+    """Maps the policy's weights when an endpoint needs the whole model (rollouts, observers, sensitivity) and lets
+    go of them on ``release``; the w8a8 pipeline maps only its share of the layers. All endpoints are sync (Monarch
+    refuses mixed actors)."""
 
     def __init__(self) -> None:
-        self.policy = self.prepared = self.tok = None
+        self._policy = self._prepared = self.tok = None
         self.fault: Optional[Fault] = None
         self.generation = 0
         self.probe_scorer: Optional[Tuple[str, Any]] = None  # (ranking token, SwapSensitivity)
@@ -29,17 +31,54 @@ class CalibrationActor(Actor):
     @endpoint
     def setup(self, rank: int, policy_dir: str, max_seq_len: int, recipe: Dict[str, Any], threads: int,
               fault: str, generation: int) -> Dict[str, int]:
-        """Load the policy and prepare observers. ``rank`` is the controller's worker number (the
-        Monarch rank of a one-actor slice is always 0)."""
-        from policy_bundle.quantize.hf_weights import load_policy
-
+        """Remember where the policy is (its weights are mapped when first needed). ``rank`` is the controller's
+        worker number (the Monarch rank of a one-actor slice is always 0)."""
         torch.set_num_threads(threads)
-        self.policy_dir = policy_dir
-        self.policy = load_policy(policy_dir, max_seq_len=max_seq_len)
+        self.policy_dir, self.max_seq_len = policy_dir, max_seq_len
         self.recipe = recipes.RecipeConfig(**recipe)
-        self.prepared = recipes.prepare(self.policy, self.recipe)
+        self.smoothing: Optional[Dict[str, Tensor]] = None
         self.rank, self.fault, self.generation = rank, Fault.parse(fault), generation
         return {"rank": rank, "mesh_rank": current_rank().rank, "pid": os.getpid()}
+
+    @property
+    def policy(self):
+        """The whole policy, its weights memory-mapped (``hf_weights.load_policy``) on first use."""
+        if self._policy is None:
+            from policy_bundle.quantize.hf_weights import load_policy
+
+            self._policy = load_policy(self.policy_dir, max_seq_len=self.max_seq_len)
+        return self._policy
+
+    @property
+    def prepared(self):
+        """The policy with the recipe's observers (smoothed first where the controller said so), made on first use."""
+        if self._prepared is None:
+            from policy_bundle.quantize.smooth import apply_smoothing
+
+            base = self.policy if self.smoothing is None else apply_smoothing(self.policy, self.smoothing)
+            self._prepared = recipes.prepare(base, self.recipe)
+        return self._prepared
+
+    @endpoint
+    def release(self) -> bool:
+        """Let go of the whole model and everything made from it: its pages leave this process."""
+        self._policy = self._prepared = self.probe_scorer = None
+        import gc
+
+        gc.collect()
+        return True
+
+    @endpoint
+    def plan_layers(self, shard: int, layers: List[int], hidden: List[Tensor], recipe) -> tuple:
+        """The w8a8 plan of a share of the layers (``quantize.w8a8_stream.plan_layers``) from its input, with only
+        those layers' weights mapped; returns (plan, statistics kept, output)."""
+        from policy_bundle.quantize.hf_weights import load_policy
+        from policy_bundle.quantize.w8a8_stream import plan_layers
+
+        self._maybe_fail(shard, 0)
+        share = load_policy(self.policy_dir, max_seq_len=self.max_seq_len, layers=layers)
+        part = plan_layers(share, layers, hidden, recipe)
+        return part.plan, part.stats, part.hidden
 
     def _maybe_fail(self, shard: int, done: int) -> None:
         f = self.fault
@@ -90,9 +129,7 @@ class CalibrationActor(Actor):
     @endpoint
     def smooth(self, scales: Dict[str, Tensor]) -> bool:
         """Re-prepare from the smoothed policy (the same scales the controller applies)."""
-        from policy_bundle.quantize.smooth import apply_smoothing
-
-        self.prepared = recipes.prepare(apply_smoothing(self.policy, scales), self.recipe)
+        self.smoothing, self._prepared = scales, None
         return True
 
     @endpoint
@@ -117,10 +154,11 @@ class CalibrationActor(Actor):
         holds only their int8 weights; the smoothed float model and its probe logits are kept per ``token``
         (one per ranking), so later shards of the same ranking skip them."""
         from policy_bundle.quantize.sensitivity import SwapSensitivity
+        from policy_bundle.quantize.w8a8_plan import unsmoothed_swap
 
         self._maybe_fail(shard, 0)
         if self.probe_scorer is None or self.probe_scorer[0] != token:
-            self.probe_scorer = None  # free the previous ranking's model first
-            self.probe_scorer = (token, SwapSensitivity(plan.convert(self.policy, []), probe))
-        scorer = self.probe_scorer[1]
-        return [(name, scorer.score(name, plan.quantized_module)) for name in names]
+            self.probe_scorer = None  # free the previous ranking's reference first
+            self.probe_scorer = (token, SwapSensitivity(self.policy, probe))
+        scorer, swap = self.probe_scorer[1], unsmoothed_swap(self.policy, plan)
+        return [(name, scorer.score(name, swap)) for name in names]

@@ -37,28 +37,23 @@ class CalibratedModels:
         self.cfg, self.mesh, self.policy, self.batches = cfg, mesh, policy, batches
         self.scales = None
         self.cache: dict = {}
-        self.stats: dict = {}  # w8a8: linear statistics per (Hessians?, outlier_ratio)
+        self.stats: dict = {}  # w8a8: the statistics kept of each plan's calibration, per plan key
         self.plans: dict = {}  # w8a8: plan per (smooth, rounding, ...)
 
     def linear_stats(self, recipe: recipes.RecipeConfig):
-        from policy_bundle.build.calibrate.w8a8_statistics import collect_stats
-
-        key = (recipe.rounding == "gptq", recipe.outlier_ratio)
-        if (True, recipe.outlier_ratio) in self.stats:  # statistics with Hessians serve nearest rounding too
-            key = (True, recipe.outlier_ratio)
-        if key not in self.stats:
-            self.stats[key] = collect_stats(self.mesh, self.policy, self.batches, recipe)
-        return self.stats[key]
+        """The statistics kept of the recipe's calibration (thresholds, channel maxima, outlier rows; no Hessians)."""
+        self.plan(recipe)
+        return self.stats[plan_key(replace(recipe, vocab_rows="float32"))]
 
     def plan(self, recipe: recipes.RecipeConfig):
-        from policy_bundle.build.calibrate.w8a8_statistics import make_plan, rows_flags
+        from policy_bundle.build.calibrate.w8a8_statistics import rows_flags, stream_plan
 
         # the rows' format changes no statistic, threshold or weight but the head's (int12 rounds it to nearest when it
         # converts: GPTQ's head weight is then unused)
         twin = replace(recipe, vocab_rows="float32")
         key, base = plan_key(recipe), plan_key(twin)
         if base not in self.plans:
-            self.plans[base] = make_plan(self.policy, self.linear_stats(recipe), twin)
+            self.plans[base], self.stats[base] = stream_plan(self.mesh, self.policy, self.batches, twin)
         if key not in self.plans:
             int16_rows, int12_rows = rows_flags(recipe)
             self.plans[key] = replace(self.plans[base], int16_rows=int16_rows, int12_rows=int12_rows)

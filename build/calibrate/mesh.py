@@ -158,13 +158,16 @@ class CalibrationMesh:
                 if w.spawn == worker.spawn and w.host == worker.host:
                     w.alive = False
 
-    def run_shards(self, endpoint: str, shards: Sequence[tuple], sizes: Sequence[int], unit: str) -> List[Any]:
-        """Run ``endpoint(shard_id, *args)`` for every shard, one per live worker at a time."""
+    def run_shards(self, endpoint: str, shards: Sequence[tuple], sizes: Sequence[int], unit: str,
+                   first: int = 0) -> List[Any]:
+        """Run ``endpoint(shard_id, *args)`` for every shard, one per live worker at a time, from the ``first`` live
+        worker on (a pipeline stage goes to its own actor; a re-run to the next live one)."""
         results: List[Any] = [None] * len(shards)
         pending = list(range(len(shards)))
         t0, done, samples = time.monotonic(), 0, 0
         while pending:
             live = [w for w in self.workers if w.alive] or self.respawn()
+            live = live[first % len(live):] + live[:first % len(live)]
             batch = [(s, live[i % len(live)]) for i, s in enumerate(pending[: len(live)])]
             pending = pending[len(live):]
             calls = [(s, w, getattr(w.actor, endpoint).call_one(s, *shards[s])) for s, w in batch]
@@ -245,6 +248,28 @@ def mesh_channel_stats(mesh: CalibrationMesh, batches: Sequence[Tensor]):
     parts = mesh.run_shards("channel_stats", [(s,) for s in shards], [sum(len(b) for b in s) for s in shards],
                             "samples")
     return merge_channel_stats(parts)
+
+
+def mesh_plan_layers(mesh: CalibrationMesh, shares: Sequence[Sequence[int]], hidden: List[Tensor], recipe
+                     ) -> List[tuple]:
+    """The w8a8 plan as a pipeline over the actors: share k of the layers on the k-th live actor, which maps only
+    those layers' weights, quantizes them one at a time from its input and returns (plan, statistics, output); the
+    output is the next share's input. A share whose actor dies is re-run from its input on the next live (or a
+    respawned) actor. Every actor drops its whole-model copy (mapped for rollouts) first."""
+    release_models(mesh)
+    parts = []
+    for k, layers in enumerate(shares):
+        (plan, stats, hidden), = mesh.run_shards("plan_layers", [(list(layers), hidden, recipe)], [len(layers)],
+                                                 "layers", first=k)
+        parts.append((plan, stats))
+        log(f"[w8a8] layers {layers[0]}..{layers[-1]} quantized on the mesh ({k + 1}/{len(shares)} shares)")
+    return parts
+
+
+def release_models(mesh: CalibrationMesh) -> None:
+    """Every live actor lets go of its whole-model copy (its pages return to the page cache)."""
+    for w in [w for w in mesh.workers if w.alive]:
+        mesh._get(w.actor.release.call_one(), f"release on rank {w.rank}")
 
 
 def mesh_apply_smoothing(mesh: CalibrationMesh, scales) -> None:

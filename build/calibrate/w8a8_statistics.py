@@ -51,6 +51,37 @@ def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: Re
     return stats
 
 
+def stream_plan(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: RecipeConfig
+                ) -> Tuple[W8A8Plan, ls.LinearStats]:
+    """The recipe's plan and the statistics a build keeps, one decoder layer at a time (``quantize.w8a8_stream``):
+    in this process, or as a pipeline over the mesh's actors, each holding only its share of the layers and passing
+    its output to the next. Progress: a line per layer at most every 20 s with the rate and an ETA."""
+    from policy_bundle.quantize.layer_stream import embed_batches
+    from policy_bundle.quantize.w8a8_stream import layer_shares, merge_plans, plan_layers
+
+    n = len(policy.layers)
+    tick = Throttled()
+    hidden = embed_batches(policy, batches)
+    if mesh is None:
+        def progress(index: int, msg: str) -> None:
+            done = n + 1 if index < 0 else index + 1
+            tick(done, n + 1, f"[w8a8] layers quantized, {'head' if index < 0 else f'layer {index}'}: {msg}")
+
+        part = plan_layers(policy, range(n), hidden, recipe, progress=progress)
+        plan, stats = merge_plans([part.plan], recipe), part.stats
+    else:
+        from policy_bundle.build.calibrate.mesh import mesh_plan_layers
+
+        parts = mesh_plan_layers(mesh, layer_shares(n, len([w for w in mesh.workers if w.alive])), hidden, recipe)
+        plan, stats = merge_plans([p[0] for p in parts], recipe), {k: v for p in parts for k, v in p[1].items()}
+    log(f"[w8a8] plan: {len(plan.weights)} linears, {recipe.rounding} rounding, one layer at a time"
+        + (f" over {len(mesh.workers)} mesh actors" if mesh is not None else "")
+        + (", smoothing alpha searched per group" if recipe.smooth else "")
+        + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
+        + (", token embedding in int8" if plan.int8_embedding else ""))
+    return plan, stats
+
+
 def rows_flags(recipe: RecipeConfig) -> Tuple[bool, bool]:
     """``recipe.vocab_rows`` as the plan's (``int16_rows``, ``int12_rows``)."""
     return recipe.vocab_rows == "int16", recipe.vocab_rows == "int12"

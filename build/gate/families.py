@@ -69,8 +69,9 @@ class W8A8Family:
         """Nothing before calibration: the plan searches its smoothing per input group from the statistics."""
 
     def calibrate(self, calibrated: CalibratedModels, candidates: Sequence[recipes.RecipeConfig]) -> None:
-        for c in sorted(candidates, key=lambda c: c.rounding != "gptq"):
-            calibrated.linear_stats(c)
+        # the first candidate's plan, one layer at a time; a later candidate's only if it is gated (it streams the
+        # calibration again: no layer's statistics are kept after it is quantized)
+        calibrated.plan(candidates[0])
 
     def gate(self, cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
              measure, measure_logits, name: str, status: Status, confirm=None) -> CanaryOutcome:

@@ -1,0 +1,136 @@
+"""The build's memory plan, printed before any work: what the weights take, what one layer's calibration takes, the
+expected peak over every process the build starts, and the machine's limit. A build that would not fit is refused
+in one line before it starts (``BuildMemoryError``), naming the figure and the limit.
+
+The figures are estimates from the policy's shape (read from config.json and the safetensors headers, nothing
+loaded): float32 weights resident in the controller (a float32 source is memory-mapped, a 16-bit one widened), a
+decoder layer's Hessians (float64, one per input group) and GPTQ temporaries, the calibration set's hidden states
+(a layer's input and output), the int8 policy the gate converts, and a fixed share per process for Python, torch
+and Monarch. ``docs/benchmarks.md`` has the measured peaks beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from policy_bundle.build.errors import BuildError
+
+PROCESS_BASE = 450 * 2**20  # Python + torch + the project's imports, resident, measured per process
+ACTOR_BASE = 350 * 2**20  # a Monarch calibration actor before it maps any weights
+
+
+class BuildMemoryError(BuildError, MemoryError):
+    """The build's expected peak memory exceeds what this machine (or its cgroup) allows."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    params: int
+    source_bytes: int  # the safetensors data
+    weights: int  # float32 weights resident in the controller
+    layer_working_set: int  # one layer's Hessians + GPTQ temporaries + hidden states in and out
+    int8_model: int  # the converted policy the gate runs (int8 weights, their packed copy, float embedding)
+    actors: int  # every calibration actor's share: base + its share of the layers while it quantizes them
+    peak: int  # expected, over every process the build starts
+    limit: Optional[int]  # what the machine allows (None: unknown)
+    limit_source: str
+
+    def line(self) -> str:
+        g = lambda b: f"{b / 2**30:.2f} GB"  # noqa: E731
+        return (f"memory plan: {self.params / 1e6:.0f}M parameters, weights {g(self.source_bytes)} on disk, "
+                f"{g(self.weights)} float32 in the controller; one layer's working set {g(self.layer_working_set)}; "
+                f"int8 policy {g(self.int8_model)}; actors {g(self.actors)}; expected peak {g(self.peak)} over all "
+                f"processes; limit {g(self.limit) if self.limit else 'unknown'} ({self.limit_source})")
+
+
+def memory_limit() -> tuple[Optional[int], str]:
+    """The most memory the build may use: the cgroup's limit, the machine's available memory, the address-space
+    limit and ``POLICY_BUNDLE_MEMORY_LIMIT`` (GB), whichever is least."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "MemAvailable"))
+    except OSError:
+        pass
+    for limit_file, usage_file in _cgroup_files():
+        try:
+            raw = Path(limit_file).read_text().strip()
+            if raw != "max" and int(raw) < 2**60:
+                found.append((int(raw), f"cgroup {limit_file}"))
+        except (OSError, ValueError):
+            continue
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft not in (resource.RLIM_INFINITY, -1):
+        found.append((soft, "RLIMIT_AS"))
+    override = os.environ.get("POLICY_BUNDLE_MEMORY_LIMIT")
+    if override:
+        found.append((int(float(override) * 2**30), "POLICY_BUNDLE_MEMORY_LIMIT (GB)"))
+    if not found:
+        return None, "unknown"
+    return min(found)
+
+
+def _cgroup_files() -> list:
+    """(limit, usage) files of this process's memory cgroup and its parents (cgroup v2 and v1). The limit counts, not
+    the usage: that includes the page cache, which the kernel reclaims before it kills."""
+    out = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for i in range(len(parts), -1, -1):
+            d = base.joinpath(*parts[:i])
+            out.append((str(d / files[0]), str(d / files[1])))
+    return out
+
+
+def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:
+    """The plan for building ``policy_dir`` with ``tokens`` calibration tokens (padded) and ``procs`` actors."""
+    from policy_bundle.quantize.hf_weights import hf_weight_bytes, load_hf_config
+
+    pc = load_hf_config(policy_dir, cfg.policy.max_seq_len)
+    q, kv = pc.n_heads * pc.head_dim, pc.n_kv_heads * pc.head_dim
+    per_layer = pc.dim * (q + 2 * kv) + q * pc.dim + 3 * pc.dim * pc.intermediate_size
+    embed = pc.vocab_size * pc.dim
+    params = pc.n_layers * per_layer + embed * (1 if pc.tie_embeddings else 2)
+    source = sum(hf_weight_bytes(policy_dir).values())
+    weights = params * 4
+    widest = max(pc.dim, q, pc.intermediate_size)
+    hessians = 8 * (2 * pc.dim**2 + q**2 + pc.intermediate_size**2)
+    gptq = 8 * 3 * max(pc.intermediate_size * pc.dim, min(embed, 4096 * pc.dim))  # weight, codes, a block's errors
+    hidden = 2 * tokens * pc.dim * 4 + tokens * widest * 4 * 2  # a layer's input and output; its widest activation
+    layer = hessians + gptq + hidden
+    int8_model = 2 * pc.n_layers * per_layer + embed * 4 * (1 if pc.tie_embeddings else 2)
+    if procs:
+        share = -(-pc.n_layers // procs)
+        actors = procs * ACTOR_BASE + 4 * share * per_layer + layer
+        controller = PROCESS_BASE + weights + int8_model + hidden
+    else:
+        actors = 0
+        controller = PROCESS_BASE + weights + max(layer + params, int8_model + hidden)  # the plan's int8 weights
+    limit, source_name = memory_limit()
+    return MemoryPlan(params, source, weights, layer, int8_model, actors, controller + actors, limit, source_name)
+
+
+def check_memory(plan: MemoryPlan) -> None:
+    """Refuse a build whose expected peak exceeds the limit, in one line."""
+    if plan.limit is not None and plan.peak > plan.limit:
+        raise BuildMemoryError(f"memory: this build would need about {plan.peak / 2**30:.1f} GB at its peak "
+                               f"({plan.params / 1e6:.0f}M parameters: {plan.weights / 2**30:.1f} GB of float32 weights, "
+                               f"{plan.layer_working_set / 2**30:.2f} GB per layer, {plan.actors / 2**30:.1f} GB in "
+                               f"calibration actors), more than the {plan.limit / 2**30:.1f} GB this machine allows "
+                               f"({plan.limit_source}); use a machine with more memory or calibration.procs: 0")
