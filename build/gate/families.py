@@ -4,8 +4,9 @@ family's or reads a family flag (tests/test_floors.py). After the gate, the expo
 w8a8 plan, present for that family only) rather than the family.
 
 - prepare: SmoothQuant scales from per-channel statistics (torch.ao candidates that smooth);
-- calibrate: observer states (torch.ao), linear statistics (w8a8; GPTQ's with Hessians first, they serve
-  nearest rounding too), each computed once for all candidates of the family;
+- calibrate: observer states (torch.ao), computed once for all candidates of the family; the first w8a8
+  candidate's plan, one decoder layer at a time (``quantize.w8a8_stream``: a layer's statistics are dropped once it
+  is quantized, so a later candidate streams the calibration again, only if it is gated);
 - gate: convert with the layer-fallback search (``build/gate/fallback.py``) or, with the canary off, measure;
 - calibration_summary: the manifest's calibration section for the recipe that shipped;
 - plan: the w8a8 quantization plan that shipped (None for torch.ao).
