@@ -17,8 +17,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from policy_bundle.quantize.linear_stats import (HEAD_GROUP, OUTLIER_ROWS_KEPT, SAMPLE_ROWS_PER_BATCH, GroupStats,
-                                                 LinearStats, input_groups, outlier_thresholds)
+from policy_bundle.quantize.linear_stats import (HEAD_GROUP, GroupCollector, GroupStats, LinearStats, input_groups,
+                                                 outlier_thresholds)
 
 
 @torch.no_grad()
@@ -51,36 +51,6 @@ def _group_generator(seed: int, group: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(group.encode()))
 
 
-class GroupCollector:
-    """Pass 2's statistics of some input groups, fed the groups' input rows batch by batch (see
-    ``quantize.linear_stats``: channel max |x|, Hessian sum, row count and a row sample below the group's outlier
-    threshold; the outlier rows kept apart)."""
-
-    def __init__(self, thresholds: Dict[str, float], hessians: bool, seed: int = 0):
-        self.stats: LinearStats = {g: GroupStats(threshold=t) for g, t in thresholds.items()}
-        self.hessians = hessians
-        self.gens = {g: _group_generator(seed, g) for g in thresholds}
-
-    def observe(self, g: str, x: Tensor) -> None:
-        s, rows = self.stats[g], x.detach().reshape(-1, x.shape[-1]).float()
-        if s.threshold > 0:
-            big = rows.abs().amax(dim=1) > s.threshold
-            if bool(big.any()):
-                out = rows[big] if s.outliers is None else torch.cat([s.outliers, rows[big]])
-                s.outliers = out[:OUTLIER_ROWS_KEPT]
-            rows = rows[~big]
-        if rows.numel() == 0:
-            return
-        amax = rows.abs().amax(dim=0)
-        s.channel_absmax = amax if s.channel_absmax is None else torch.maximum(s.channel_absmax, amax)
-        if self.hessians:
-            h = rows.t().double() @ rows.double()
-            s.hessian = h if s.hessian is None else s.hessian.add_(h)
-        s.rows += rows.shape[0]
-        pick = rows[torch.randperm(rows.shape[0], generator=self.gens[g])[:SAMPLE_ROWS_PER_BATCH]]
-        s.sample = pick if s.sample is None else torch.cat([s.sample, pick])
-
-
 def _hooked(policy: nn.Module, groups: Dict[str, List[str]], fn: Callable[[str, Tensor], None]) -> list:
     return [policy.get_submodule(consumers[0]).register_forward_pre_hook(lambda _m, args, g=g: fn(g, args[0]))
             for g, consumers in groups.items()]
@@ -90,7 +60,7 @@ def _hooked(policy: nn.Module, groups: Dict[str, List[str]], fn: Callable[[str, 
 def layer_stats(policy: nn.Module, index: int, hidden: Sequence[Tensor], outlier_ratio: float, hessians: bool,
                 seed: int = 0) -> Tuple[LinearStats, List[Tensor]]:
     """Statistics of layer ``index``'s input groups over ``hidden`` (its input), and its output: pass 1 (every row's
-    max |x|, for the outlier thresholds) and pass 2 (``GroupCollector``) each run the layer once."""
+    max |x|, for the outlier thresholds) and pass 2 (``linear_stats.GroupCollector``) each run the layer once."""
     groups = layer_groups(policy, index)
     seen: Dict[str, List[Tensor]] = {g: [] for g in groups}
     hooks = _hooked(policy, groups, lambda g, x: seen[g].append(x.reshape(-1, x.shape[-1]).abs().amax(dim=1).float()))
@@ -100,7 +70,7 @@ def layer_stats(policy: nn.Module, index: int, hidden: Sequence[Tensor], outlier
         for h in hooks:
             h.remove()
     thresholds = outlier_thresholds({g: torch.cat(v) if v else torch.zeros(0) for g, v in seen.items()}, outlier_ratio)
-    collector = GroupCollector(thresholds, hessians, seed)
+    collector = GroupCollector(thresholds, hessians, lambda g: _group_generator(seed, g))
     hooks = _hooked(policy, groups, collector.observe)
     try:
         out = run_layer(policy, index, hidden)
@@ -116,7 +86,8 @@ def head_stats(policy: nn.Module, hidden: Sequence[Tensor], outlier_ratio: float
     """The LM head's input group (the final norm of the last layer's output)."""
     rows = [policy.norm(x) for x in hidden]
     absmax = torch.cat([r.reshape(-1, r.shape[-1]).abs().amax(dim=1).float() for r in rows])
-    collector = GroupCollector(outlier_thresholds({HEAD_GROUP: absmax}, outlier_ratio), hessians, seed)
+    collector = GroupCollector(outlier_thresholds({HEAD_GROUP: absmax}, outlier_ratio), hessians,
+                               lambda g: _group_generator(seed, g))
     for r in rows:
         collector.observe(HEAD_GROUP, r)
     return collector.stats

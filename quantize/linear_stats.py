@@ -17,7 +17,7 @@ Every statistic merges exactly across shards: max, sum, concatenation in shard o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -88,16 +88,18 @@ def outlier_thresholds(token_absmax: Dict[str, Tensor], ratio: float) -> Dict[st
     return {g: float(v.median()) * ratio if v.numel() else 0.0 for g, v in token_absmax.items()}
 
 
-@torch.no_grad()
-def collect_group_stats(policy: nn.Module, batches: Iterable[Tensor], thresholds: Dict[str, float],
-                        hessians: bool = True, seed: int = 0) -> LinearStats:
-    """Pass 2: channel max |x|, Hessian sum and a row sample over the non-outlier rows of each group."""
-    stats: LinearStats = {g: GroupStats(threshold=t) for g, t in thresholds.items()}
-    groups = {g: c for g, c in input_groups(policy).items() if g in thresholds}
-    gen = torch.Generator().manual_seed(seed)
+class GroupCollector:
+    """Pass 2's statistics of some input groups, fed each group's input rows batch by batch: channel max |x|, Hessian
+    sum, row count and a row sample below the group's outlier threshold, the outlier rows kept apart. ``generator_of``:
+    the row sampler of a group (one shared by every group, or one each)."""
 
-    def observe(g: str, x: Tensor) -> None:
-        s, rows = stats[g], x.detach().reshape(-1, x.shape[-1]).float()
+    def __init__(self, thresholds: Dict[str, float], hessians: bool, generator_of: Callable[[str], torch.Generator]):
+        self.stats: LinearStats = {g: GroupStats(threshold=t) for g, t in thresholds.items()}
+        self.hessians = hessians
+        self.gens = {g: generator_of(g) for g in thresholds}
+
+    def observe(self, g: str, x: Tensor) -> None:
+        s, rows = self.stats[g], x.detach().reshape(-1, x.shape[-1]).float()
         if s.threshold > 0:
             big = rows.abs().amax(dim=1) > s.threshold
             if bool(big.any()):
@@ -108,12 +110,22 @@ def collect_group_stats(policy: nn.Module, batches: Iterable[Tensor], thresholds
             return
         amax = rows.abs().amax(dim=0)
         s.channel_absmax = amax if s.channel_absmax is None else torch.maximum(s.channel_absmax, amax)
-        if hessians:
+        if self.hessians:
             h = rows.t().double() @ rows.double()
             s.hessian = h if s.hessian is None else s.hessian + h
         s.rows += rows.shape[0]
-        pick = rows[torch.randperm(rows.shape[0], generator=gen)[:SAMPLE_ROWS_PER_BATCH]]
+        pick = rows[torch.randperm(rows.shape[0], generator=self.gens[g])[:SAMPLE_ROWS_PER_BATCH]]
         s.sample = pick if s.sample is None else torch.cat([s.sample, pick])
+
+
+@torch.no_grad()
+def collect_group_stats(policy: nn.Module, batches: Iterable[Tensor], thresholds: Dict[str, float],
+                        hessians: bool = True, seed: int = 0) -> LinearStats:
+    """Pass 2 (``GroupCollector``) over the whole model's forwards, one row sampler shared by every group."""
+    groups = {g: c for g, c in input_groups(policy).items() if g in thresholds}
+    gen = torch.Generator().manual_seed(seed)
+    collector = GroupCollector(thresholds, hessians, lambda _g: gen)
+    stats, observe = collector.stats, collector.observe
 
     hooks = _hook_first_consumers(policy, groups, observe)
     if HEAD_GROUP not in groups:  # stop each forward after the last layer these groups live in

@@ -50,13 +50,9 @@ class MemoryPlan:
 def memory_limit() -> tuple[Optional[int], str]:
     """The most memory the build may use: the cgroup's limit, the machine's available memory, the address-space
     limit and ``POLICY_BUNDLE_MEMORY_LIMIT`` (GB), whichever is least."""
-    found = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append((int(line.split()[1]) * 1024, "MemAvailable"))
-    except OSError:
-        pass
+    meminfo = Path("/proc/meminfo")
+    lines = meminfo.read_text().splitlines() if meminfo.is_file() else []
+    found = [(int(line.split()[1]) * 1024, "MemAvailable") for line in lines if line.startswith("MemAvailable:")]
     for limit_file, usage_file in _cgroup_files():
         try:
             raw = Path(limit_file).read_text().strip()
