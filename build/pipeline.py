@@ -191,9 +191,12 @@ def logged_local_rollouts(policy, prompt_ids, max_new: int, eos, what: str) -> L
     """Local greedy rollouts with a bar on a terminal and a progress line at least every 20 s."""
     b, every = bar(len(prompt_ids), what, "seq"), Throttled()
 
+    done = [0]  # counted here: a bar off a terminal (disabled) counts nothing
+
     def tick() -> None:
         b.update(1)
-        every(b.n, len(prompt_ids), f"[{what}] sequences done")
+        done[0] += 1
+        every(done[0], len(prompt_ids), f"[{what}] sequences done")
 
     outs = local_rollouts(policy, prompt_ids, max_new, eos, tick=tick)
     b.close()

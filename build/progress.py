@@ -97,4 +97,5 @@ class Throttled:
         if now - self.last >= self.every or done == total:
             self.last = now
             rate = done / max(1e-9, now - self.t0)
-            log(f"{msg} ({done}/{total}, {rate:.2f}/s)")
+            eta = f", ETA {(total - done) / rate:.0f}s" if 0 < done < total else ""
+            log(f"{msg} ({done}/{total}, {rate:.2f}/s{eta})")
