@@ -15,13 +15,13 @@ def general_lm(tmp_path, *sets):
     return load_config(None, (f"policy.source={tmp_path / 'lm'}", *sets))
 
 
-def test_a_general_lm_gets_32_tokens_100_golden_items_and_each_other_prompt_once(tmp_path):
+def test_a_general_lm_gets_32_tokens_100_golden_items_and_each_of_145_other_prompts_once(tmp_path):
     cfg = resolve_defaults(general_lm(tmp_path))
     n = len(read_prompts_file(GENERAL_PROMPTS))
-    assert n == 140 and cfg.prompts.max_new_tokens == 32 and cfg.calibration.golden == 100
-    assert cfg.calibration.samples == 40
+    assert n == 245 and cfg.prompts.max_new_tokens == 32 and cfg.calibration.golden == 100
+    assert cfg.calibration.samples == 145  # within the 128-512 a real LM's calibration asks for
     split = split_prompts(cfg)
-    assert len(split.golden) == 100 and len(set(split.calibration)) == len(split.calibration) == 40
+    assert len(split.golden) == 100 and len(set(split.calibration)) == len(split.calibration) == 145
     assert not set(split.golden) & set(split.calibration)
     assert len(set(read_prompts_file(GENERAL_PROMPTS))) == n  # no prompt twice: no item on both sides
 
@@ -48,9 +48,9 @@ def test_the_task_policy_keeps_its_defaults_and_set_fields_are_kept(tmp_path):
 
 
 def test_a_batch_larger_than_the_resolved_samples_is_one_line(tmp_path):
-    n = 40  # the shipped file's calibration prompts
-    with pytest.raises(ConfigError, match=rf"calibration.batch_size: 64 exceeds calibration.samples \({n}\)"):
-        resolve_defaults(general_lm(tmp_path, "calibration.batch_size=64"))
+    n = 145  # the shipped file's calibration prompts
+    with pytest.raises(ConfigError, match=rf"calibration.batch_size: 160 exceeds calibration.samples \({n}\)"):
+        resolve_defaults(general_lm(tmp_path, "calibration.batch_size=160"))
 
 
 def test_onnx_is_left_out_with_its_reason_when_every_candidate_is_per_token(tmp_path):

@@ -23,8 +23,8 @@ TASK_NEW_TOKENS = 8  # a task answer is a few tokens (the reference task's sums)
 GENERAL_NEW_TOKENS = 32  # a general LM: enough tokens per golden item for top-1, KL and greedy to mean something
 # Golden items from a prompts file: what the file has beyond GENERAL_CALIBRATION prompts, up to GENERAL_GOLDEN, and
 # at least half a smaller file. The float-layer search takes at most GENERAL_SEARCH of them (every other item of the
-# first 2 x GENERAL_SEARCH), the gate every other one: the shipped set (140 prompts) gives 40 calibration prompts and
-# 100 golden items, 20 to search on and 80 held out. A held-out item costs a held-out round about 0.5 s on SmolLM2-135M
+# first 2 x GENERAL_SEARCH), the gate every other one: the shipped set (245 prompts) gives 145 calibration prompts (its
+# head) and 100 golden items (its tail), 20 to search on and 80 held out. A held-out item costs a held-out round about 0.5 s on SmolLM2-135M
 # (teacher-forced, then greedy on the scripted candidate) and the artifact checks about 1.5 s more; a search item costs
 # every ranking and bisection step. With 20 held-out items (627 scored tokens on
 # SmolLM2-135M) one standard error of top-1 near 0.985 was 0.005, and of greedy agreement near 0.55, 0.11: the default
