@@ -52,6 +52,14 @@ def plan_layers(policy: nn.Module, layers: Sequence[int], hidden: List[Tensor], 
     return part
 
 
+def absorb_part(into: PlanPart, later: PlanPart) -> PlanPart:
+    """``into`` continued by ``later`` (the next layers of the same share): plans and statistics merged, its output."""
+    _absorb(into.plan, later.plan)
+    into.stats.update(later.stats)
+    into.hidden = later.hidden
+    return into
+
+
 def _absorb(into: W8A8Plan, part: W8A8Plan) -> None:
     into.scales.update(part.scales)
     into.alphas.update(part.alphas)

@@ -257,3 +257,45 @@ def test_unknown_launcher_path_is_a_config_error(reference_dir, tmp_path):
         with calibration_mesh(config(1, "calibration.hosts=2", f"calibration.launcher={tmp_path}/nope.pkl"),
                               reference_dir):
             pass
+
+
+def assert_same_plan(a, b):
+    assert a.weights.keys() == b.weights.keys() and a.weights
+    for n, (q, s) in a.weights.items():
+        assert torch.equal(q, b.weights[n][0]) and torch.equal(s, b.weights[n][1]), n
+    assert a.thresholds == b.thresholds and a.alphas == b.alphas and a.rot_blocks == b.rot_blocks
+    assert a.scales.keys() == b.scales.keys() and all(torch.equal(v, b.scales[g]) for g, v in a.scales.items())
+
+
+@pytest.mark.parametrize("procs", [2, 3])
+def test_w8a8_plan_with_every_share_on_its_own_actor_side_by_side_equals_one_process(setup, reference_dir, procs,
+                                                                                     capsys):
+    """Each actor maps only its share of the layers and plans it; the shares run side by side (their inputs made first
+    by float forwards), one layer per share per round with a progress line: the plan is bitwise the in-process one."""
+    from policy_bundle.build.calibrate.w8a8_statistics import stream_plan
+
+    policy, _, _, batches = setup
+    recipe = config(0).recipe_config("smooth-w8a8")
+    local, local_stats = stream_plan(None, policy, batches, recipe)
+    with calibration_mesh(config(procs), reference_dir) as mesh:
+        sharded, stats = stream_plan(mesh, policy, batches, recipe)
+    assert_same_plan(local, sharded)
+    assert stats.keys() == local_stats.keys()
+    err = capsys.readouterr().err
+    n = len(policy.layers)
+    assert f"layers quantized in {procs} shares on the mesh" in err
+    assert f"[w8a8] layers quantized over {procs} mesh actors side by side ({n}/{n}, " in err
+
+
+def test_actor_killed_mid_share_has_its_share_rerun_from_its_input_and_the_plan_is_unchanged(setup, reference_dir,
+                                                                                         monkeypatch, capsys):
+    from policy_bundle.build.calibrate.w8a8_statistics import stream_plan
+
+    policy, _, _, batches = setup
+    recipe = config(0).recipe_config("smooth-w8a8")
+    local, _ = stream_plan(None, policy, batches, recipe)
+    monkeypatch.setenv("POLICY_BUNDLE_TEST_FAULT", "kill:rank=1:after=1")  # at rank 1's second layer
+    with calibration_mesh(config(2), reference_dir) as mesh:
+        sharded, _ = stream_plan(mesh, policy, batches, recipe)
+    assert "re-run: its process (rank 1) died" in capsys.readouterr().err
+    assert_same_plan(local, sharded)

@@ -24,6 +24,8 @@ class CalibrationActor(Actor):
 
     def __init__(self) -> None:
         self._policy = self._prepared = self.tok = None
+        self._layers = None  # (layer indices, a share of the policy with only those layers' weights mapped)
+        self._plans: Dict[str, Any] = {}  # a share's plan in progress (``plan_share``), by the controller's key
         self.fault: Optional[Fault] = None
         self.generation = 0
         self.probe_scorer: Optional[Tuple[str, Any]] = None  # (ranking token, SwapSensitivity)
@@ -62,23 +64,56 @@ class CalibrationActor(Actor):
     @endpoint
     def release(self) -> bool:
         """Let go of the whole model and everything made from it: its pages leave this process."""
-        self._policy = self._prepared = self.probe_scorer = None
+        self._policy = self._prepared = self.probe_scorer = self._layers = None
+        self._plans = {}
         import gc
 
         gc.collect()
         return True
 
-    @endpoint
-    def plan_layers(self, shard: int, layers: List[int], hidden: List[Tensor], recipe) -> tuple:
-        """The w8a8 plan of a share of the layers (``quantize.w8a8_stream.plan_layers``) from its input, with only
-        those layers' weights mapped; returns (plan, statistics kept, output)."""
+    def _share(self, layers: List[int]):
+        """A share of the decoder layers, only those weights mapped; kept while the share is being planned."""
         from policy_bundle.quantize.hf_weights import load_policy
-        from policy_bundle.quantize.w8a8_stream import plan_layers
+
+        if self._layers is None or self._layers[0] != tuple(layers):
+            self._layers = (tuple(layers), load_policy(self.policy_dir, max_seq_len=self.max_seq_len, layers=layers))
+        return self._layers[1]
+
+    @endpoint
+    def forward_layers(self, shard: int, layers: List[int], hidden: List[Tensor]) -> List[Tensor]:
+        """A share's float output from its input (the next share's input), the share's weights mapped for its plan."""
+        from policy_bundle.quantize.layer_stream import run_layer
 
         self._maybe_fail(shard, 0)
-        share = load_policy(self.policy_dir, max_seq_len=self.max_seq_len, layers=layers)
-        part = plan_layers(share, layers, hidden, recipe)
-        return part.plan, part.stats, part.hidden
+        share = self._share(layers)
+        with torch.no_grad():
+            for i in layers:
+                hidden = run_layer(share, i, hidden)
+        return hidden
+
+    @endpoint
+    def plan_share(self, shard: int, key: str, layers: List[int], hidden: List[Tensor], recipe, upto: int):
+        """The w8a8 plan of ``layers[:upto]`` of a share (``quantize.w8a8_stream.plan_layers``), from the share's input
+        ``hidden``, continuing where this actor's last call on the share (``key``) stopped; an actor that has not seen
+        the share (a re-run after a crash) starts it from its input. Returns the layers done, and with the last
+        (plan, statistics kept, output)."""
+        from policy_bundle.quantize.w8a8_stream import PlanPart, absorb_part, plan_layers
+
+        state = self._plans.get(key)
+        if state is None or state["done"] >= upto:
+            state = self._plans[key] = {"done": 0, "part": None, "hidden": hidden}
+        share = self._share(layers)
+        todo = list(layers[state["done"]:upto])
+        for j, i in enumerate(todo):
+            self._maybe_fail(shard, state["done"] + j)
+        part: PlanPart = plan_layers(share, todo, state["hidden"], recipe)
+        state["part"] = part if state["part"] is None else absorb_part(state["part"], part)
+        state["hidden"], state["done"] = part.hidden, upto
+        if upto < len(layers):
+            return upto, None
+        done = self._plans.pop(key)["part"]
+        self._layers = None
+        return upto, (done.plan, done.stats, done.hidden)
 
     def _maybe_fail(self, shard: int, done: int) -> None:
         f = self.fault

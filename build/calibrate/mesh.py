@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence
@@ -25,7 +26,7 @@ from torch import Tensor
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import ConfigError, MeshError
 
-from policy_bundle.build.progress import log
+from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import observers
 
 
@@ -159,9 +160,10 @@ class CalibrationMesh:
                     w.alive = False
 
     def run_shards(self, endpoint: str, shards: Sequence[tuple], sizes: Sequence[int], unit: str,
-                   first: int = 0) -> List[Any]:
+                   first: int = 0, quiet: bool = False) -> List[Any]:
         """Run ``endpoint(shard_id, *args)`` for every shard, one per live worker at a time, from the ``first`` live
-        worker on (a pipeline stage goes to its own actor; a re-run to the next live one)."""
+        worker on (a pipeline stage goes to its own actor; a re-run to the next live one). ``quiet``: no line per
+        shard done (the caller reports progress its own way)."""
         results: List[Any] = [None] * len(shards)
         pending = list(range(len(shards)))
         t0, done, samples = time.monotonic(), 0, 0
@@ -193,7 +195,8 @@ class CalibrationMesh:
                 done += 1
                 samples += sizes[s]
                 rate = samples / max(1e-9, time.monotonic() - t0)
-                log(f"[mesh] {endpoint}: shards {done}/{len(shards)} done, {samples} {unit}, {rate:.1f} {unit}/s")
+                if not quiet:
+                    log(f"[mesh] {endpoint}: shards {done}/{len(shards)} done, {samples} {unit}, {rate:.1f} {unit}/s")
         return results
 
 
@@ -252,18 +255,36 @@ def mesh_channel_stats(mesh: CalibrationMesh, batches: Sequence[Tensor]):
 
 def mesh_plan_layers(mesh: CalibrationMesh, shares: Sequence[Sequence[int]], hidden: List[Tensor], recipe
                      ) -> List[tuple]:
-    """The w8a8 plan as a pipeline over the actors: share k of the layers on the k-th live actor, which maps only
-    those layers' weights, quantizes them one at a time from its input and returns (plan, statistics, output); the
-    output is the next share's input. A share whose actor dies is re-run from its input on the next live (or a
-    respawned) actor. Every actor drops its whole-model copy (mapped for rollouts) first."""
+    """The w8a8 plan over the actors, share k of the layers on the k-th live actor, which maps only those layers'
+    weights. First each share's input: a float forward of the shares before it, one after another (cheap beside a
+    plan). Then every share is planned at once, one layer per share per round (``plan_share``), so the actors work
+    side by side and the build reports layers done, a rate and an ETA each round. A share whose actor dies is re-run
+    from its input on the next live (or a respawned) actor. Every actor drops its whole-model copy (mapped for
+    rollouts) first. Returns (plan, statistics kept, output) per share."""
     release_models(mesh)
-    parts = []
-    for k, layers in enumerate(shares):
-        (plan, stats, hidden), = mesh.run_shards("plan_layers", [(list(layers), hidden, recipe)], [len(layers)],
-                                                 "layers", first=k)
-        parts.append((plan, stats))
-        log(f"[w8a8] layers {layers[0]}..{layers[-1]} quantized on the mesh ({k + 1}/{len(shares)} shares)")
-    return parts
+    inputs = [hidden]
+    for k, layers in enumerate(shares[:-1]):
+        t0 = time.monotonic()
+        (out,) = mesh.run_shards("forward_layers", [(list(layers), inputs[-1])], [len(layers)], "layers", first=k,
+                                 quiet=True)
+        inputs.append(out)
+        log(f"[w8a8] share {k + 2}/{len(shares)}'s input: layers {layers[0]}..{layers[-1]} run in float on the mesh "
+            f"in {time.monotonic() - t0:.1f}s")
+    key, total, tick = uuid.uuid4().hex, sum(len(s) for s in shares), Throttled()
+    results: List[Any] = [None] * len(shares)
+    done, t0 = 0, time.monotonic()
+    for upto in range(1, max(len(s) for s in shares) + 1):
+        active = [k for k, s in enumerate(shares) if len(s) >= upto]
+        outs = mesh.run_shards("plan_share", [(f"{key}:{k}", list(shares[k]), inputs[k], recipe, upto) for k in active],
+                               [1] * len(active), "layers", first=active[0], quiet=True)
+        for k, (_, result) in zip(active, outs):
+            if result is not None:
+                results[k] = result
+        done += len(active)
+        set_status(f"layers quantized {done}/{total} over {len(shares)} mesh actors")
+        tick(done, total, f"[w8a8] layers quantized over {len(shares)} mesh actors side by side")
+    log(f"[w8a8] {total} layers quantized in {len(shares)} shares on the mesh in {time.monotonic() - t0:.1f}s")
+    return results
 
 
 def release_models(mesh: CalibrationMesh) -> None:
