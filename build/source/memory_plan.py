@@ -3,7 +3,8 @@ expected peak over every process the build starts, and the machine's limit. A bu
 in one line before it starts (``BuildMemoryError``), naming the figure and the limit.
 
 The figures are estimates from the policy's shape (read from config.json and the safetensors headers, nothing
-loaded): float32 weights resident in the controller (a float32 source is memory-mapped, a 16-bit one widened), a
+loaded): float32 weights resident in the controller (a float32 source is memory-mapped, a 16-bit one widened, in
+the controller and in every calibration actor that loads the whole model), a
 decoder layer's Hessians (float64, one per input group) and GPTQ temporaries, the calibration set's hidden states
 (a layer's input and output), the int8 policy the gate converts, and a fixed share per process for Python, torch
 and Monarch. ``docs/benchmarks.md`` has the measured peaks beside them.
@@ -112,8 +113,11 @@ def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:
     layer = hessians + gptq + hidden
     int8_model = 2 * pc.n_layers * per_layer + embed * 4 * (1 if pc.tie_embeddings else 2)
     if procs:
+        # Every actor maps the whole model for the rollouts and the sensitivity ranking: a float32 source's pages are
+        # the page cache's, shared with the controller's map; a 16-bit source is widened to float32 in each actor.
+        whole = weights if source < 0.75 * weights else 0
         share = -(-pc.n_layers // procs)
-        actors = procs * ACTOR_BASE + 4 * share * per_layer + layer
+        actors = procs * (ACTOR_BASE + max(whole, 4 * share * per_layer + layer))
         controller = PROCESS_BASE + weights + int8_model + hidden
     else:
         actors = 0

@@ -1,0 +1,46 @@
+"""The memory plan counts what each process holds: a float32 source is mapped once (its pages shared by every process
+that maps it), a 16-bit source is widened to float32 in the controller and in every actor that loads the whole
+model (for rollouts and the sensitivity ranking), so its actors are planned at a float32 copy each."""
+
+import pytest
+
+from policy_bundle.build.config.build_config import load_config
+from policy_bundle.build.source.memory_plan import ACTOR_BASE, BuildMemoryError, check_memory, plan_memory
+
+
+def tiny_qwen3(out, dtype):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=65536, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mem")
+    return {d: tiny_qwen3(tmp / d, d) for d in ("float32", "bfloat16")}
+
+
+def plan(source, procs):
+    return plan_memory(load_config(None, (f"policy.source={source}",)), source, 1024, procs)
+
+
+def test_a_16_bit_source_is_planned_at_a_float32_copy_in_each_actor_and_a_float32_one_is_not(sources):
+    fp32, bf16 = plan(sources["float32"], 2), plan(sources["bfloat16"], 2)
+    assert fp32.weights == bf16.weights and bf16.source_bytes < 0.75 * bf16.weights  # the same float32 in the controller
+    assert bf16.actors == 2 * (ACTOR_BASE + bf16.weights)  # a widened float32 copy in each of the two actors
+    assert fp32.actors / 2 - ACTOR_BASE < fp32.weights / 2  # mapped: each actor's share and working set only
+    assert bf16.peak > fp32.peak + bf16.weights
+    assert plan(sources["bfloat16"], 0).actors == 0
+
+
+def test_a_bf16_build_on_actors_that_cannot_fit_is_refused_in_one_line(sources, monkeypatch):
+    bf16, in_process = plan(sources["bfloat16"], 2), plan(sources["bfloat16"], 0)
+    monkeypatch.setenv("POLICY_BUNDLE_MEMORY_LIMIT", str((bf16.peak + in_process.peak) / 2 / 2**30))
+    check_memory(plan(sources["bfloat16"], 0))  # fits without actors
+    with pytest.raises(BuildMemoryError, match=r"memory: this build would need about .* GB at its peak .* actors"):
+        check_memory(plan(sources["bfloat16"], 2))
