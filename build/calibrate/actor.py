@@ -94,7 +94,7 @@ class CalibrationActor(Actor):
         """The w8a8 plan of ``layers[:upto]`` of a share (``quantize.w8a8_stream.plan_layers``), from the share's input
         ``hidden``, continuing where this actor's last call on the share (``key``) stopped; an actor that has not seen
         the share (a re-run after a crash) starts it from its input. Returns the layers done, and with the last
-        (plan, statistics kept, output)."""
+        (plan, statistics kept): the share's output is the next share's input, which the controller already has."""
         from policy_bundle.quantize.w8a8_stream import PlanPart, absorb_part, plan_layers
 
         state = self._plans.get(key)
@@ -102,7 +102,7 @@ class CalibrationActor(Actor):
             state = self._plans[key] = {"done": 0, "part": None, "hidden": hidden}
         share = self._share(layers)
         todo = list(layers[state["done"]:upto])
-        for j, i in enumerate(todo):
+        for j in range(len(todo)):
             self._maybe_fail(shard, state["done"] + j)
         part: PlanPart = plan_layers(share, todo, state["hidden"], recipe)
         state["part"] = part if state["part"] is None else absorb_part(state["part"], part)
@@ -112,7 +112,7 @@ class CalibrationActor(Actor):
             return upto, None
         done = self._plans.pop(key)["part"]
         self._layers = None
-        return upto, (done.plan, done.stats, done.hidden)
+        return upto, (done.plan, done.stats)
 
     def _maybe_fail(self, shard: int, done: int) -> None:
         f = self.fault
