@@ -263,7 +263,7 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
     """Every exported artifact measured and gated; returns the fidelity and why ONNX is left out (or None)."""
     with stages.run("fidelity of the exported artifacts") as s:
         fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp,  # FP32's logits once for every artifact
-                                  ref := reference_logits_of(loaded.policy, golden))
+                                  ref := reference_logits_of(loaded.policy, golden, tmp))
         onnx_skipped = gate_artifacts(cfg, fidelity, tmp)
         if not int8_vllm.skipped:
             check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm, ref)

@@ -150,8 +150,8 @@ def main() -> None:
     r = run_build(cfg, args.work / f"bundle-{tag}", args.work / f"{tag}.log")
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "?")
-    print(f"| policy | source | procs | build time | peak RSS, all build processes | peak PSS | CLI alone | "
-          f"vLLM check (own line) | gate |")
+    print("| policy | source | procs | build time | peak RSS, all build processes | peak PSS | CLI alone | "
+          "vLLM check (own line) | gate |")
     print(f"| {args.shape} | {args.dtype} {weights / 1e9:.2f} GB | {args.procs if args.procs is not None else 'default'} "
           f"| {r['seconds'] / 60:.1f} min | {r['rss'] / 1e9:.2f} GB ({r['rss'] / weights:.2f}x weights, "
           f"{r['procs']} processes) | {r['pss'] / 1e9:.2f} GB | {r['main_rss'] / 1e9:.2f} GB | "

@@ -19,6 +19,8 @@ from policy_bundle.quantize.config_schema import FieldError, check, ranged
 from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, threads
 from policy_bundle.quantize.model import full_logits
 from policy_bundle.quantize.percentile import percentile
+from policy_bundle.quantize.reference_logits import (TEACHER_FORCED_TOKENS, ReferenceLogits, compare_streamed,
+                                                    scored_logits)
 
 
 @dataclass(frozen=True)
@@ -72,34 +74,18 @@ def policy_logits_fn(policy) -> LogitsFn:
     return lambda batch: full_logits(policy, batch)
 
 
-def _scored_positions(item: GoldenItem) -> tuple[List[int], int, int]:
-    """The item's full token ids, and the slice of logit rows that predict completion tokens."""
-    ids = item.prompt_ids + item.completion_ids
-    start = len(item.prompt_ids) - 1
-    return ids, start, len(ids) - 1
-
-
 @torch.no_grad()
-def teacher_forced_logits(logits_fn: LogitsFn, items: Sequence[GoldenItem], batch_size: int = 32) -> List[Tensor]:
-    """Per item: logits [n_completion, V] at the positions that predict the reference completion.
+def teacher_forced_logits(logits_fn: LogitsFn, items: Sequence[GoldenItem],
+                          max_tokens: int = TEACHER_FORCED_TOKENS) -> List[Tensor]:
+    """Per item: logits [n_completion, V] at the positions that predict the reference completion, all in memory
+    (``ReferenceLogits`` keeps them in a file; ``compare_streamed`` compares without holding them).
 
     Items are grouped by length so no batch needs padding (padding would change nothing causally,
     but exact equal-length batches keep the numbers independent of batch composition).
     """
     out: List[Optional[Tensor]] = [None] * len(items)
-    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].completion_ids))
-    groups: dict[int, List[int]] = {}
-    for i in order:
-        ids, _, _ = _scored_positions(items[i])
-        groups.setdefault(len(ids), []).append(i)
-    for length, idxs in groups.items():
-        for s in range(0, len(idxs), batch_size):
-            chunk = idxs[s : s + batch_size]
-            batch = torch.tensor([_scored_positions(items[i])[0] for i in chunk])
-            logits = logits_fn(batch).float()
-            for row, i in enumerate(chunk):
-                _, a, b = _scored_positions(items[i])
-                out[i] = logits[row, a:b]
+    for i, rows in scored_logits(logits_fn, items, max_tokens):
+        out[i] = rows.clone()
     return [t for t in out if t is not None]
 
 
@@ -134,7 +120,7 @@ def measure_fidelity(
     candidate_logits: Optional[LogitsFn] = None,
     generate: bool = True,
     reference_outputs: Optional[List[List[int]]] = None,
-    reference_logits: Optional[List[Tensor]] = None,
+    reference_logits: Optional[ReferenceLogits] = None,
     logits_only_note: str = LOGITS_ONLY_NOTE,
 ) -> FidelityReport:
     """Compare ``candidate`` to ``reference`` on the golden ``items``.
@@ -145,11 +131,12 @@ def measure_fidelity(
     report notes ``logits_only_note``.
     ``reference_outputs`` are the reference's greedy completions when the caller already has them
     (the golden set's completions are exactly that), so repeated gates do not regenerate them;
-    ``reference_logits`` likewise (``teacher_forced_logits`` of the reference on ``items``).
+    ``reference_logits`` likewise (``ReferenceLogits.compute`` of the reference on ``items``). The candidate's logits
+    are compared a batch at a time (``compare_streamed``): memory is one batch, not the golden set's logits.
     """
-    ref_l = reference_logits if reference_logits is not None else teacher_forced_logits(policy_logits_fn(reference), items)
-    cand_l = teacher_forced_logits(candidate_logits or policy_logits_fn(candidate), items)
-    agree, kl = compare_logits(ref_l, cand_l)
+    ref_l = reference_logits if reference_logits is not None else ReferenceLogits.compute(policy_logits_fn(reference),
+                                                                                          items)
+    agree, kl = compare_streamed(ref_l, candidate_logits or policy_logits_fn(candidate), items)
     report = FidelityReport(
         items=len(items), tokens=int(kl.numel()), top1_agreement=agree, kl_mean=float(kl.mean()),
         kl_p99=percentile(kl, 0.99, method="linear", empty=0.0), kl_per_token=[float(v) for v in kl],

@@ -111,6 +111,6 @@ def test_the_artifact_checks_say_which_artifact_they_measure_for_the_heartbeat()
 
     set_status("")
     golden = [GoldenItem(prompt="a", prompt_ids=[1, 2, 3], completion_ids=[4, 5]) for _ in range(3)]
-    logits = reference_logits_of(init_random_policy(CFG, seed=0), golden)
-    assert len(logits) == 3 and all(torch.isfinite(x).all() for x in logits)
+    logits = reference_logits_of(init_random_policy(CFG, seed=0), golden).all()
+    assert len(logits) == 3 and all(x.shape[0] == 2 and torch.isfinite(x).all() for x in logits)
     assert "the FP32 reference logits: 3 golden items teacher-forced" in heartbeat_line()

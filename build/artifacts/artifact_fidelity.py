@@ -7,7 +7,7 @@ consumer needs (the TorchScript)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -17,9 +17,10 @@ from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
 from policy_bundle.quantize.fidelity import (FidelityReport, GateThresholds, evaluate_gate, measure_fidelity,
-                                             policy_logits_fn, teacher_forced_logits)
+                                             policy_logits_fn)
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.model import CastPolicy, Policy
+from policy_bundle.quantize.reference_logits import ReferenceLogits
 from policy_bundle.quantize.script_runner import load_torchscript
 
 
@@ -30,7 +31,7 @@ FP16_GREEDY_NOTE = ("teacher-forced metrics only: vLLM serves this directory, an
 
 
 def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
-                   reference_logits: List[torch.Tensor]) -> dict:
+                   reference_logits: ReferenceLogits) -> dict:
     """FP32 vs INT8 (the exported TorchScript as loaded back, and the ONNX model) on the golden set, against the FP32
     policy's teacher-forced logits computed once for every artifact (``reference_logits_of``)."""
     kw, layout = fidelity_kwargs(cfg, tok), BundleLayout(bundle)
@@ -53,10 +54,11 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
     return out
 
 
-def reference_logits_of(policy: Policy, golden) -> List[torch.Tensor]:
-    """The FP32 policy's teacher-forced logits on the golden items (``measure_fidelity``'s ``reference_logits``)."""
+def reference_logits_of(policy: Policy, golden, dir: Optional[Path] = None) -> ReferenceLogits:
+    """The FP32 policy's teacher-forced logits on the golden items (``measure_fidelity``'s ``reference_logits``), in
+    a file in ``dir``."""
     set_status(f"the FP32 reference logits: {len(golden)} golden items teacher-forced")
-    return teacher_forced_logits(policy_logits_fn(policy), golden)
+    return ReferenceLogits.compute(policy_logits_fn(policy), golden, dir)
 
 
 def gated(report: FidelityReport, thresholds: GateThresholds) -> dict:
@@ -85,7 +87,7 @@ def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[s
     return why
 
 
-def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict, reference_logits: List[torch.Tensor]) -> FidelityReport:
+def onnx_fidelity(policy: Policy, path: Path, golden, kw: dict, reference_logits: ReferenceLogits) -> FidelityReport:
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -35,6 +35,7 @@ from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, eval
 from policy_bundle.quantize.hf_weights import load_hf_config
 from policy_bundle.quantize.linear_stats import outlier_linears
 from policy_bundle.quantize.model import Policy, full_logits
+from policy_bundle.quantize.reference_logits import ReferenceLogits
 from policy_bundle.quantize.recipes import selected_linears
 from policy_bundle.quantize.smooth import apply_smoothing
 from policy_bundle.quantize.vllm_launch import vllm_available
@@ -159,13 +160,13 @@ def start_int8_vllm_check(cfg: BuildConfig, policy: Policy, golden: List[GoldenI
 
 
 def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenItem], bundle: Path,
-                    outcome: Int8Vllm, reference_logits: List[Tensor]) -> Int8Vllm:
+                    outcome: Int8Vllm, reference_logits: ReferenceLogits) -> Int8Vllm:
     """Gate int8-vllm/ on vLLM's run over the golden set (the one ``start_int8_vllm_check`` started, else a new
     one); with ``auto``, a failure removes it (recorded)."""
     strict = cfg.export.int8_vllm == "true"
     vocab = int(policy.embed_tokens.num_embeddings)
     gate_items, golden = len(golden), vllm_items(cfg, golden)
-    reference_logits = reference_logits[:len(golden)]
+    reference_logits = reference_logits.head(len(golden))
     req = golden_request(cfg, policy, golden, bundle)
     set_status(f"{INT8_VLLM_DIR}/ in vLLM: {len(golden)} of {gate_items} golden items, greedy and teacher-forced")
     pending, outcome.pending = outcome.pending, None
@@ -203,7 +204,7 @@ def _skip(bundle: Path, outcome: Int8Vllm, why: str) -> Int8Vllm:
 
 
 def vllm_fidelity_summary(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenItem], result: VllmGoldenResult,
-                          vocab: int, reference_logits: List[Tensor]) -> dict:
+                          vocab: int, reference_logits: ReferenceLogits) -> dict:
     """The gate's metrics for vLLM's outputs: logits from its prompt logprobs, greedy from its completions."""
     kw = fidelity_kwargs(cfg, tok)
     table = {tuple(g.prompt_ids + g.completion_ids): rows for g, rows in zip(golden, result.prompt_logprobs)}

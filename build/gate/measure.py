@@ -3,14 +3,15 @@ artifacts' checks, ``policy-bundle canary``) and the gate's measurements of a mo
 
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
 
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.source.policy_source import is_task_policy
 from policy_bundle.quantize import task
 from policy_bundle.quantize.fidelity import (LOGITS_ONLY_NOTE, FidelityReport, GoldenItem, completion_metrics,
-                                             greedy_completions, measure_fidelity, policy_logits_fn,
-                                             teacher_forced_logits)
+                                             greedy_completions, measure_fidelity, policy_logits_fn)
+from policy_bundle.quantize.reference_logits import ReferenceLogits
 from policy_bundle.quantize.model import Policy
 from policy_bundle.quantize.text import ids_to_text
 
@@ -22,11 +23,13 @@ def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
     return dict(max_new_tokens=cfg.prompts.max_new_tokens, eos_token_id=tok.eos_token_id, decode=decode, reward=reward)
 
 
-def gate_measures(policy: Policy, golden: List[GoldenItem], kw: dict) -> Tuple[Callable, Callable]:
+def gate_measures(policy: Policy, golden: List[GoldenItem], kw: dict, dir: Optional[Path] = None
+                  ) -> Tuple[Callable, Callable]:
     """The gate's two measurements of a model on ``golden``: the whole gate (teacher-forced metrics, greedy
-    generation, reward) and the teacher-forced metrics alone; the FP32 outputs and logits are computed once."""
+    generation, reward) and the teacher-forced metrics alone; the FP32 outputs and logits are computed once (the
+    logits kept in a file in ``dir``, ``ReferenceLogits``)."""
     ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
-    ref_logits = teacher_forced_logits(policy_logits_fn(policy), golden)  # once for every gate attempt
+    ref_logits = ReferenceLogits.compute(policy_logits_fn(policy), golden, dir)  # once for every gate attempt
     whole = lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs,  # noqa: E731
                                        reference_logits=ref_logits, **kw)
     logits_only = lambda m: measure_fidelity(policy, m, golden, generate=False,  # noqa: E731

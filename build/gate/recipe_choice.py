@@ -95,8 +95,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     real LM for a speed within noise). The float-layer search measures
     on ``golden.search``; a candidate it passes is then judged on ``golden.gate`` alone."""
     kw = fidelity_kwargs(cfg, tok)
-    measure, logits_only = gate_measures(policy, golden.search, kw)
-    _, judge_logits = gate_measures(policy, golden.gate, kw)
+    measure, logits_only = gate_measures(policy, golden.search, kw, tmp)
+    _, judge_logits = gate_measures(policy, golden.gate, kw, tmp)
     judge_greedy = greedy_completion(golden.gate, kw)
     trials: List[Trial] = []
     summary: List[dict] = []  # every candidate in order, gated or not

@@ -6,8 +6,9 @@ The figures are estimates from the policy's shape (read from config.json and the
 loaded): float32 weights resident in the controller (a float32 source is memory-mapped, a 16-bit one widened, in
 the controller and in every calibration actor that loads the whole model), a
 decoder layer's Hessians (float64, one per input group) and GPTQ temporaries, the calibration set's hidden states
-(a layer's input and output), the int8 policy the gate converts, and a fixed share per process for Python, torch
-and Monarch. ``docs/benchmarks.md`` has the measured peaks beside them.
+(a layer's input and output), the int8 policy the gate converts, the gate's teacher-forced batch (its float32 logits
+and their double-precision log-softmax copies, ``TEACHER_FORCED_TOKENS`` positions: the reference's logits live in a
+file, ``quantize/reference_logits.py``), and a fixed share per process for Python, torch and Monarch. ``docs/benchmarks.md`` has the measured peaks beside them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from policy_bundle.build.errors import BuildError
+from policy_bundle.quantize.reference_logits import TEACHER_FORCED_TOKENS
 
 PROCESS_BASE = 450 * 2**20  # Python + torch + the project's imports, resident, measured per process
 ACTOR_BASE = 350 * 2**20  # a Monarch calibration actor before it maps any weights
@@ -35,6 +37,7 @@ class MemoryPlan:
     weights: int  # float32 weights resident in the controller
     layer_working_set: int  # one layer's Hessians + GPTQ temporaries + hidden states in and out
     int8_model: int  # the converted policy the gate runs (int8 weights, their packed copy, float embedding)
+    gate_batch: int  # one teacher-forced batch's logits and the KL's copies of them
     actors: int  # every calibration actor's share: base + its share of the layers while it quantizes them
     peak: int  # expected, over every process the build starts
     limit: Optional[int]  # what the machine allows (None: unknown)
@@ -44,7 +47,7 @@ class MemoryPlan:
         g = lambda b: f"{b / 2**30:.2f} GB"  # noqa: E731
         return (f"memory plan: {self.params / 1e6:.0f}M parameters, weights {g(self.source_bytes)} on disk, "
                 f"{g(self.weights)} float32 in the controller; one layer's working set {g(self.layer_working_set)}; "
-                f"int8 policy {g(self.int8_model)}; actors {g(self.actors)}; expected peak {g(self.peak)} over all "
+                f"int8 policy {g(self.int8_model)}; gate batch {g(self.gate_batch)}; actors {g(self.actors)}; expected peak {g(self.peak)} over all "
                 f"processes; limit {g(self.limit) if self.limit else 'unknown'} ({self.limit_source})")
 
 
@@ -112,18 +115,20 @@ def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:
     hidden = 2 * tokens * pc.dim * 4 + tokens * widest * 4 * 2  # a layer's input and output; its widest activation
     layer = hessians + gptq + hidden
     int8_model = 2 * pc.n_layers * per_layer + embed * 4 * (1 if pc.tie_embeddings else 2)
+    # float32 logits of a batch, a double copy of both sides' log-softmax (vLLM's check: its own and the reference's)
+    gate = TEACHER_FORCED_TOKENS * pc.vocab_size * (4 + 2 * 8)
     if procs:
         # Every actor maps the whole model for the rollouts and the sensitivity ranking: a float32 source's pages are
         # the page cache's, shared with the controller's map; a 16-bit source is widened to float32 in each actor.
         whole = weights if source < 0.75 * weights else 0
         share = -(-pc.n_layers // procs)
         actors = procs * (ACTOR_BASE + max(whole, 4 * share * per_layer + layer))
-        controller = PROCESS_BASE + weights + int8_model + hidden
+        controller = PROCESS_BASE + weights + int8_model + max(hidden, gate)
     else:
         actors = 0
-        controller = PROCESS_BASE + weights + max(layer + params, int8_model + hidden)  # the plan's int8 weights
+        controller = PROCESS_BASE + weights + max(layer + params, int8_model + max(hidden, gate))  # the plan's int8
     limit, source_name = memory_limit()
-    return MemoryPlan(params, source, weights, layer, int8_model, actors, controller + actors, limit, source_name)
+    return MemoryPlan(params, source, weights, layer, int8_model, gate, actors, controller + actors, limit, source_name)
 
 
 def check_memory(plan: MemoryPlan) -> None:
