@@ -106,7 +106,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return watch(WatchOptions(bundle=bundle, checkpoints=Path(args.checkpoints),
                               out_root=Path(args.out_root) if args.out_root else bundle.resolve().parent,
                               every_steps=args.every_steps, threshold=args.threshold, poll_s=args.poll_s,
-                              once=args.once, sets=tuple(args.set or ()), reset=args.reset))
+                              once=args.once, sets=tuple(args.set or ()), reset=args.reset,
+                              max_retries=args.max_retries, keep=args.keep))
 
 
 def cmd_containerize(args: argparse.Namespace) -> int:
@@ -156,6 +157,10 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--poll-s", type=float, default=30.0, help="seconds between looks at --checkpoints")
     w.add_argument("--once", action="store_true", help="one pass, then exit")
     w.add_argument("--reset", action="store_true", help="forget --out-root's watch-state.json, start from --bundle")
+    w.add_argument("--max-retries", type=int, default=5,
+                   help="failed checks (or builds that may pass) of one checkpoint before it is given up (default 5)")
+    w.add_argument("--keep", type=int, default=0,
+                   help="bundles the monitor built to keep, on disk and in the model store (default 0: all)")
     w.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a build field for checks and rebuilds")
     w.set_defaults(func=cmd_watch)
 

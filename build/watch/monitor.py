@@ -14,6 +14,12 @@ Checkpoints are HF directories (``config.json`` + safetensors) or, when the depl
 from a torchtitan checkpoint (``policy.torchtitan`` in its config), torchtitan DCP step directories
 (complete once their ``.metadata`` exists). Every check is appended to ``<out_root>/watch-state.json``,
 so a restarted monitor continues where it stopped.
+
+A failed check (a checkpoint that cannot be read, a mesh that died) or a build that failed for a reason that may pass
+(anything but a refused config, a policy it cannot build, a failed accuracy gate or a plan that does not fit) is tried
+again after ``poll_s`` x 2^(failures - 1), at most an hour, and given up after ``max_retries`` failures (a newer
+checkpoint is looked at then). The state keeps the newest ``MAX_CHECKS`` checks; with ``keep``, only that many of the
+bundles the monitor built stay, on disk and in the model store (the deployed one always).
 """
 
 from __future__ import annotations
@@ -26,25 +32,25 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from policy_bundle.build.config.build_config import BuildConfig, config_from_dict
-from policy_bundle.build.errors import BuildError
+from policy_bundle.build.errors import (BuildError, CanaryGateError, ConfigError, OutputNotReplaceableError,
+                                        UnsupportedPolicyError)
+from policy_bundle.build.source.memory_plan import BuildMemoryError
 from policy_bundle.build.gate.families import handler
 from policy_bundle.build.progress import Stages, heartbeat, log
 from policy_bundle.build.watch.drift import calibration_drift
+from policy_bundle.build.watch.watch_state import BUILD_FAILED, CHECK_FAILED, GIVEN_UP, WatchError, WatchState, prune
 from policy_bundle.bundle.manifest import manifest_hash, read_manifest, verify_bundle
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-STATE = "watch-state.json"
-CHECK_FAILED = "check failed"
-BUILD_FAILED = "drift, build failed"
-LIMITS = {"every_steps": (1, 10**9), "threshold": (1e-6, 100.0), "poll_s": (1.0, 86_400.0)}
+LIMITS = {"every_steps": (1, 10**9), "threshold": (1e-6, 100.0), "poll_s": (1.0, 86_400.0), "max_retries": (1, 1000),
+          "keep": (0, 10**6)}
+MAX_BACKOFF_S = 3600.0
+# A build that fails with one of these fails again from the same checkpoint: not retried
+PERMANENT = (ConfigError, UnsupportedPolicyError, CanaryGateError, BuildMemoryError, OutputNotReplaceableError)
 
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-class WatchError(BuildError):
-    """The monitor cannot run: a bad option, no bundle, no checkpoint directory."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class WatchOptions:
     once: bool = False  # one pass, then exit (cron, tests)
     sets: Tuple[str, ...] = ()  # config overrides for checks and rebuilds, e.g. calibration.procs=0
     reset: bool = False  # forget out_root's watch-state.json and start from ``bundle``
+    max_retries: int = 5  # failed checks (or builds that may pass) of one checkpoint before it is given up
+    keep: int = 0  # bundles this monitor built kept on disk and in the store (0: all)
 
     def validate(self) -> None:
         for name, (lo, hi) in LIMITS.items():
@@ -103,52 +111,6 @@ def hf_complete(p: Path) -> bool:
             return False  # still being written
         return bool(shards) and all((p / f).is_file() for f in shards)
     return any(p.glob("*.safetensors"))
-
-
-class WatchState:
-    """What the monitor has done so far, saved after every check."""
-
-    def __init__(self, opts: WatchOptions):
-        self.path = opts.out_root / STATE
-        given = str(opts.bundle.resolve())
-        data = None
-        if self.path.is_file() and not opts.reset:
-            try:
-                data = json.loads(self.path.read_text())
-                known = (data["origin"], data["deployed"])
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise WatchError(f"{self.path}: not a watch state file ({type(exc).__name__}: {exc}); "
-                                 "move it away or pass --reset") from None
-            if given not in known:  # another bundle's history: never overwrite it silently
-                raise WatchError(f"--bundle: {self.path} follows {data['origin']} (deployed now: {data['deployed']}); "
-                                 "pass one of those, another --out-root, or --reset to start over from this bundle")
-        if data is None:
-            step = step_of(opts.bundle, read_manifest(opts.bundle))
-            data = {"origin": given, "deployed": given, "deployed_step": step, "last_step": step, "checks": []}
-        self.data = data
-
-    @property
-    def deployed(self) -> Path:
-        return Path(self.data["deployed"])
-
-    def due(self, checkpoints: List[Tuple[int, Path]], every: int) -> Optional[Tuple[int, Path]]:
-        """The newest checkpoint at least ``every`` steps past the last one checked (older ones are
-        superseded by it), or None."""
-        last = self.data["last_step"]
-        ready = [c for c in checkpoints if last is None or c[0] >= last + every]
-        return ready[-1] if ready else None
-
-    def record(self, check: dict) -> None:
-        """Append a check; a failed check does not count as done (the checkpoint is tried again)."""
-        self.data["checks"].append(check)
-        if check["decision"] != CHECK_FAILED:
-            self.data["last_step"] = check["step"]
-        if check.get("new_bundle"):
-            self.data["deployed"], self.data["deployed_step"] = check["new_bundle"], check["step"]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
-        tmp.replace(self.path)
 
 
 def checkpoint_config(manifest: dict, checkpoint: Path, sets: Tuple[str, ...]) -> BuildConfig:
@@ -263,8 +225,10 @@ def compare_and_rebuild(opts: WatchOptions, state: WatchState, step: int, checkp
     try:
         built = run_build(cfg, out, drift=report)
     except BuildError as exc:
-        log(f"[watch] step {step}: the new bundle failed to build: {exc}")
-        result.update(decision=BUILD_FAILED, error=str(exc))
+        transient = not isinstance(exc, PERMANENT)
+        log(f"[watch] step {step}: the new bundle failed to build: {exc}" + (
+            " (it may pass: tried again)" if transient else " (it would fail again: not retried)"))
+        result.update(decision=BUILD_FAILED, error=str(exc), transient=transient)
         return result
     result.update(decision="drift, rebuilt", new_bundle=str(built.bundle.resolve()), int8_tag=built.int8_tag,
                   fp16_tag=built.fp16_tag)
@@ -277,7 +241,7 @@ def watch(opts: WatchOptions) -> int:
     """Run the monitor; with ``once``, one pass (exit 1 when a triggered build failed)."""
     opts.validate()
     verify_bundle(opts.bundle)
-    state = WatchState(opts)
+    state = WatchState(opts, step_of)
     torchtitan = read_manifest(state.deployed)["config"]["policy"].get("torchtitan") is not None
     log(f"[watch] deployed {state.deployed} (step {state.data['deployed_step']}); checking {opts.checkpoints} "
         f"every {opts.every_steps} steps, drift threshold {opts.threshold:.0%}")
@@ -286,11 +250,18 @@ def watch(opts: WatchOptions) -> int:
         due = state.due(found, opts.every_steps)
         if due is not None:
             result = check(opts, state, *due)
-            state.record(result)
+            state.record(result, opts.max_retries)
+            if result.get("new_bundle") and opts.keep:
+                prune(state, opts.keep)
             if opts.once:
-                return 1 if result["decision"] in (BUILD_FAILED, CHECK_FAILED) else 0
-            if result["decision"] != CHECK_FAILED:
+                return 1 if result["decision"].startswith((BUILD_FAILED, CHECK_FAILED)) else 0
+            if "failures" not in result or GIVEN_UP in result["decision"]:
                 continue
+            wait = min(MAX_BACKOFF_S, opts.poll_s * 2 ** (result["failures"] - 1))
+            log(f"[watch] step {due[0]}: failure {result['failures']} of at most {opts.max_retries}; next try in "
+                f"{wait:.0f}s")
+            time.sleep(wait)
+            continue
         else:
             last = state.data["last_step"]
             log(f"[watch] waiting for a checkpoint at step >= {0 if last is None else last + opts.every_steps} in "
