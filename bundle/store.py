@@ -61,3 +61,38 @@ def verified_store_path(tag: str, sub: str) -> Path:
 
     model = bentoml.models.get(tag)
     return verify_entry(Path(model.path), sub, (model.info.metadata or {}).get("manifest_sha256"))
+
+
+def _entries(name: str) -> dict:
+    """version -> (creation time, manifest sha256 recorded at registration) of every store entry named ``name``."""
+    import bentoml
+
+    out = {}
+    for model in bentoml.models.list(name):
+        info = model.info
+        out[str(model.tag.version)] = (info.creation_time, (info.metadata or {}).get("manifest_sha256"))
+    return out
+
+
+def pair_version(requested: str, log=None) -> str:
+    """The store version the router and both variants serve: ``requested``, unless it is ``latest``, which BentoML
+    resolves for each name on its own. Then: the newest version that both ``policy-int8`` and ``policy-fp16`` hold
+    with one manifest, so an entry a killed registration left alone is passed over (``log`` says so, one line) and
+    the router starts on the last whole pair instead of refusing until someone deletes it. ``latest`` as it was
+    when the store holds no whole pair (the refusal then names the two entries)."""
+    if requested != "latest":
+        return requested
+    try:
+        int8, fp16 = _entries(INT8_MODEL), _entries(FP16_MODEL)
+    except Exception:  # noqa: BLE001 - no store yet, or unreadable: BentoML's own resolution reports it
+        return requested
+    paired = [v for v in int8.keys() & fp16.keys() if int8[v][1] and int8[v][1] == fp16[v][1]]
+    if not paired:
+        return requested
+    best = max(paired, key=lambda v: int8[v][0])
+    newer = [f"{name}:{v}" for name, entries in ((INT8_MODEL, int8), (FP16_MODEL, fp16)) for v in entries
+             if entries[v][0] > entries[best][0] and v not in paired]
+    if newer and log is not None:
+        log(f"latest: serving {best}, the newest whole INT8/FP16 pair; passed over {', '.join(sorted(newer))}, "
+            "which has no partner from its build (a registration interrupted: register the bundle again)")
+    return best

@@ -20,6 +20,7 @@ from bentoml.exceptions import InvalidArgument, NotFound
 from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_VLLM_DIR, BundleLayout
+from policy_bundle.bundle.store import pair_version
 from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine
@@ -28,7 +29,7 @@ from policy_bundle.serve.settings import settings_or_exit
 from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact
 
 log = logging.getLogger("policy_bundle.serve")
-VERSION = os.environ.get("POLICY_BUNDLE_VERSION", "latest")
+VERSION = pair_version(os.environ.get("POLICY_BUNDLE_VERSION", "latest"), log.warning)
 
 
 def _vllm_missing() -> str:

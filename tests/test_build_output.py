@@ -62,11 +62,49 @@ def built_with_a_broken_store(tmp_path_factory, reference_dir):
     (stale / "int8" / "policy.ts").write_bytes(b"half")
     live = root / f".other.partial-{os.getpid()}-running"
     live.mkdir()
+    # a build of "kept" killed between the two renames of its swap: its old bundle set aside, its new one partial
+    pid = dead_pid()
+    aside = root / f".kept.replaced-{pid}-sw4p" / "kept"
+    aside.mkdir(parents=True)
+    (aside / "bundle.json").write_text('{"old": true}')
+    (root / f".kept.partial-{pid}-n3w").mkdir()
     store = tmp_path_factory.mktemp("store")
     (store / "models").write_text("not a directory\n")  # BentoML cannot create any entry here
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), "--force", *FAST,
                   env={"BENTOML_HOME": str(store)})
     return res, out, stale, live
+
+
+def test_a_bundle_set_aside_by_a_build_killed_mid_swap_is_put_back(built_with_a_broken_store):
+    """A kill between the swap's two renames left --out missing, and the next build's clean-up removed both bundles."""
+    res, out, _, _ = built_with_a_broken_store
+    kept = out.parent / "kept"
+    assert json.loads((kept / "bundle.json").read_text()) == {"old": True}
+    assert f"restored {kept}: the bundle a build" in res.stderr
+    assert not list(out.parent.glob(".kept.*"))  # both of the dead build's work directories are gone
+
+
+def test_a_bundle_is_replaced_in_one_step_where_the_kernel_can(tmp_path):
+    """renameat2(RENAME_EXCHANGE): --out is the old bundle, then the new one, with no moment in between; the two
+    renames of the fallback are not used (they would fail here)."""
+    from policy_bundle.build.artifacts import output_dir
+
+    out, tmp = tmp_path / "bundle", tmp_path / ".bundle.partial-1-x"
+    for d, tag in ((out, "old"), (tmp, "new")):
+        d.mkdir()
+        (d / "bundle.json").write_text(json.dumps({"format": output_dir.FORMAT, "files": {}, "tag": tag}))
+    real_rename = Path.rename
+
+    def no_rename(self, target):
+        raise AssertionError(f"renamed {self} -> {target}")
+
+    Path.rename = no_rename
+    try:
+        output_dir.move_into_place(tmp, out, force=True)
+    finally:
+        Path.rename = real_rename
+    assert json.loads((out / "bundle.json").read_text())["tag"] == "new" and not tmp.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
 
 
 def test_a_killed_builds_partial_dir_is_removed_and_a_running_ones_kept(built_with_a_broken_store):

@@ -6,10 +6,17 @@ very end. The owning process's id is in the name (atomic with the directory's cr
 build to the same parent can tell a directory left by a killed build (its process is gone: removed)
 from one a running build is still writing (left alone). A replaced bundle is first renamed aside
 (``.NAME.replaced-<pid>-<random>``), so ``--out`` is never missing while a bundle existed there.
+
+The swap is one step where the kernel can (``renameat2`` with ``RENAME_EXCHANGE``: ``--out`` is the old bundle, then
+the new one, never neither). Elsewhere it is two renames, and a build killed between them leaves ``--out`` missing,
+the old bundle set aside and the new one partial: the next build to that parent puts the old bundle back (one line)
+before it removes what the dead build left.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
@@ -60,15 +67,35 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_work_dirs(parent: Path, log: Callable[[str], None] = print) -> List[Path]:
-    """Remove the partial (and set-aside) directories in ``parent`` whose owning build process is gone."""
+    """Remove the partial (and set-aside) directories in ``parent`` whose owning build process is gone; a bundle set
+    aside by a build killed mid-swap goes back to its place first, when nothing has taken that place since."""
     removed = []
     for p in sorted(parent.iterdir()) if parent.is_dir() else ():
         m = WORK_DIR.match(p.name)
         if m and p.is_dir() and not p.is_symlink() and not pid_alive(int(m["pid"])):
+            aside, home = p / m["name"], parent / m["name"]
+            if m["kind"] == "replaced" and aside.is_dir() and not home.exists() and not home.is_symlink():
+                aside.rename(home)
+                log(f"restored {home}: the bundle a build (process {m['pid']}) set aside was never replaced")
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
             log(f"removed {p}: left by an interrupted build (process {m['pid']} is gone)")
     return removed
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the C library,
+    kernel or filesystem has no such call."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def new_partial_dir(out: Path) -> Path:
@@ -79,6 +106,9 @@ def move_into_place(tmp: Path, out: Path, force: bool) -> None:
     """Rename the finished ``tmp`` to ``out``; a bundle (or empty directory) there is set aside first and
     removed after, so ``out`` is always either the old bundle or the new one."""
     check_output(out, force)  # again: something may have appeared at --out while the build ran
+    if out.exists() and exchange(tmp, out):  # tmp now holds the old bundle
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-{os.getpid()}-", dir=out.parent))
