@@ -90,9 +90,16 @@ def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = No
            "--force"]
     t0 = time.monotonic()
     peak = {"rss": 0, "pss": 0, "vllm_rss": 0, "procs": 0, "main_rss": 0}
+    last = t0
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
+            if time.monotonic() - last >= 30:  # the peaks so far and the build's own last line, every 30 s
+                last = time.monotonic()
+                lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+                print(f"[bench] {last - t0:.0f}s: peak RSS {peak['rss'] / 1e9:.2f} GB, PSS {peak['pss'] / 1e9:.2f} GB "
+                      f"(CLI {peak['main_rss'] / 1e9:.2f} GB, vLLM {peak['vllm_rss'] / 1e9:.2f} GB); build: "
+                      f"{lines[-1][:160] if lines else '-'}", flush=True)
             rss = pss = vllm = 0
             pids = tree(proc.pid)
             for p in pids:
