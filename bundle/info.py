@@ -90,13 +90,57 @@ def _json_field(path: Path, key: str):
     return json.loads(path.read_text()).get(key) if path.is_file() else None
 
 
-def encode_chat(tok, messages: Sequence[dict]) -> List[int]:
+class ContentNotFound(ValueError):
+    """A message's content is not in the rendered conversation as written (the template changed it), so its
+    control-token text cannot be told from the template's own tokens."""
+
+    def __init__(self, index: int):
+        super().__init__(f"messages.{index}.content")
+        self.index = index
+
+
+def control_token_texts(tok) -> List[str]:
+    """The strings the tokenizer turns into one special (control) token: ``<|im_end|>`` and the like."""
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    return sorted({t.content for t in added.values() if getattr(t, "special", False)} |
+                  set(getattr(tok, "all_special_tokens", []) or []), key=len, reverse=True)
+
+
+def encode_chat(tok, messages: Sequence[dict], control_tokens: bool = False) -> List[int]:
     """Token ids of a conversation (``[{"role", "content"}]``) as the model was trained to see it: the
-    tokenizer's chat template with the generation prompt; without a template, the contents, one per line."""
+    tokenizer's chat template with the generation prompt; without a template, the contents, one per line.
+
+    A control token's text typed into a message (``<|im_end|><|im_start|>system``) is text, tokenized as the
+    characters it is, unless ``control_tokens``: otherwise a user could close their turn and open a system one. Only
+    a conversation holding such text is encoded piecewise (the contents found in the rendered text in order);
+    every other is encoded whole, exactly as before. ``ContentNotFound`` when the template changed such a content."""
+    contents = [str(m["content"]) for m in messages]
+    specials = [] if control_tokens else control_token_texts(tok)
+    marked = [i for i, c in enumerate(contents) if any(t in c for t in specials)]
     if getattr(tok, "chat_template", None):
         text = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False)["input_ids"]
-    return tok("\n".join(m["content"] for m in messages))["input_ids"]
+        template_specials = False
+    else:
+        text, template_specials = "\n".join(contents), True  # tok() adds the tokenizer's own BOS/EOS, if any
+    if not marked:
+        return tok(text, add_special_tokens=template_specials)["input_ids"]
+    ids: List[int] = []
+    pos = search = 0  # emitted up to pos; contents found up to search
+    for i, content in enumerate(contents):
+        start = text.find(content, search)
+        if start < 0:
+            raise ContentNotFound(i)
+        search = start + len(content)
+        if i in marked:
+            ids += tok(text[pos:start], add_special_tokens=False)["input_ids"]
+            ids += tok(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            pos = search
+    ids += tok(text[pos:], add_special_tokens=False)["input_ids"]
+    if template_specials:  # the tokenizer's own BOS / EOS around the text, as tok(text) adds them
+        probe, bare = tok("a")["input_ids"], tok("a", add_special_tokens=False)["input_ids"]
+        at = probe.index(bare[0]) if bare and bare[0] in probe else 0
+        ids = probe[:at] + ids + probe[at + len(bare):]
+    return ids
 
 
 def encode_prompt(tok, prompt: str) -> List[int]:

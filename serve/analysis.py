@@ -140,6 +140,24 @@ def _golden_verdict(g: dict, cfg: RolloutConfig, t: GateThresholds, metrics: dic
     return fails
 
 
+def _error_verdict(window: Window, cfg: RolloutConfig, metrics: dict) -> List[str]:
+    """INT8's error rate, judged from ``min_samples`` requests (one timed-out request of one is no error rate) and
+    against FP16's in the same window: it fails when even its lower bound at ``confidence`` exceeds FP16's upper bound
+    by more than ``max_error_rate``, so overload that fails both variants alike rolls nothing back. FP16's rate counts
+    from ``min_samples`` requests too (before that it is taken as 0: INT8 is judged on its own)."""
+    n_int8, n_fp16 = window.requests["int8"], window.requests["fp16"]
+    if n_int8 < cfg.min_samples:
+        return []
+    err_lo, err_hi = wilson_interval(window.errors["int8"], n_int8, cfg.confidence)
+    fp16_hi = wilson_interval(window.errors["fp16"], n_fp16, cfg.confidence)[1] if n_fp16 >= cfg.min_samples else 0.0
+    metrics["int8_error_rate_bounds"], metrics["fp16_error_rate_upper_bound"] = [err_lo, err_hi], fp16_hi
+    if err_lo - fp16_hi <= cfg.max_error_rate:
+        return []
+    return [f"int8 error rate {window.errors['int8'] / n_int8:.3f} (>= {err_lo:.3f} at {cfg.confidence:.0%} "
+            f"confidence) exceeds fp16's ({window.errors['fp16'] / max(1, n_fp16):.3f}, <= {fp16_hi:.3f}) by more "
+            f"than max {cfg.max_error_rate}"]
+
+
 def analyse(window: Window, cfg: RolloutConfig, bundle_thresholds: GateThresholds) -> Tuple[str, List[str], dict]:
     """('pass' | 'fail' | 'inconclusive', reasons, metrics) for one window. Golden runs are judged against the build
     gate's greedy and reward limits (the bundle's thresholds unless the router config sets its own), with a
@@ -150,17 +168,12 @@ def analyse(window: Window, cfg: RolloutConfig, bundle_thresholds: GateThreshold
     ratio = lat_i / lat_f if lat_i and lat_f else None
     shadow = window.shadow_same / window.shadow_pairs if window.shadow_pairs else None
     metrics = {"int8_requests": n_int8, "fp16_requests": window.requests["fp16"], "int8_error_rate": err,
+               "fp16_error_rate": window.errors["fp16"] / window.requests["fp16"] if window.requests["fp16"] else 0.0,
                "int8_p99_s": lat_i, "fp16_p99_s": lat_f, "p99_latency_ratio": ratio,
                "shadow_pairs": window.shadow_pairs, "shadow_agreement": shadow, "golden": window.golden}
     t = cfg.thresholds or bundle_thresholds
     fails = []
-    if n_int8:
-        # like the shadow flips: one timed-out request among 8 is no evidence of a 5 % error rate
-        err_lo, err_hi = wilson_interval(window.errors["int8"], n_int8, cfg.confidence)
-        metrics["int8_error_rate_bounds"] = [err_lo, err_hi]
-        if err_lo > cfg.max_error_rate:
-            fails.append(f"int8 error rate {err:.3f} (>= {err_lo:.3f} at {cfg.confidence:.0%} confidence) > max "
-                         f"{cfg.max_error_rate}")
+    fails += _error_verdict(window, cfg, metrics)
     need = max(cfg.min_samples, cfg.min_latency_samples)
     enough_both = all(len(window.latencies[v]) >= need for v in ("int8", "fp16"))
     if ratio is not None and enough_both and ratio > cfg.max_p99_latency_ratio:

@@ -30,21 +30,30 @@ class LiveCanary:
         self.window = Window(controller.epoch())
         self.tasks: Dict[str, asyncio.Task] = {}
         self.background: set = set()  # shadow calls in flight (a reference keeps each task alive)
+        self.excluded = {"int8": 0, "fp16": 0}  # requests (and failures) of forced variants: not rollout evidence
 
     # -- recording -----------------------------------------------------------------------------
-    def record(self, variant: str, seconds: float, tokens: int) -> None:
-        self.window.requests[variant] += 1
-        lat = self.window.latencies[variant]
-        lat.append(seconds)
-        del lat[:-LATENCY_SAMPLES]
+    def record(self, variant: str, seconds: float, tokens: int, evidence: bool = True) -> None:
+        """A served request in the metrics; in the window too unless it is not ``evidence`` (a variant forced by the
+        admin token: benchmarks and drills choose the variant, and their requests must not promote or roll back)."""
+        if evidence:
+            self.window.requests[variant] += 1
+            lat = self.window.latencies[variant]
+            lat.append(seconds)
+            del lat[:-LATENCY_SAMPLES]
+        else:
+            self.excluded[variant] += 1
         self.metrics.requests.labels(variant=variant).inc()
         self.metrics.latency.labels(variant=variant).observe(seconds)
         self.metrics.tokens.labels(variant=variant).inc(tokens)
 
-    def record_error(self, variant: str, exc: BaseException) -> None:
+    def record_error(self, variant: str, exc: BaseException, evidence: bool = True) -> None:
         log.warning("variant %s failed: %s: %s", variant, type(exc).__name__, str(exc)[:200])
-        self.window.requests[variant] += 1
-        self.window.errors[variant] += 1
+        if evidence:
+            self.window.requests[variant] += 1
+            self.window.errors[variant] += 1
+        else:
+            self.excluded[variant] += 1
         self.metrics.errors.labels(variant=variant).inc()
 
     # -- shadow --------------------------------------------------------------------------------
@@ -69,6 +78,7 @@ class LiveCanary:
         finally:
             self.admission.release(background=True)
         same = res["token_ids"] == primary_ids
+        self.window.requests[other] += 1  # as a failed one counts a request and an error (its latency is no client's)
         self.window.shadow_pairs += 1
         self.window.shadow_same += int(same)
         self.metrics.shadow.labels(outcome="same" if same else "different").inc()

@@ -127,15 +127,24 @@ def require_admin(request: Request, token: Optional[str]) -> None:
         raise ApiError(403, "admin token is not valid", "authorization", code="permission_denied")
 
 
-class ApiKeyGuard:
-    """ASGI middleware: with API keys configured, BentoML's own routes named here (the metrics and the
-    published spec) need a key like the inference routes (our routes check it themselves)."""
+PROBES = ("/livez", "/readyz", "/healthz")  # what an orchestrator polls without credentials
 
-    def __init__(self, app, keys=(), paths=("/metrics", "/docs.json")):
-        self.app, self.keys, self.paths = app, tuple(keys), tuple(paths)
+
+def guarded_path(path: str) -> bool:
+    """Every path needs an API key (when keys are configured) but the probes and the admin API, which has its own
+    token: BentoML's routes too (the metrics, the spec at /docs.json and /schema.json, the docs page at /)."""
+    return path not in PROBES and path != "/admin" and not path.startswith("/admin/")
+
+
+class ApiKeyGuard:
+    """ASGI middleware: with API keys configured, every route but the probes and the admin API (``guarded_path``)
+    needs a key, BentoML's own included (our routes check it themselves too)."""
+
+    def __init__(self, app, keys=()):
+        self.app, self.keys = app, tuple(keys)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.keys and scope.get("path") in self.paths:
+        if scope["type"] == "http" and self.keys and guarded_path(scope.get("path", "")):
             request = Request(scope)
             try:
                 require_api_key(request, self.keys)

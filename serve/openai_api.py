@@ -11,7 +11,7 @@ from typing import List, Optional
 from jinja2 import TemplateError
 
 from policy_bundle.bundle.faults import active_fault
-from policy_bundle.bundle.info import BundleInfo, encode_chat, encode_text
+from policy_bundle.bundle.info import BundleInfo, ContentNotFound, control_token_texts, encode_chat, encode_text
 from policy_bundle.quantize.text import ids_to_text
 from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest
 
@@ -185,8 +185,9 @@ LINES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% if not loop.last %}\n
 class ChatAdapter(Adapter):
     endpoint, schema, field_name, id_prefix = "chat", ChatRequest, "messages", "chatcmpl"
 
-    def __init__(self, tok, info: BundleInfo, model_name: str):
+    def __init__(self, tok, info: BundleInfo, model_name: str, control_tokens: bool = False):
         super().__init__(tok, info, model_name)
+        self.control_tokens = control_tokens  # the setting chat_control_tokens: typed control tokens are tokens
         if active_fault("template"):
             tok.chat_template = FAULT_TEMPLATE + (getattr(tok, "chat_template", None) or LINES_TEMPLATE)
 
@@ -196,7 +197,11 @@ class ChatAdapter(Adapter):
                 raise ApiError(400, f"messages.{i}.content: must not be empty", f"messages.{i}.content", m.content)
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
-            return "", encode_chat(self.tok, messages)
+            return "", encode_chat(self.tok, messages, control_tokens=self.control_tokens)
+        except ContentNotFound as exc:
+            raise ApiError(400, f"{exc}: holds a control token's text (such as {control_token_texts(self.tok)[0]!r}) "
+                           "and the chat template rewrites this content, so it cannot be kept as text",
+                           str(exc)) from None
         except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             # a template's raise_exception (roles out of order, a role it has no turn for) refuses these messages
             raise ApiError(400, f"messages: the model's chat template refused them ({type(exc).__name__}: "

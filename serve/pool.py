@@ -97,7 +97,7 @@ class Admission:
 
 class VariantPool:
     def __init__(self, services: Dict[str, object], settings, note: Callable[[str, str, dict], None],
-                 on_error: Callable[[str, BaseException], None], metrics, expected_manifest: Optional[str] = None):
+                 on_error: Callable[[str, BaseException, bool], None], metrics, expected_manifest: Optional[str] = None):
         self.services, self.settings, self.note, self.on_error, self.metrics = services, settings, note, on_error, metrics
         self.expected_manifest = expected_manifest  # the router's pair: a variant serving another build is not ready
         self.health: Dict[str, dict] = {n: {"ready": False, "error": "not probed yet"} for n in VARIANTS}
@@ -106,6 +106,7 @@ class VariantPool:
         self.ever_ready: set = set()
         self.probe_failures: Dict[str, int] = {}
         self.down_events: Dict[str, asyncio.Event] = {}
+        self.was_fully_ready = False  # both variants were ready on their expected engines at some probe
 
     # -- health --------------------------------------------------------------------------------
     async def _probe(self, name: str) -> dict:
@@ -142,6 +143,7 @@ class VariantPool:
             if name in self.down and health.get("timed_out"):
                 self.down_events.setdefault(name, asyncio.Event()).set()  # fail waiting requests over now
         self.health = results
+        self.was_fully_ready = self.was_fully_ready or self.fully_ready()
         self.metrics.fp16_fallback.set(1.0 if results["fp16"].get("fallback") else 0.0)
         self._report_engines(results)
         return results
@@ -156,8 +158,20 @@ class VariantPool:
                 self.metrics.engine.labels(variant=name, engine=engine).set(1.0)
                 self.engines[name] = engine
 
-    def ready(self) -> bool:
+    def fully_ready(self) -> bool:
+        """Both variants ready, each on the engine it is meant to run."""
         return all(h.get("ready") and h.get("expected_engine", True) for h in self.health.values())
+
+    def ready(self) -> bool:
+        """Ready to take traffic: both variants fully ready at least once (a router that never came up whole, a
+        variant on a fallback engine it was not meant to run, is a deployment to look at), then while either one
+        is ready and not down: fail-over serves every request when one restarts (``degraded`` says which)."""
+        return self.fully_ready() or (self.was_fully_ready and any(
+            self.health[n].get("ready") for n in VARIANTS if n not in self.down))
+
+    def degraded(self) -> List[str]:
+        """The variants that cannot serve now (down, or not ready)."""
+        return [n for n in VARIANTS if n in self.down or not self.health[n].get("ready")]
 
     # -- calls ---------------------------------------------------------------------------------
     async def _retry_dropped(self, make_call):
@@ -216,7 +230,7 @@ class VariantPool:
                 if refused is not None:
                     raise refused from None
                 last = exc
-                self.on_error(name, exc)
+                self.on_error(name, exc, not forced)  # a forced variant's failure is no rollout evidence
         raise _unavailable(last)
 
     async def generate(self, preferred: str, forced: bool, kwargs: dict) -> Tuple[str, dict]:

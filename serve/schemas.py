@@ -59,14 +59,49 @@ def _json_safe(v):
     return _text(v if isinstance(v, str) else repr(v)[:200])
 
 
+# Fields of the OpenAI (and vLLM) APIs this server does not implement: accepted at a value that means "off" (null
+# included; vLLM's benchmark client sends repetition_penalty 1.0), refused by name at any other (answering as if
+# they were not there would answer another request than the one asked). Any other unknown field is refused too.
+NOT_IMPLEMENTED = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "logit_bias": ({},),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "top_logprobs": (0,),
+    "best_of": (1,), "suffix": ("",), "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "store": (False,),
+}
+MESSAGE_NOT_IMPLEMENTED = {"tool_calls": ([],), "name": (), "tool_call_id": (), "function_call": ()}
+
+
+def _is_off(value, options) -> bool:
+    """``value`` means the field is off: null, or one of ``options`` (a bool never stands for 0 or 1)."""
+    return value is None or any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in options)
+
+
+def refuse_unknown(data: dict, known, not_implemented: dict, where: str = "") -> None:
+    """A 400 naming the first field of ``data`` the model does not have: one this server does not implement (at a
+    value that is not off), or one it does not know."""
+    for key, value in data.items():
+        if key in known:
+            continue
+        name = f"{where}{key}"
+        if key in not_implemented:
+            if _is_off(value, not_implemented[key]):
+                continue
+            off = not_implemented[key]
+            raise ApiError(400, f"{name}: not implemented by this server" + (
+                f" (accepted only as null or {' / '.join(repr(o) for o in off)})" if off else " (accepted only as null)"),
+                name, value, code="unsupported_parameter")
+        raise ApiError(400, f"{name}: unknown field", name, code="unknown_parameter")
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: StrictBool = False  # one more chunk before [DONE]: empty choices, the request's usage
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
+    # strict: "0.5" is not a temperature and true is not a number (a JSON int is a float, as JSON has one number)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -109,6 +144,8 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     role: Literal["system", "user", "assistant"]
     content: str = Field(json_schema_extra=_published(TEXT))
 
@@ -123,6 +160,10 @@ def parse_request(model: type[BaseModel], data) -> BaseModel:
     """Validate a JSON body; the first problem becomes a 400 naming the field, value and limit."""
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", param=None)
+    refuse_unknown(data, model.model_fields, NOT_IMPLEMENTED)
+    for i, message in enumerate(data.get("messages") or [] if model is ChatRequest else []):
+        if isinstance(message, dict):
+            refuse_unknown(message, ChatMessage.model_fields, MESSAGE_NOT_IMPLEMENTED, f"messages.{i}.")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -173,6 +214,9 @@ def openapi_operation(model: type[BaseModel], model_name: str, errors=(400, 401,
     schema = model.model_json_schema()
     body = openapi30(schema, schema.get("$defs", {}))
     body["properties"]["model"] = {"type": "string", "enum": [model_name], "description": "the served model's name"}
+    body["additionalProperties"] = False  # an unknown field is a 400 (parse_request: refuse_unknown)
+    if "messages" in body["properties"]:
+        body["properties"]["messages"]["items"]["additionalProperties"] = False
     reasons = {400: "invalid field (names the field, value and limit)", 401: "missing or invalid key",
                403: "forbidden", 404: "unknown model", 413: "body too large", 429: "too many requests in flight",
                503: "no variant could answer"}

@@ -82,12 +82,13 @@ class PolicyRouter:
             refuse(f"state_url: {exc}")
         self.admission = Admission(self.settings.max_inflight, self.settings.background_slots, self.metrics.set_inflight)
         self.pool = VariantPool({"int8": self.int8, "fp16": self.fp16}, self.settings, self.controller.note,
-                                lambda name, exc: self.canary.record_error(name, exc), self.metrics,
+                                lambda name, exc, evidence: self.canary.record_error(name, exc, evidence), self.metrics,
                                 expected_manifest=self.pair.int8_manifest)
         self.canary = LiveCanary(self.pool, self.admission, self.controller, self.info, self.tok, self.settings,
                                  self.metrics)
         self.adapters = {a.endpoint: a for a in (CompletionsAdapter(self.tok, self.info, self.settings.model_name),
-                                                 ChatAdapter(self.tok, self.info, self.settings.model_name))}
+                                                 ChatAdapter(self.tok, self.info, self.settings.model_name,
+                                                             self.settings.chat_control_tokens))}
         self.fault = active_fault()  # announced in the log; reported by /status
         self._closing: set = set()  # streams being closed after their response ended (strong references)
         r = self.settings.rollout
@@ -96,6 +97,9 @@ class PolicyRouter:
                       "sync": (r.sync_interval_s, self.canary.sync_tick),
                       "golden": (r.golden_interval_s, self.canary.golden_tick)}
         self.metrics.weight.set(self.controller.state.weight)
+        if not self.settings.api_keys:
+            log.warning("serving without API keys: every route, /status and /metrics included, is open to whoever "
+                        "can reach this port; set POLICY_BUNDLE_API_KEYS (or api_keys in POLICY_ROUTER_CONFIG)")
         log.info("router up: INT8 weight %.1f%% (%s, resumed=%s), context %d tokens", self.controller.state.weight,
                  self.controller.state.status, self.controller.resumed, self.info.max_seq_len)
 
@@ -152,7 +156,7 @@ class PolicyRouter:
             if req.stream:
                 served, first, steps = await self.pool.open_stream(variant, forced is not None, kwargs)
                 streaming = True  # from here the response releases the slot, however the stream ends
-                body = self._stream(adapter, p, served, first, steps, t0)
+                body = self._stream(adapter, p, served, first, steps, t0, forced is None)
                 return ReleasingStream(body, lambda: self._stream_ended(body, steps), media_type="text/event-stream",
                                        headers={"x-policy-variant": served})
             served, result = await self.pool.generate(variant, forced is not None, kwargs)
@@ -161,7 +165,7 @@ class PolicyRouter:
         finally:
             if not streaming:
                 self.admission.release()
-        self.canary.record(served, time.perf_counter() - t0, len(result["token_ids"]))
+        self.canary.record(served, time.perf_counter() - t0, len(result["token_ids"]), forced is None)
         self.canary.maybe_shadow(served, kwargs, result["token_ids"], forced is None and req.temperature == 0.0)
         return JSONResponse(adapter.complete(p, served, result), headers={"x-policy-variant": served})
 
@@ -169,7 +173,8 @@ class PolicyRouter:
         self.metrics.rejected.labels(endpoint=adapter.endpoint, status=str(err.status)).inc()
         return error_response(err)
 
-    async def _stream(self, adapter: Adapter, p, served: str, first: Optional[dict], steps, t0: float):
+    async def _stream(self, adapter: Adapter, p, served: str, first: Optional[dict], steps, t0: float,
+                      evidence: bool = True):
         """SSE chunks from a stream whose first step is in hand; text made incrementally (same as plain)."""
         text, n, ok = adapter.text_stream(p), 0, False
         try:
@@ -192,12 +197,12 @@ class PolicyRouter:
             yield "data: [DONE]\n\n"
             ok = True
         except Exception as exc:  # noqa: BLE001 - tokens were sent: the client gets an error event, not a "stop"
-            self.canary.record_error(served, exc)
+            self.canary.record_error(served, exc, evidence)
             yield sse({"error": {"message": f"variant {served} failed mid-stream ({type(exc).__name__})",
                                  "type": "server_error", "code": "variant_failed", "param": None}})
         finally:  # the variant's stream is closed by _stream_ended, which also runs if this never starts
             if ok:
-                self.canary.record(served, time.perf_counter() - t0, n)
+                self.canary.record(served, time.perf_counter() - t0, n, evidence)
 
     def _stream_ended(self, body, steps) -> None:
         """A streamed response is over (sent, cut off mid-stream, or its client gone before the body started,
@@ -228,9 +233,11 @@ class PolicyRouter:
         """The health the probe loop last saw (no probe, no write per GET), the rollout, the loops."""
         self.ensure_loops()
         return self._guarded(request) or {
-            "ready": self.pool.ready(), "variants": self.pool.health, "rollout": asdict(self.controller.state),
+            "ready": self.pool.ready(), "degraded": self.pool.degraded(), "variants": self.pool.health, "rollout": asdict(self.controller.state),
             "pair": asdict(self.pair), "state_version": self.controller.version, "inflight": self.admission.inflight,
             "background_inflight_peak": self.admission.background_peak, "context_tokens": self.info.max_seq_len,
+            "evidence_excluded": {"forced_requests": dict(self.canary.excluded),
+                                  "why": "a variant forced by the admin token is not rollout evidence"},
             "loops": {name: not task.done() for name, task in self.canary.tasks.items()},
             "test_fault": self.fault is not None}
 

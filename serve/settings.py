@@ -18,9 +18,16 @@ class SettingsError(ValueError):
     """POLICY_ROUTER_CONFIG (or an env var) names an unknown field or holds a bad value."""
 
 
+NO_KEYS = ("holds no key, which would leave every route open; remove it to serve without keys (the router then "
+           "says so at each start)")
+
+
 def _api_keys(path: str, value: Any) -> Tuple[str, ...]:
-    """``api_keys``: one key (a YAML string) or a list of them; the error names the type, never a key."""
-    keys = () if value is None else (value,) if isinstance(value, str) else value
+    """``api_keys``: one key (a YAML string) or a list of them; the error names the type, never a key. Written but
+    empty (no value, ``[]``) is refused: keys configured to nothing must not mean open."""
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        raise FieldError(path, NO_KEYS)
+    keys = (value,) if isinstance(value, str) else value
     if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k.strip() for k in keys):
         got = type(value).__name__ if not isinstance(value, (list, tuple)) else \
             f"a list holding {', '.join(sorted({type(k).__name__ for k in value}))}"
@@ -35,7 +42,8 @@ class RouterSettings:
     # postgresql+psycopg://user@host/db); unset = sqlite:///<state_dir>/rollout.sqlite (one process)
     state_url: Optional[str] = None
     admin_token: Optional[str] = None  # POLICY_BUNDLE_ADMIN_TOKEN; unset = admin API disabled
-    api_keys: Tuple[str, ...] = read_as(_api_keys, ())  # POLICY_BUNDLE_API_KEYS (comma-separated); empty = open
+    # POLICY_BUNDLE_API_KEYS (comma-separated); unset = open, with a warning at each start; set to none = refused
+    api_keys: Tuple[str, ...] = read_as(_api_keys, ())
     model_name: str = "policy"
     sticky_salt: str = "policy-bundle"
     max_inflight: int = ranged(32, 0)  # calls in flight (client, shadow, golden); beyond this: 429 with Retry-After
@@ -53,6 +61,9 @@ class RouterSettings:
     health_interval_s: float = ranged(1.0, 0.0)  # variant health probes; a variant that fails one gets no new traffic
     health_timeout_s: float = ranged(3.0, 0.0)
     max_body_bytes: int = ranged(65536, 0)
+    # a control token's text typed into a chat message (<|im_end|>) is that control token, not text: only for
+    # clients that build turns themselves and are trusted to
+    chat_control_tokens: bool = False
     require_vllm: bool = False  # the FP16 variant refuses to start on the fallback engine
     # POLICY_BUNDLE_INT8_ENGINE; "vllm" serves the bundle's int8-vllm/ W8A8 dir
     int8_engine: str = choice("torchscript", INT8_ENGINES)
@@ -70,8 +81,11 @@ def _with_env(s: RouterSettings, env: Mapping[str, str]) -> RouterSettings:
         s = replace(s, state_url=env["POLICY_BUNDLE_STATE_URL"].strip())
     if env.get("POLICY_BUNDLE_ADMIN_TOKEN"):
         s = replace(s, admin_token=env["POLICY_BUNDLE_ADMIN_TOKEN"])
-    if env.get("POLICY_BUNDLE_API_KEYS"):
-        s = replace(s, api_keys=tuple(k.strip() for k in env["POLICY_BUNDLE_API_KEYS"].split(",") if k.strip()))
+    if "POLICY_BUNDLE_API_KEYS" in env:  # set at all: its keys replace the file's, and none is refused, not open
+        keys = tuple(k.strip() for k in env["POLICY_BUNDLE_API_KEYS"].split(",") if k.strip())
+        if not keys:
+            raise FieldError("POLICY_BUNDLE_API_KEYS", f"is set but {NO_KEYS}")
+        s = replace(s, api_keys=keys)
     if env.get("POLICY_BUNDLE_INT8_ENGINE"):
         s = replace(s, int8_engine=env["POLICY_BUNDLE_INT8_ENGINE"].strip())
     return s

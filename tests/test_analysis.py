@@ -94,3 +94,55 @@ def test_golden_reward_drops_fail_only_with_confidence():
     assert v == "fail" and reasons[0].startswith("golden reward_drop 0.5000") and metrics["golden_reward_delta_bounds"][1] < -0.02
     assert verdict([-1.0] * 16)[0] == "fail"
     assert verdict([-1.0] * 2)[0] == "pass"  # no spread in 2 items is not certainty (the bound adds pseudo-items)
+
+
+def test_int8_errors_need_min_samples_and_are_judged_against_fp16s_in_the_same_window():
+    cfg, t = RolloutConfig(min_samples=20), GateThresholds(min_greedy_agreement=0.0)
+
+    def verdict(errors_int8, n_int8, errors_fp16=0, n_fp16=400):
+        return analyse(Window(requests={"int8": n_int8, "fp16": n_fp16},
+                              errors={"int8": errors_int8, "fp16": errors_fp16}), cfg, t)
+
+    assert verdict(1, 1)[0] == "inconclusive"  # one error of one request failed the window before
+    assert verdict(5, 5)[0] == "inconclusive"  # below min_samples: no error rate yet
+    v, reasons, metrics = verdict(15, 40)  # FP16 clean: INT8 judged as before
+    assert v == "fail" and "exceeds fp16's" in reasons[0] and metrics["fp16_error_rate_upper_bound"] < 0.01
+    # overload that fails both alike (35 % of each): not INT8's doing, nothing rolls back
+    assert verdict(14, 40, errors_fp16=140)[0] == "pass"
+    v, _, metrics = verdict(30, 40, errors_fp16=140)  # 75 % against 35 %: INT8 is worse with confidence
+    assert v == "fail" and metrics["int8_error_rate_bounds"][0] > metrics["fp16_error_rate_upper_bound"] + 0.05
+    assert verdict(15, 40, errors_fp16=3, n_fp16=5)[0] == "fail"  # 5 FP16 requests are no baseline: INT8 alone
+
+
+def test_every_shadow_outcome_counts_a_request_of_the_variant_it_went_to():
+    """A failed shadow counted a request and an error, a successful one nothing: a variant's error rate was over its
+    failed shadows only."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from policy_bundle.serve.canary import LiveCanary
+
+    class Counter:
+        def labels(self, **_):
+            return self
+
+        def inc(self, *_):
+            pass
+
+    answers = iter([{"token_ids": [1, 2]}, {"token_ids": [1, 3]}, RuntimeError("variant down")])
+
+    async def call(name, **_):
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    canary = LiveCanary.__new__(LiveCanary)
+    canary.pool, canary.admission = SimpleNamespace(call=call), SimpleNamespace(release=lambda background: None)
+    canary.metrics = SimpleNamespace(shadow=Counter(), errors=Counter())
+    canary.window, canary.excluded = Window(), {"int8": 0, "fp16": 0}
+    for _ in range(3):  # INT8 served; its shadow goes to FP16: same, different, failed
+        asyncio.run(canary._shadow("int8", {}, [1, 2]))
+    w = canary.window
+    assert (w.requests["fp16"], w.errors["fp16"], w.shadow_pairs, w.shadow_same) == (3, 1, 2, 1)
+    assert w.requests["int8"] == 0

@@ -86,3 +86,36 @@ def test_a_variant_serving_another_builds_manifest_is_not_ready():
     assert "not the router's pair" in health["fp16"]["error"]
     pool.expected_manifest = "b" * 64  # the control: the same probe against its own pair
     assert asyncio.run(pool.refresh())["fp16"]["ready"]
+
+
+def test_the_router_stays_ready_while_one_variant_restarts_once_both_came_up():
+    """/readyz needed both variants: one restarting took the pod out of its Service though fail-over could serve."""
+    from policy_bundle.serve.pool import VariantPool
+
+    up = {"int8": False, "fp16": True}
+
+    def service(name):
+        async def health():
+            if not up[name]:
+                raise ConnectionRefusedError("restarting")
+            return {"ready": True, "engine": "test"}
+
+        return SimpleNamespace(to_async=SimpleNamespace(health=health))
+
+    notes = []
+    pool = VariantPool({n: service(n) for n in up}, SimpleNamespace(health_timeout_s=3.0),
+                       note=lambda *a: notes.append(a[0]), on_error=lambda *a: None,
+                       metrics=SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge()))
+    asyncio.run(pool.refresh())
+    assert not pool.ready() and pool.degraded() == ["int8"]  # never came up whole: not ready
+    up["int8"] = True
+    asyncio.run(pool.refresh())
+    assert pool.ready() and pool.degraded() == []
+    up["int8"] = False
+    for _ in range(3):  # three refused probes: down
+        asyncio.run(pool.refresh())
+    assert "variant-down" in notes and pool.ready() and pool.degraded() == ["int8"]  # FP16 serves everything
+    up["fp16"] = False
+    for _ in range(3):
+        asyncio.run(pool.refresh())
+    assert not pool.ready() and pool.degraded() == ["int8", "fp16"]  # nothing can serve

@@ -41,7 +41,7 @@ def pool_of(int8: list, fp16: list):
     calls, errors = [], []
     services = {"int8": stream_service(int8, calls, "int8"), "fp16": stream_service(fp16, calls, "fp16")}
     pool = VariantPool(services, SimpleNamespace(request_timeout_s=10.0, health_timeout_s=3.0), note=lambda *a: None,
-                       on_error=lambda name, exc: errors.append(name), metrics=None)
+                       on_error=lambda name, exc, evidence: errors.append(name), metrics=None)
     return pool, calls, errors
 
 

@@ -9,7 +9,19 @@ import pytest
 from serve_helpers import Server, bundle_version
 from test_serve import ADMIN, FORCE_INT8, admin, complete, env_for
 
-FORCE_FP16 = {**FORCE_INT8, "x-policy-variant": "fp16"}
+
+
+def users_on(variant: str, weight: float, n: int) -> list:
+    """``n`` sticky users the router sends to ``variant`` at INT8 ``weight`` (default salt): routed traffic, which is
+    rollout evidence (a forced variant is not)."""
+    from policy_bundle.serve.routing import sticky_bucket
+
+    out, i = [], 0
+    while len(out) < n:
+        user, i = f"user-{i}", i + 1
+        if (sticky_bucket("policy-bundle", user) < weight) == (variant == "int8"):
+            out.append(user)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +132,11 @@ def test_inconclusive_analyses_pause_the_rollout_for_an_operator(replicas):
     admin(b, "restart")
     assert admin(b, "analyse")["verdict"] == "idle"  # no traffic at all: not counted
     verdicts = []
-    for _ in range(2):  # some evidence, less than min_samples (10)
-        assert complete(b, headers=FORCE_INT8, max_tokens=3).status_code == 200
+    assert complete(b, headers=FORCE_INT8, max_tokens=3).status_code == 200
+    assert admin(b, "analyse")["verdict"] == "idle"  # a forced variant is no evidence either
+    for user in users_on("int8", 1.0, 2):  # some evidence, less than min_samples (10)
+        r = complete(b, max_tokens=3, user=user)
+        assert r.status_code == 200 and r.headers["x-policy-variant"] == "int8"
         verdicts.append(admin(b, "analyse")["verdict"])
     assert verdicts == ["inconclusive", "inconclusive"]
     got = rollout_of(b)["state"]
@@ -140,9 +155,8 @@ def test_a_rollback_decided_by_one_replica_is_obeyed_by_the_other(replicas):
     assert wait_for(b, "held")["state"]["weight"] == 50.0
     verdicts = []
     for _ in range(2):
-        for _ in range(10):
-            assert complete(a, headers=FORCE_INT8, max_tokens=3).status_code == 200
-            assert complete(a, headers=FORCE_FP16, max_tokens=3).status_code == 200
+        for user in users_on("int8", 50.0, 10) + users_on("fp16", 50.0, 10):
+            assert complete(a, max_tokens=3, user=user).status_code == 200
         verdicts.append(admin(a, "analyse")["verdict"])
     assert verdicts == ["fail", "fail"]
     got = wait_for(b, "rolled-back")

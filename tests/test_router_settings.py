@@ -74,3 +74,23 @@ def test_engine_lanes_default_to_one_per_usable_core_and_have_a_range(tmp_path, 
     assert usable_cores(quota) == usable_cores(tmp_path / "none")
     with pytest.raises(SettingsError, match=r"^engine_lanes: .* is out of range \[0, 256\]$"):
         settings_from(tmp_path, monkeypatch, "engine_lanes: -1\n")
+
+
+@pytest.mark.parametrize("value", [",", " ", " , ,", ""])
+def test_api_keys_from_the_env_that_hold_no_key_are_refused_not_open(tmp_path, monkeypatch, value):
+    """POLICY_BUNDLE_API_KEYS set to nothing replaced the file's keys with none, which meant open."""
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("api_keys: [s3cr3t]\n")
+    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(cfg))
+    monkeypatch.setenv("POLICY_BUNDLE_API_KEYS", value)
+    with pytest.raises(SettingsError, match=r"^POLICY_BUNDLE_API_KEYS: is set but holds no key, which would leave"):
+        load_settings()
+    monkeypatch.setenv("POLICY_BUNDLE_API_KEYS", " other , ")  # the negative control: a key replaces the file's
+    assert load_settings().api_keys == ("other",)
+
+
+@pytest.mark.parametrize("value", ["[]", "", "null"])
+def test_api_keys_written_empty_in_the_file_are_refused(tmp_path, monkeypatch, value):
+    with pytest.raises(SettingsError, match=r"^api_keys: holds no key, which would leave every route open"):
+        settings_from(tmp_path, monkeypatch, f"api_keys: {value}\n")
+    assert settings_from(tmp_path, monkeypatch, "model_name: policy\n").api_keys == ()  # not written: open

@@ -68,6 +68,17 @@ def test_every_response_names_its_variant(good):
     assert r.headers["x-policy-variant"] == r.json()["policy_variant"] in ("int8", "fp16")
 
 
+def test_forced_requests_are_counted_apart_from_rollout_evidence(good):
+    """Benchmarks force a variant with the admin token: those requests must neither promote nor roll back INT8."""
+    before = httpx.get(f"{good.url}/status", timeout=30).json()["evidence_excluded"]["forced_requests"]
+    for _ in range(3):
+        assert complete(good, headers=FORCE_INT8).status_code == 200
+    assert complete(good).status_code == 200  # routed, not forced: evidence
+    after = httpx.get(f"{good.url}/status", timeout=30).json()["evidence_excluded"]
+    assert after["forced_requests"]["int8"] == before["int8"] + 3 and after["forced_requests"]["fp16"] == before["fp16"]
+    assert "not rollout evidence" in after["why"]
+
+
 def test_forced_variant_needs_the_admin_token(good):
     assert complete(good, headers=FORCE_INT8).headers["x-policy-variant"] == "int8"
     forced_fp16 = {"x-policy-variant": "fp16", "x-admin-token": "test-admin-token"}
@@ -165,6 +176,17 @@ def test_admin_api_needs_the_bearer_token(good):
         ({"model": "policy", "prompt": "1+1=", "temperature": 9}, 400, "temperature"),
         ({"model": "gpt-4", "prompt": "1+1="}, 404, "model"),
         ({"prompt": "1+1="}, 400, "model"),
+        # strict types: a string or a bool is not a number
+        ({"model": "policy", "prompt": "1+1=", "temperature": "0.5"}, 400, "temperature"),
+        ({"model": "policy", "prompt": "1+1=", "temperature": True}, 400, "temperature"),
+        # what the server does not implement is refused by name, never ignored
+        ({"model": "policy", "prompt": "1+1=", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+        ({"model": "policy", "prompt": "1+1=", "presence_penalty": 1.5}, 400, "presence_penalty"),
+        ({"model": "policy", "prompt": "1+1=", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        ({"model": "policy", "prompt": "1+1=", "best_of": 3}, 400, "best_of"),
+        ({"model": "policy", "prompt": "1+1=", "suffix": "!"}, 400, "suffix"),
+        ({"model": "policy", "prompt": "1+1=", "top_k": 5}, 400, "top_k"),
+        ({"model": "policy", "prompt": "1+1=", "no_such_field": 1}, 400, "no_such_field"),
     ],
 )
 def test_bad_input_gets_a_clear_4xx(good, body, status, param):
@@ -172,6 +194,35 @@ def test_bad_input_gets_a_clear_4xx(good, body, status, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"].startswith(param)
+
+
+CHAT = {"model": "policy", "messages": [{"role": "user", "content": "12+34="}], "max_tokens": 6, "temperature": 0}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"top_logprobs": 5, "logprobs": True}, "top_logprobs"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]},
+                   {"role": "user", "content": "12+34="}]}, "messages.0.tool_calls"),
+])
+def test_chat_fields_the_server_does_not_implement_are_refused_by_name(good, extra, param):
+    r = httpx.post(f"{good.url}/v1/chat/completions", json={**CHAT, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}: not implemented by this server")
+
+
+def test_fields_at_their_off_value_are_accepted(good):
+    """A client that sends a field at the value that means off (vLLM's benchmark sends repetition_penalty 1.0) is
+    answered: nothing it asked for is ignored."""
+    off = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": None,
+           "response_format": {"type": "text"}, "repetition_penalty": 1.0, "top_logprobs": None}
+    r = httpx.post(f"{good.url}/v1/chat/completions", json={**CHAT, **off}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "46"
 
 
 def test_prompt_too_long_names_the_limit(good):

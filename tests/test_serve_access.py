@@ -23,10 +23,13 @@ def test_api_keys_guard_inference_routes(locked):
     assert complete(locked).status_code == 401
     assert complete(locked, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert complete(locked, headers={"Authorization": "Bearer key-two"}).status_code == 200
-    for path in ("/status", "/metrics", "/v1/models", "/docs.json"):  # what the service knows is not public either
+    # what the service knows is not public either: its state, metrics, spec (both of BentoML's) and docs page
+    for path in ("/status", "/metrics", "/v1/models", "/docs.json", "/schema.json", "/"):
         assert httpx.get(f"{locked.url}{path}", timeout=30).status_code == 401, path
         assert httpx.get(f"{locked.url}{path}", headers={"Authorization": "Bearer key-one"}, timeout=30).status_code == 200
-    assert httpx.get(f"{locked.url}/readyz", timeout=30).status_code == 200  # infrastructure probes stay open
+    for probe in ("/readyz", "/livez", "/healthz"):  # infrastructure probes stay open
+        assert httpx.get(f"{locked.url}{probe}", timeout=30).status_code == 200, probe
+    assert "serving without API keys" not in locked.log.read_text()
 
 
 def test_admin_api_is_disabled_without_a_token(locked):

@@ -3,6 +3,7 @@ before or after their first token, loops that raise, vLLM that does not load, ba
 engine the bundle cannot run."""
 
 import json
+import os
 import time
 
 import httpx
@@ -75,15 +76,18 @@ def test_loops_survive_their_exceptions(faulty):
         time.sleep(0.5)
     assert metric(faulty, "policy_loop_errors_total", loop="analysis") == 2
     assert metric(faulty, "policy_loop_errors_total", loop="health") == 2
-    # The analysis loop still judges new evidence: a fresh rollout, then a forced INT8 request (INT8 fails here)
-    # at a time; each must get a verdict from the loop (analysis-failed, then rollback), not from an admin call.
+    # The analysis loop still judges new evidence: a fresh rollout (1 % on INT8), then a request of a user routed to
+    # INT8 (which fails here: FP16 answers it) at a time; each must get a verdict from the loop, not from an admin
+    # call. Routed, not forced: a forced variant is no rollout evidence.
+    from policy_bundle.serve.routing import sticky_bucket
+
     httpx.post(f"{faulty.url}/admin/rollout", json={"action": "restart"}, headers=ADMIN, timeout=30)
-    forced = {"x-policy-variant": "int8", "x-admin-token": "t"}
-    for _ in range(2):
+    users = [u for u in (f"user-{i}" for i in range(5000)) if sticky_bucket("policy-bundle", u) < 1.0][:2]
+    for user in users:
         before = metric(faulty, "policy_canary_verdicts_total")
-        r = httpx.post(f"{faulty.url}/v1/completions", headers=forced, timeout=60,
-                       json={"model": "policy", "prompt": "1+1=", "max_tokens": 2, "temperature": 0})
-        assert r.status_code == 503
+        r = httpx.post(f"{faulty.url}/v1/completions", timeout=60, json={
+            "model": "policy", "prompt": "1+1=", "max_tokens": 1, "temperature": 0, "user": user})
+        assert r.status_code == 200 and r.headers["x-policy-variant"] == "fp16"  # INT8 failed: failed over
         deadline = time.monotonic() + 30
         while metric(faulty, "policy_canary_verdicts_total") <= before and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -198,3 +202,52 @@ def test_router_gate_threshold_out_of_the_builds_range_is_one_line(tmp_path, sma
 def test_bad_int8_engine_is_one_line(tmp_path, small_bundle):
     log = refused_start(tmp_path, small_bundle, "badengine", config={"int8_engine": "onnx"})
     assert "int8_engine: 'onnx' is not one of ['torchscript', 'vllm']" in log
+
+
+def test_api_keys_set_to_nothing_refuse_to_start_and_an_open_router_says_so(tmp_path, small_bundle):
+    """POLICY_BUNDLE_API_KEYS="," used to replace the file's keys with none: an open server, silently."""
+    log = refused_start(tmp_path, small_bundle, "nokeys", config={"api_keys": ["s3cr3t"]}, POLICY_BUNDLE_API_KEYS=",")
+    assert "POLICY_BUNDLE_API_KEYS: is set but holds no key" in log
+    server = start(tmp_path, small_bundle, "open")  # no keys anywhere: open, and one warning line per start
+    try:
+        assert httpx.get(f"{server.url}/status", timeout=30).status_code == 200
+        assert server.log.read_text().count("serving without API keys: every route") == 1
+    finally:
+        server.stop()
+
+
+HALF_REGISTER = """
+import shutil, sys, time
+from pathlib import Path
+import bentoml
+bundle, version = Path(sys.argv[1]), sys.argv[2]
+time.sleep(1.1)  # a later creation time than the whole pair's
+with bentoml.models.create(f"policy-int8:{version}", metadata={"manifest_sha256": "f" * 64, "artifact": "int8"}) as m:
+    shutil.copytree(bundle / "int8", Path(m.path) / "int8")
+"""
+
+
+def test_a_registration_killed_half_way_is_passed_over_for_the_last_whole_pair(tmp_path, small_bundle):
+    """A build killed between its two registrations left `latest` naming two builds, and every router start refused
+    until someone deleted an entry by hand."""
+    import subprocess
+    import sys
+
+    from serve_helpers import register_into
+
+    home = tmp_path / "bentoml"
+    register_into(small_bundle, home)
+    half = subprocess.run([sys.executable, "-c", HALF_REGISTER, str(small_bundle), "killed-build-000000000000"],
+                          env={**os.environ, "BENTOML_HOME": str(home)}, capture_output=True, text=True)
+    assert half.returncode == 0, half.stderr[-2000:]
+    server = start(tmp_path, small_bundle, "halfpair", BENTOML_HOME=str(home), POLICY_BUNDLE_VERSION="latest")
+    try:
+        status = httpx.get(f"{server.url}/status", timeout=30).json()
+        assert status["pair"]["label"] == bundle_version(small_bundle)
+        assert httpx.post(f"{server.url}/v1/completions", json={"model": "policy", "prompt": "12+34=", "max_tokens": 4,
+                                                                "temperature": 0}, timeout=60).status_code == 200
+        log = server.log.read_text()
+        assert f"latest: serving {bundle_version(small_bundle)}, the newest whole INT8/FP16 pair; passed over " \
+               "policy-int8:killed-build-000000000000" in log
+    finally:
+        server.stop()

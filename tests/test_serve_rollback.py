@@ -82,6 +82,13 @@ def test_broken_bundle_is_rolled_back_while_every_request_succeeds(broken_versio
         history = httpx.get(f"{server.url}/admin/rollout/history", headers=ADMIN).json()["history"]
         assert history[-1]["event"] == "rollback" and "failed analyses" in history[-1]["reason"]
         assert all(complete(server, user=f"u{i}").headers["x-policy-variant"] == "fp16" for i in range(10))
+        # a restart on the same state keeps it rolled back (auto_start starts only a pair that has no rollout)
+        server.stop()
+        server = Server(env_for(state, "broken", broken_version, vllm=False, rollout={"golden_items": 32}),
+                        state / "broken-restarted.log").wait_ready()
+        again = httpx.get(f"{server.url}/admin/rollout", headers=ADMIN).json()["state"]
+        assert again["status"] == "rolled-back" and again["weight"] == 0.0
+        assert all(complete(server, user=f"u{i}").headers["x-policy-variant"] == "fp16" for i in range(10))
     finally:
         server.stop()
 
