@@ -58,7 +58,8 @@ async def execute(body, canary, controller, metrics) -> dict:
         raise ApiError(400, str(exc), "action") from None
     canary.new_window()
     metrics.weight.set(state.weight)
-    return {"state": asdict(state)}
+    # False: a stop applied on this replica while the database is away (written when it is back)
+    return {"state": asdict(state), "written": controller.local_stop is None}
 
 
 MAX_HISTORY = 10000

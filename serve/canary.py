@@ -147,8 +147,12 @@ class LiveCanary:
         command) never promotes twice: it is dropped as ``stale`` and the next window decides. An
         inconclusive window is not thrown away: it stays open and the next analysis judges it together with
         what came after (a few shadow pairs per window at 5 % never bound the flip rate on their own). With the
-        database down nothing is judged and the window is kept for the next tick."""
-        self.controller.refresh()
+        database down a failing window still counts (``RolloutController._failed_offline``: at the limit INT8 stops
+        here at once); any other is kept for the next tick."""
+        try:
+            self.controller.refresh()
+        except StoreUnavailable:
+            pass  # judged on this replica's state; what cannot be written is handled by the controller
         window, self.window = self.window, Window(self.controller.epoch())
         verdict, reasons, metrics = analyse(window, self.settings.rollout, self.info.thresholds)
         try:

@@ -5,6 +5,12 @@ compare-and-set from the version this replica last read: an analysis verdict app
 window was observed under (a verdict another replica beat is dropped, never applied twice), and an operator
 command re-reads and retries, so replicas never undo each other. Each replica re-reads the state every
 ``sync_interval_s`` and so obeys a transition made on any replica.
+
+The database can be away. A replica that starts without it serves FP16 only (status ``database-unreachable``) and
+adopts the state once it answers. While it is away, a stop (an operator's rollback or abort, or the rollback
+``failure_limit`` failed analyses decide) applies on this replica at once, the safe direction, and is written
+over whatever the row holds when the database is back. A row older than the one this replica last saw (a restored
+backup) is adopted with one log line instead of failing every compare-and-set.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ from dataclasses import asdict, replace
 from typing import List, Optional
 
 from policy_bundle.serve.rollout_db import BundlePair, Event, RolloutDatabase, StateConflict, StoreUnavailable
-from policy_bundle.serve.rollout_types import (ACTIONS, ANALYSED, STOPPED, RolloutConfig, RolloutState)
+from policy_bundle.serve.rollout_outage import DatabaseOutage
+from policy_bundle.serve.rollout_types import ACTIONS, ANALYSED, STOPPED, RolloutConfig, RolloutState
+
+UNREACHABLE = "database-unreachable"  # the status of a replica that started without its database: FP16 only
+STOPS = ("rollback", "abort")
 
 log = logging.getLogger("policy_bundle.router")
 
 
-class RolloutController:
+class RolloutController(DatabaseOutage):
     """This replica's view of one pair's rollout; every change goes through the database first."""
 
     def __init__(self, db: RolloutDatabase, pair: BundlePair, cfg: RolloutConfig, replica: str = ""):
@@ -31,10 +41,22 @@ class RolloutController:
         self.lock = threading.Lock()
         self.flush_lock = threading.Lock()
         self.pending: deque = deque(maxlen=10000)  # notes not yet written (the database was down)
-        loaded = db.load(pair)
+        self.local_stop: Optional[Event] = None  # a stop applied here while the database was away, to be written
+        self.offline_failures = 0  # failed analyses this replica could not write (the database away)
+        self.unreachable_since: Optional[float] = None
+        try:
+            loaded = db.load(pair)
+        except StoreUnavailable as exc:
+            log.error("the rollout database cannot be reached (%s): serving FP16 only until it answers", exc)
+            self.resumed, self.state, self.version = False, RolloutState(status=UNREACHABLE), 0
+            self.unreachable_since = time.time()
+            return
+        self._adopt(loaded)
+
+    def _adopt(self, loaded: Optional[tuple]) -> None:
         self.resumed = loaded is not None
         self.state, self.version = (RolloutState.from_body(loaded[0]), loaded[1]) if loaded else (RolloutState(), 0)
-        if not loaded and cfg.auto_start:
+        if not loaded and self.cfg.auto_start:
             self._create()
 
     def _create(self) -> None:
@@ -52,7 +74,7 @@ class RolloutController:
         return self.state.status in ANALYSED
 
     def stopped(self) -> bool:
-        return self.state.status in STOPPED or (self.state.status == "paused" and self.state.paused_from in STOPPED)
+        return self.state.status in (*STOPPED, UNREACHABLE) or (self.state.status == "paused" and self.state.paused_from in STOPPED)
 
     def epoch(self) -> tuple:
         """What an analysis window's evidence depends on: the traffic split and when this step began. Bookkeeping
@@ -61,11 +83,28 @@ class RolloutController:
 
     # -- reading -------------------------------------------------------------------------------
     def refresh(self) -> bool:
-        """Re-read the shared state; True when another replica (or an operator there) changed it."""
+        """Re-read the shared state; True when another replica (or an operator there) changed it, or the database
+        came back (its state adopted, or this replica's stop written over it)."""
+        if self.unreachable_since is not None:
+            if not self._reach():
+                return False
+            if self.local_stop is None:
+                self.flush()
+                return True
+        if self.local_stop is not None:
+            return self._write_local_stop()
         loaded = self.db.load(self.pair)
         self.flush()
         with self.lock:  # only a newer row: a commit made here while the row was read must not be undone
-            if loaded is None or loaded[1] <= self.version:
+            if loaded is not None and loaded[1] < self.version:
+                again = self.db.load(self.pair)  # under the lock: no commit of ours lies between
+                if again is not None and again[1] < self.version:
+                    log.warning("the rollout row of %s went back from version %d to %d (a restored database?): "
+                                "adopting it", self.pair.label, self.version, again[1])
+                    self.state, self.version = RolloutState.from_body(again[0]), again[1]
+                    return True
+                return False
+            if loaded is None or loaded[1] == self.version:
                 return False
             self.state, self.version = RolloutState.from_body(loaded[0]), loaded[1]
             return True
@@ -108,6 +147,10 @@ class RolloutController:
                     return self._decide(verdict, "; ".join(reasons), metrics)
                 except StateConflict:
                     log.info("verdict %s: another replica changed the rollout first; re-read", verdict)
+                except StoreUnavailable:
+                    if verdict != "fail":
+                        raise
+                    return self._failed_offline("; ".join(reasons))
             self.refresh()
         return False
 
@@ -203,13 +246,20 @@ class RolloutController:
         if action not in ACTIONS:
             raise ValueError(f"action: {action!r} is not one of {', '.join(ACTIONS)}")
         for attempt in range(50):
-            self.refresh()
-            with self.lock:
-                try:
-                    self._operate(action, weight, reason)
-                    return self.state
-                except StateConflict:
-                    log.info("%s: another replica changed the rollout first; retrying on the newest state", action)
+            try:
+                self.refresh()
+                with self.lock:
+                    try:
+                        self._operate(action, weight, reason)
+                        return self.state
+                    except StateConflict:
+                        log.info("%s: another replica changed the rollout first; retrying on the newest state", action)
+            except StoreUnavailable:
+                if action not in STOPS:  # only the safe direction goes ahead without the database
+                    raise
+                with self.lock:
+                    self._stop_locally(action, reason)
+                return self.state
             time.sleep(random.uniform(0, 0.005 * min(attempt + 1, 8)))  # replicas racing: back off, re-read
         raise StateConflict(f"{action}: the rollout state kept changing under this command; try again")
 

@@ -101,15 +101,21 @@ class RolloutDatabase:
     """State and history of every bundle pair this database has seen."""
 
     def __init__(self, url: str, replica: str = ""):
+        """Connects lazily: a database that cannot be reached yet is a ``StoreUnavailable`` of the first call (its
+        tables are created then), not of the constructor, so a router can start without it (FP16 only)."""
         self.url, self.replica = url, replica
-        with self._guard():
+        with _Guard(url):
             self.engine = _engine(url)
-            try:
-                META.create_all(self.engine)
-            except (IntegrityError, ProgrammingError):  # another replica created the tables at the same moment
-                META.create_all(self.engine)
+        self.tables = False
 
     def _guard(self):
+        if not self.tables:
+            with _Guard(self.url):
+                try:
+                    META.create_all(self.engine)
+                except (IntegrityError, ProgrammingError):  # another replica created the tables at the same moment
+                    META.create_all(self.engine)
+            self.tables = True
         return _Guard(self.url)
 
     def load(self, pair: BundlePair) -> Optional[Tuple[dict, int]]:

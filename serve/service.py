@@ -234,7 +234,8 @@ class PolicyRouter:
         self.ensure_loops()
         return self._guarded(request) or {
             "ready": self.pool.ready(), "degraded": self.pool.degraded(), "variants": self.pool.health, "rollout": asdict(self.controller.state),
-            "pair": asdict(self.pair), "state_version": self.controller.version, "inflight": self.admission.inflight,
+            "pair": asdict(self.pair), "state_version": self.controller.version,
+            "rollout_database": self.controller.database_status(), "inflight": self.admission.inflight,
             "background_inflight_peak": self.admission.background_peak, "context_tokens": self.info.max_seq_len,
             "evidence_excluded": {"forced_requests": dict(self.canary.excluded),
                                   "why": "a variant forced by the admin token is not rollout evidence"},

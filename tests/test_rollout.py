@@ -33,21 +33,72 @@ class FailingDatabase(RolloutDatabase):
         return super().append(*args)
 
 
-def test_a_failed_save_changes_nothing_in_memory(tmp_path):
+def test_a_failed_save_changes_nothing_in_memory_but_a_stop_applies_at_once(tmp_path):
+    """With the database down, promote and pause change nothing (503); a rollback was refused too, which left no kill
+    switch: it now applies on this replica at once and is written when the database is back."""
     db = FailingDatabase(default_url(tmp_path))
     ctl = RolloutController(db, PAIR, RolloutConfig(), "test")
     before = (ctl.state.weight, ctl.state.status, ctl.state.step_index, ctl.version)
     db.fail = True
-    for action in ("promote", "pause", "rollback"):
+    for action in ("promote", "pause"):
         with pytest.raises(StoreUnavailable):
             ctl.command(action)
         assert (ctl.state.weight, ctl.state.status, ctl.state.step_index, ctl.version) == before
-    with pytest.raises(StoreUnavailable):
-        ctl.apply("fail", ["x"], {})
-    assert ctl.state.consecutive_failures == 0
+    assert ctl.command("rollback", reason="incident").status == "rolled-back" and ctl.state.weight == 0.0
+    assert ctl.local_stop is not None and db.load(PAIR)[0]["status"] == "progressing"  # not written yet
+    assert not ctl.refresh() and ctl.state.weight == 0.0  # still down: the stop holds here
     db.fail = False
-    loaded = db.load(PAIR)
-    assert loaded[0]["weight"] == ctl.state.weight and loaded[1] == ctl.version
+    assert ctl.refresh() and ctl.local_stop is None
+    body, version = db.load(PAIR)
+    assert body["status"] == "rolled-back" and body["weight"] == 0.0 and version == ctl.version == before[3] + 1
+    assert "applied at once while the rollout database was unreachable" in db.history(PAIR)[-1].reason
+
+
+def test_failed_analyses_the_database_cannot_record_still_roll_back(tmp_path):
+    db = FailingDatabase(default_url(tmp_path))
+    ctl = RolloutController(db, PAIR, RolloutConfig(failure_limit=2), "test")
+    db.fail = True
+    assert ctl.apply("fail", ["int8 error rate"], {}) and ctl.state.weight == 1.0 and ctl.offline_failures == 1
+    assert ctl.apply("fail", ["int8 error rate"], {}) and ctl.state.status == "rolled-back"
+    assert not ctl.apply("pass", [], {})  # stopped here: no later verdict moves it back
+    db.fail = False
+    ctl.refresh()
+    assert db.load(PAIR)[0]["status"] == "rolled-back"
+    assert db.history(PAIR)[-1].reason.startswith("2 failed analyses: int8 error rate")
+
+
+def test_a_router_that_starts_without_its_database_serves_fp16_until_it_answers(tmp_path):
+    class Unreachable(RolloutDatabase):
+        down = True
+
+        def load(self, pair):
+            if self.down:
+                raise StoreUnavailable("injected: connection refused")
+            return super().load(pair)
+
+    db = Unreachable(default_url(tmp_path))
+    ctl = RolloutController(db, PAIR, RolloutConfig(), "test")
+    assert (ctl.state.status, ctl.state.weight, ctl.stopped()) == ("database-unreachable", 0.0, True)
+    assert not ctl.refresh()
+    db.down = False
+    assert ctl.refresh() and (ctl.state.status, ctl.state.weight, ctl.version) == ("progressing", 1.0, 1)
+
+
+def test_a_restored_older_row_is_adopted_instead_of_failing_every_command(tmp_path):
+    import shutil
+
+    ctl = controller(tmp_path)
+    path = tmp_path / "rollout.sqlite"
+    ctl.db.engine.dispose()
+    shutil.copy(path, tmp_path / "backup.sqlite")  # version 1
+    ctl.command("promote")
+    ctl.command("promote")
+    assert ctl.version == 3
+    ctl.db.engine.dispose()
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"rollout.sqlite{suffix}").unlink(missing_ok=True)
+    shutil.copy(tmp_path / "backup.sqlite", path)  # the database restored from its backup
+    assert ctl.command("promote").weight == 5.0 and ctl.version == 2  # from the restored row's step, not refused
 
 
 def test_notes_written_while_the_database_is_down_are_kept_and_written_later(tmp_path):
@@ -217,7 +268,8 @@ def test_a_refresh_never_goes_back_to_an_older_version(tmp_path):
     ctl = controller(tmp_path)
     old = ctl.db.load(PAIR)
     ctl.command("promote")
-    ctl.db.load = lambda pair: old  # a read that raced with the commit above returns the older row
+    real, reads = ctl.db.load, iter([old])
+    ctl.db.load = lambda pair: next(reads, None) or real(pair)  # one read that raced with the commit above
     assert not ctl.refresh() and ctl.state.weight == 5.0
 
 

@@ -197,6 +197,56 @@ def test_a_database_restart_mid_rollout_loses_no_event_and_no_transition(replica
     assert rollout_of(a)["state_version"] == rollout_of(b)["state_version"] == versions[-1]
 
 
+def test_a_rollback_during_a_database_outage_applies_at_once_and_is_written_when_it_is_back(replicas, postgres):
+    """The kill switch worked only with the database up: rollback and abort answered 503."""
+    a, b = replicas
+    admin(a, "restart")
+    admin(a, "set-weight", weight=50)
+    wait_for(b, "held")
+    postgres.stop()
+    try:
+        r = httpx.post(f"{a.url}/admin/rollout", headers=ADMIN, json={"action": "rollback", "reason": "incident"},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["written"] is False, r.text
+        assert r.json()["state"]["status"] == "rolled-back" and r.json()["state"]["weight"] == 0.0
+        status = httpx.get(f"{a.url}/status", timeout=30).json()
+        assert status["rollout_database"]["unwritten_stop"] == "rollback"
+        assert all(complete(a, user=u, max_tokens=3).headers["x-policy-variant"] == "fp16"
+                   for u in users_on("int8", 50.0, 6))  # INT8's users too: the stop holds on a at once
+    finally:
+        postgres.start()
+    got = wait_for(b, "rolled-back", seconds=20)  # written by a once the database answers, then obeyed by b
+    assert (got["state"]["status"], got["state"]["weight"]) == ("rolled-back", 0.0)
+    assert httpx.get(f"{a.url}/status", timeout=30).json()["rollout_database"]["unwritten_stop"] is None
+    assert "applied at once while the rollout database was unreachable" in history(b)[-1]["reason"]
+
+
+def test_a_router_that_starts_while_its_database_is_down_serves_fp16_until_it_answers(small_bundle, postgres,
+                                                                                     tmp_path):
+    """It refused to start: a database outage took every restarting replica down with it."""
+    env = env_for(tmp_path, "late", bundle_version(small_bundle), vllm=False, rollout={"sync_interval_s": 0.5})
+    env["POLICY_BUNDLE_STATE_URL"] = postgres.url
+    postgres.stop()
+    server = Server(env, tmp_path / "late.log")
+    try:
+        server.wait_ready()
+        got = rollout_of(server)
+        assert (got["state"]["status"], got["state"]["weight"]) == ("database-unreachable", 0.0)
+        assert httpx.get(f"{server.url}/status", timeout=30).json()["rollout_database"]["unreachable_since"]
+        assert all(complete(server, user=u, max_tokens=3).headers["x-policy-variant"] == "fp16"
+                   for u in users_on("int8", 50.0, 4))
+        postgres.start()
+        deadline = time.monotonic() + 20
+        while rollout_of(server)["state"]["status"] == "database-unreachable" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert rollout_of(server)["state"]["status"] != "database-unreachable"
+        assert httpx.get(f"{server.url}/status", timeout=30).json()["rollout_database"]["unreachable_since"] is None
+    finally:
+        if not postgres.running():
+            postgres.start()
+        server.stop()
+
+
 def test_two_routers_on_one_sqlite_file_obey_each_other(small_bundle, tmp_path):
     """The zero-set-up default shared by two processes (BentoML workers > 1, or replicas on one volume): both
     keep their state in one SQLite file; a command made on either holds on the other, and their writes never
