@@ -46,12 +46,38 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from policy_bundle.bundle.layout import BundleLayout
     from policy_bundle.bundle.manifest import verify_bundle
 
+    keys = [Path(k) for k in args.key or ()]
     if is_bento(Path(args.bundle)):
-        for model in verify_bento_models(Path(args.bundle)):
-            print(f"ok: {model.tag} matches its manifest (sha256 {model.manifest_sha256})")
+        for model in verify_bento_models(Path(args.bundle), keys):
+            print(f"ok: {model.tag} matches its manifest (sha256 {model.manifest_sha256})"
+                  + (", signed by a trusted key" if keys else ""))
         return 0
     n = verify_bundle(Path(args.bundle))
-    print(f"ok: {n} files match {BundleLayout(args.bundle).manifest}")
+    signed = ""
+    if keys:
+        from policy_bundle.bundle.signing import verify_signature
+
+        signed = f", signed by trusted key {verify_signature(Path(args.bundle), keys)}"
+    print(f"ok: {n} files match {BundleLayout(args.bundle).manifest}{signed}")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from policy_bundle.bundle.signing import generate_key, key_id, _load
+
+    pub = generate_key(Path(args.out))
+    print(f"private key: {args.out} (keep it secret: the build signs with it, POLICY_BUNDLE_SIGNING_KEY)")
+    print(f"public key: {pub} (key {key_id(_load(pub, private=False))}; routers trust it, POLICY_BUNDLE_TRUSTED_KEYS)")
+    return 0
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    from policy_bundle.bundle.manifest import verify_bundle
+    from policy_bundle.bundle.signing import sign_bundle
+
+    verify_bundle(Path(args.bundle))  # never sign files that do not match their manifest
+    print(f"signed: {Path(args.bundle) / 'bundle.json.sig'} (key {sign_bundle(Path(args.bundle), Path(args.key))}); "
+          "register the bundle again for the store entries to carry it")
     return 0
 
 
@@ -140,7 +166,18 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", parents=[common],
                        help="re-hash every bundle file against bundle.json (a bento: every model it carries)")
     v.add_argument("bundle", help="a bundle directory, or a bento directory (/home/bentoml/bento in the image)")
+    v.add_argument("--key", action="append", metavar="PUBLIC_KEY",
+                   help="also require the manifest signed by this public key (repeatable: any of them)")
     v.set_defaults(func=cmd_verify)
+
+    g = sub.add_parser("keygen", parents=[common], help="make an Ed25519 signing key and its public key (.pub)")
+    g.add_argument("--out", required=True, help="the private key file to write (the public key goes beside it)")
+    g.set_defaults(func=cmd_keygen)
+
+    s = sub.add_parser("sign", parents=[common], help="sign a built bundle's manifest (bundle.json.sig)")
+    s.add_argument("bundle", help="the bundle directory")
+    s.add_argument("--key", required=True, help="the private key (policy-bundle keygen)")
+    s.set_defaults(func=cmd_sign)
 
     c = sub.add_parser("canary", parents=[common], help="re-run the accuracy canary on a bundle (exit 0 pass, 1 fail)")
     c.add_argument("--bundle", required=True)

@@ -61,8 +61,9 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """``BuildError`` and the expected failures of the libraries the build calls (imported here, not at
     module load, so the CLI starts without torch)."""
     from policy_bundle.bundle.manifest import BundleVerificationError
+    from policy_bundle.bundle.signing import SigningKeyError
     from policy_bundle.quantize.model import UnsupportedModelError
     from policy_bundle.quantize.config_schema import FieldError
 
     # FieldError: a field outside its limit, e.g. RecipeError, or a section built in Python with a bad value
-    return (BuildError, FieldError, UnsupportedModelError, BundleVerificationError, FileNotFoundError)
+    return (BuildError, FieldError, UnsupportedModelError, BundleVerificationError, SigningKeyError, FileNotFoundError)

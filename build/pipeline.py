@@ -42,6 +42,7 @@ from policy_bundle.bundle.faults import active_fault, apply_onnx_fault
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer, write_golden_jsonl
 from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.manifest import manifest_hash, read_manifest, write_manifest
+from policy_bundle.bundle.signing import sign_bundle, signing_key_from_env
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
 from policy_bundle.quantize.fidelity import GoldenItem
@@ -79,6 +80,7 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[
     is in place at ``out``. Unset config fields take this policy's defaults first."""
     out, cfg = Path(out), resolve_defaults(cfg)
     check_output(out, force)
+    signing_key_from_env()  # a bad POLICY_BUNDLE_SIGNING_KEY fails now, not after the build
     torch.manual_seed(cfg.seed)
     int8_vllm = planned(cfg)  # export.int8_vllm: true without vLLM fails here, before any work
     active_fault()  # announced (and recorded in the manifest) when a test fault is set
@@ -284,9 +286,13 @@ def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: Lis
 
 
 def manifest_stage(stages: Stages, body: dict, tmp: Path) -> str:
+    """The manifest, signed with the key ``POLICY_BUNDLE_SIGNING_KEY`` names when it is set (``bundle/signing.py``)."""
     with stages.run("manifest") as s:
         sha = write_manifest(tmp, body)
         s.detail = f"{len(read_manifest(tmp)['files'])} files, sha256 {sha[:16]}"
+        key = signing_key_from_env()
+        if key is not None:
+            s.detail += f", signed by key {sign_bundle(tmp, key)}"
     return sha
 
 

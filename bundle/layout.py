@@ -19,6 +19,7 @@ FP16_DIR = "fp16"  # the float16 HF directory
 ARTIFACT_DIRS = (INT8_DIR, INT8_VLLM_DIR, FP16_DIR)
 GOLDEN = "golden.jsonl"  # the held-out golden set the gate judged
 MANIFEST = "bundle.json"
+SIGNATURE = "bundle.json.sig"  # the manifest's Ed25519 signature (bundle/signing.py); outside the file table
 DRIFT_REPORT = "drift_report.json"  # only in a bundle the drift monitor rebuilt
 CANARY_REPORT = "canary_report.md"
 CANARY_REPORT_JSON = "canary_report.json"

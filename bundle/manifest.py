@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
-from policy_bundle.bundle.layout import MANIFEST
+from policy_bundle.bundle.layout import MANIFEST, SIGNATURE
 
 FORMAT = "policy-bundle/1"  # the manifest's ``format``: what this project's build writes
 
@@ -24,7 +24,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: Path, exclude: Iterable[str] = (MANIFEST,)) -> Dict[str, Dict[str, object]]:
+def hash_tree(root: Path, exclude: Iterable[str] = (MANIFEST, SIGNATURE)) -> Dict[str, Dict[str, object]]:
     skip = set(exclude)
     files = {}
     for p in sorted(root.rglob("*")):
@@ -134,7 +134,7 @@ def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None, also:
 def _relative_files(top: Path, prefix: str) -> set:
     """Every file (and symlink) under ``top``, as manifest paths (``prefix`` + path below ``top``)."""
     return {prefix + p.relative_to(top).as_posix() for p in top.rglob("*")
-            if (p.is_file() or p.is_symlink()) and (prefix or p.relative_to(top).as_posix() != MANIFEST)}
+            if (p.is_file() or p.is_symlink()) and (prefix or p.relative_to(top).as_posix() not in (MANIFEST, SIGNATURE))}
 
 
 def verify_bundle(root: Path) -> int:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_bundle.bundle.layout import FP16_DIR, GOLDEN, INT8_DIR, INT8_VLLM_DIR, MANIFEST
+from typing import Sequence
+
+from policy_bundle.bundle.layout import FP16_DIR, GOLDEN, INT8_DIR, INT8_VLLM_DIR, MANIFEST, SIGNATURE
 from policy_bundle.bundle.manifest import BundleVerificationError, read_manifest, sha256_file, verify_files
 
 INT8_MODEL, FP16_MODEL = "policy-int8", "policy-fp16"
-SHARED_FILES = (MANIFEST, GOLDEN)  # copied at each entry's root beside its artifact directory
+SHARED_FILES = (MANIFEST, GOLDEN, SIGNATURE)  # copied at each entry's root beside its artifact directory (if present)
 ENTRY_DIRS = {INT8_MODEL: (INT8_DIR, INT8_VLLM_DIR), FP16_MODEL: (FP16_DIR,)}
 
 
@@ -24,12 +26,18 @@ def entry_dirs(sub: str) -> tuple:
     return next((dirs for dirs in ENTRY_DIRS.values() if sub in dirs), (sub,))
 
 
-def verify_entry(root: Path, sub: str, recorded_sha: str | None) -> Path:
+def verify_entry(root: Path, sub: str, recorded_sha: str | None, trusted: Sequence[Path] = ()) -> Path:
     """Verify a store entry's ``sub`` directory and its sibling artifact directories; returns ``root / sub``.
 
     ``recorded_sha`` is the manifest sha256 the registration wrote into the entry's metadata: a
-    manifest rewritten to match tampered files fails here."""
+    manifest rewritten to match tampered files fails here. With ``trusted`` public keys the manifest must be signed
+    by one of them (``bundle.signing``): whoever can write the store can rewrite the recorded hash too, not sign. A
+    symlink anywhere in the entry is refused: what is hashed must be what is read."""
     root = Path(root)
+    links = [p for p in (root, *root.rglob("*")) if p.is_symlink()]
+    if links:
+        raise BundleVerificationError(f"{links[0].relative_to(root) if links[0] != root else root}: a symlink in the "
+                                      "store entry (refused: it could point anywhere after it was verified)")
     if not recorded_sha:
         raise BundleVerificationError(f"{root}: the store entry records no manifest_sha256 (not registered by "
                                       "policy-bundle build)")
@@ -39,6 +47,10 @@ def verify_entry(root: Path, sub: str, recorded_sha: str | None) -> Path:
     if sha256_file(manifest_path) != recorded_sha:
         raise BundleVerificationError(f"{MANIFEST}: sha256 differs from the one recorded at registration "
                                       "(manifest was modified)")
+    if trusted:
+        from policy_bundle.bundle.signing import verify_signature
+
+        verify_signature(root, trusted)
     manifest = read_manifest(root)
     also = [f for f in SHARED_FILES if f != MANIFEST and f in manifest.get("files", {})]
     if not (root / sub).is_dir():
@@ -55,12 +67,12 @@ def verify_entry(root: Path, sub: str, recorded_sha: str | None) -> Path:
     return root / sub
 
 
-def verified_store_path(tag: str, sub: str) -> Path:
+def verified_store_path(tag: str, sub: str, trusted: Sequence[Path] = ()) -> Path:
     """The store entry's ``sub/`` directory after verifying the entry (see ``verify_entry``)."""
     import bentoml
 
     model = bentoml.models.get(tag)
-    return verify_entry(Path(model.path), sub, (model.info.metadata or {}).get("manifest_sha256"))
+    return verify_entry(Path(model.path), sub, (model.info.metadata or {}).get("manifest_sha256"), trusted)
 
 
 def _entries(name: str) -> dict:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import io
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -80,10 +82,11 @@ def release_freed_memory() -> None:
     trim(0)
 
 
-def load_torchscript(path: Path) -> ScriptRunner:
-    """The INT8 TorchScript policy as every reader runs it (``ScriptRunner``): the gate, serving, the benchmarks."""
+def load_torchscript(path: Path, data: Optional[bytes] = None) -> ScriptRunner:
+    """The INT8 TorchScript policy as every reader runs it (``ScriptRunner``): the gate, serving, the benchmarks.
+    ``data``: the file's bytes, already read and checked (the server loads what it hashed); ``path`` names it."""
     use_fbgemm()  # the file's int8 weights are packed again: for fbgemm, whatever engine ran before
-    module = torch.jit.load(str(path))
+    module = torch.jit.load(io.BytesIO(data)) if data is not None else torch.jit.load(str(path))
     # each int8 weight packed now, one at a time (``FbgemmWeight``: the load's peak), its freed read copy handed back
     # at once: a packed copy is a little larger than the copy it replaces, so it never fits the hole the last one
     # left (SmolLM2-135M: peak 638 MB with one trim at the end, 549 MB with one per weight, the load 1.1 s either way)

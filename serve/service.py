@@ -68,7 +68,7 @@ class PolicyRouter:
 
     def __init__(self) -> None:
         self.settings = SETTINGS
-        artifact = verified_artifact(self.int8_model, INT8_DIR)
+        artifact = verified_artifact(self.int8_model, INT8_DIR, self.settings.trusted_keys)
         self.info = BundleInfo.read(artifact.parent)
         self.tok = load_tokenizer(artifact)
         self.metrics = Metrics()

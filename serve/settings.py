@@ -35,6 +35,14 @@ def _api_keys(path: str, value: Any) -> Tuple[str, ...]:
     return tuple(k.strip() for k in keys)
 
 
+def _paths(path: str, value: Any) -> Tuple[str, ...]:
+    """``trusted_keys``: one path or a list of them."""
+    paths = (value,) if isinstance(value, str) else value
+    if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
+        raise FieldError(path, "must be a path or a non-empty list of paths (public key PEM files)")
+    return tuple(p.strip() for p in paths)
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     state_dir: Path = Path(os.path.expanduser("~/.cache/policy-bundle/router"))
@@ -44,6 +52,9 @@ class RouterSettings:
     admin_token: Optional[str] = None  # POLICY_BUNDLE_ADMIN_TOKEN; unset = admin API disabled
     # POLICY_BUNDLE_API_KEYS (comma-separated); unset = open, with a warning at each start; set to none = refused
     api_keys: Tuple[str, ...] = read_as(_api_keys, ())
+    # POLICY_BUNDLE_TRUSTED_KEYS (comma-separated): Ed25519 public keys (``policy-bundle keygen``); set, the router
+    # and its variants serve only store entries whose manifest one of them signed (unset: integrity only)
+    trusted_keys: Tuple[str, ...] = read_as(_paths, ())
     model_name: str = "policy"
     sticky_salt: str = "policy-bundle"
     max_inflight: int = ranged(32, 0)  # calls in flight (client, shadow, golden); beyond this: 429 with Retry-After
@@ -71,6 +82,13 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         check(self)
+        for p in self.trusted_keys:  # read now: a key that cannot be read stops start-up, not the first request
+            from policy_bundle.bundle.signing import SigningKeyError, _load
+
+            try:
+                _load(Path(p), private=False)
+            except SigningKeyError as exc:
+                raise FieldError("trusted_keys", str(exc)) from None
 
 
 def _with_env(s: RouterSettings, env: Mapping[str, str]) -> RouterSettings:
@@ -86,6 +104,12 @@ def _with_env(s: RouterSettings, env: Mapping[str, str]) -> RouterSettings:
         if not keys:
             raise FieldError("POLICY_BUNDLE_API_KEYS", f"is set but {NO_KEYS}")
         s = replace(s, api_keys=keys)
+    if "POLICY_BUNDLE_TRUSTED_KEYS" in env:
+        keys = tuple(k.strip() for k in env["POLICY_BUNDLE_TRUSTED_KEYS"].split(",") if k.strip())
+        if not keys:
+            raise FieldError("POLICY_BUNDLE_TRUSTED_KEYS", "is set but names no key file (unset it to serve unsigned "
+                                                           "bundles)")
+        s = replace(s, trusted_keys=keys)
     if env.get("POLICY_BUNDLE_INT8_ENGINE"):
         s = replace(s, int8_engine=env["POLICY_BUNDLE_INT8_ENGINE"].strip())
     return s

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import bentoml
 
@@ -21,13 +21,28 @@ def refuse(message: str) -> None:
     raise SystemExit(f"policy-bundle: {message}")
 
 
-def verified_artifact(model: bentoml.models.BentoModel, sub: str) -> Path:
-    """The store entry's artifact dir, verified against the manifest recorded at registration."""
+def verified_artifact(model: bentoml.models.BentoModel, sub: str, trusted: Sequence[str] = ()) -> Path:
+    """The store entry's artifact dir, verified against the manifest recorded at registration (and signed by one of
+    the ``trusted`` public keys, when any is set)."""
     try:
-        return verified_store_path(str(model.tag), sub)
+        return verified_store_path(str(model.tag), sub, [Path(k) for k in trusted])
     except BundleVerificationError as exc:
         log.error("refusing to start: %s does not match its manifest: %s", model.tag, exc)
         raise SystemExit(f"policy-bundle: {model.tag} failed verification: {exc}") from None
+
+
+def verified_bytes(root: Path, rel: str) -> bytes:
+    """The file ``rel`` of a verified entry read once and checked against its manifest entry: what loads is the bytes
+    that were hashed, not the path re-opened (a file swapped between the check and the load)."""
+    import hashlib
+
+    from policy_bundle.bundle.manifest import read_manifest
+
+    entry = read_manifest(root).get("files", {}).get(rel) or {}
+    data = (Path(root) / rel).read_bytes()
+    if len(data) != entry.get("size") or hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        refuse(f"{rel}: changed after it was verified (its bytes no longer match the manifest)")
+    return data
 
 
 def manifest_sha(model: bentoml.models.BentoModel) -> Optional[str]:

@@ -19,14 +19,14 @@ from bentoml.exceptions import InvalidArgument, NotFound
 
 from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
-from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_VLLM_DIR, BundleLayout
+from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_TORCHSCRIPT, INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.store import pair_version
 from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
-from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact
+from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact, verified_bytes
 
 log = logging.getLogger("policy_bundle.serve")
 VERSION = pair_version(os.environ.get("POLICY_BUNDLE_VERSION", "latest"), log.warning)
@@ -43,6 +43,8 @@ def _require_what_the_settings_need() -> None:
     in the store entry): stop ``bentoml serve`` itself (this runs where the service graph is imported), one
     line, before any worker starts."""
     settings = settings_or_exit()
+    if settings.trusted_keys:  # checked again by each service as it loads (verified_artifact)
+        _require_signed_entries([Path(k) for k in settings.trusted_keys])
     if settings.require_vllm and not vllm_available(load=True):
         refuse(f"require_vllm: vLLM is {_vllm_missing()}")
     if settings.int8_engine != "vllm":
@@ -56,6 +58,23 @@ def _require_what_the_settings_need() -> None:
                "export.int8_vllm: true, or serve with int8_engine: torchscript)")
     if not vllm_available(load=True):
         refuse(f"int8_engine: vllm, but vLLM is {_vllm_missing()}")
+
+
+def _require_signed_entries(trusted: List[Path]) -> None:
+    """With trusted keys set, both store entries signed by one of them, or ``bentoml serve`` stops with one line
+    (a refusal inside a worker would only have it restarted)."""
+    from policy_bundle.bundle.manifest import BundleVerificationError
+    from policy_bundle.bundle.signing import verify_signature
+
+    for name in ("policy-int8", "policy-fp16"):
+        try:
+            entry = bentoml.models.get(f"{name}:{VERSION}")
+        except NotFound:
+            return  # the service's own model reference reports it
+        try:
+            verify_signature(Path(entry.path), trusted)
+        except BundleVerificationError as exc:
+            refuse(f"{entry.tag}: {exc}")
 
 
 _require_what_the_settings_need()
@@ -87,7 +106,7 @@ def vocab_size(artifact: Path) -> int:
 def open_entry(variant, sub: str) -> Path:
     """A variant service's store entry, verified against its manifest: sets the variant's manifest sha256, context
     length and vocabulary size (what ``health`` and the input checks read); returns the artifact dir."""
-    path = verified_artifact(variant.model, sub)
+    path = verified_artifact(variant.model, sub, settings_or_exit().trusted_keys)
     variant.manifest = manifest_sha(variant.model)
     variant.max_seq_len, variant.vocab_size = context_len(path), vocab_size(path)
     return path
@@ -204,7 +223,7 @@ class Int8Policy:
             log.info("INT8 recipe quantizes activations per tensor at run time: one request per decode step")
             batching["max_batch"] = 1
         try:
-            module = load_torchscript(entry.int8_torchscript)
+            module = load_torchscript(entry.int8_torchscript, verified_bytes(path.parent, INT8_TORCHSCRIPT))
         except InexactInt8Error as exc:  # its int8 sums would saturate on this CPU: wrong answers, never served
             log.error("refusing to start: %s", exc)
             raise SystemExit(f"policy-bundle: {exc}"[:500]) from None

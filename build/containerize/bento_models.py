@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Sequence
 
 import yaml
 
@@ -44,8 +44,9 @@ def _entry_root(bento: Path, tag: str) -> Path:
                                       "in the BentoML model store") from None
 
 
-def verify_bento_models(bento: Path) -> List[VerifiedModel]:
-    """Every model ``bento.yaml`` lists, verified (``bundle.store.verify_entry``); raises on the first mismatch."""
+def verify_bento_models(bento: Path, trusted: Sequence[Path] = ()) -> List[VerifiedModel]:
+    """Every model ``bento.yaml`` lists, verified (``bundle.store.verify_entry``, signed by one of ``trusted`` when
+    given); raises on the first mismatch."""
     bento = Path(bento)
     tags = [m["tag"] for m in (yaml.safe_load((bento / BENTO_INFO).read_text()).get("models") or [])]
     if not tags:
@@ -56,7 +57,7 @@ def verify_bento_models(bento: Path) -> List[VerifiedModel]:
         meta = (yaml.safe_load((root / "model.yaml").read_text()) or {}).get("metadata") or {}
         sha = meta.get("manifest_sha256")
         try:
-            verify_entry(root, str(meta.get("artifact", "")), sha)
+            verify_entry(root, str(meta.get("artifact", "")), sha, trusted)
         except BundleVerificationError as exc:
             raise BundleVerificationError(f"{tag}: {exc}") from None
         verified.append(VerifiedModel(tag, str(sha), root))

@@ -1,0 +1,136 @@
+"""Signed bundles: `policy-bundle keygen`, `sign` and `verify --key` through the CLI, a store entry checked for who
+signed it (not only that it matches its own recorded hash), symlinks refused, and a router that trusts a key refusing
+an unsigned entry over a real `bentoml serve` and serving a signed one."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cli_helpers import run_cli
+from policy_bundle.bundle.manifest import BundleVerificationError, manifest_hash, sha256_file
+from policy_bundle.bundle.signing import generate_key, sign_bundle, verify_signature
+from policy_bundle.bundle.store import verify_entry
+from serve_helpers import Server, bundle_version, complete, env_for
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    return {"ours": (d / "ours.key", generate_key(d / "ours.key")),
+            "theirs": (d / "theirs.key", generate_key(d / "theirs.key"))}
+
+
+def entry_like(bundle, tmp_path):
+    """A store entry's layout (int8/ plus the manifest, golden set and signature) and the manifest hash a
+    registration records."""
+    root = tmp_path / "entry"
+    shutil.copytree(bundle / "int8", root / "int8")
+    for f in ("bundle.json", "golden.jsonl", "bundle.json.sig"):
+        if (bundle / f).is_file():
+            shutil.copy(bundle / f, root / f)
+    return root, sha256_file(root / "bundle.json")
+
+
+def test_keygen_sign_and_verify_through_the_cli(small_bundle, tmp_path):
+    key = tmp_path / "build.key"
+    res = run_cli("keygen", "--out", str(key))
+    assert res.returncode == 0 and key.is_file() and (tmp_path / "build.key.pub").is_file(), res.stderr
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    assert run_cli("keygen", "--out", str(key)).returncode == 2  # never overwritten
+    bundle = tmp_path / "bundle"
+    shutil.copytree(small_bundle, bundle)
+    (bundle / "bundle.json.sig").unlink(missing_ok=True)
+    unsigned = run_cli("verify", str(bundle), "--key", str(tmp_path / "build.key.pub"))
+    assert unsigned.returncode == 2 and "unsigned" in unsigned.stderr and "Traceback" not in unsigned.stderr
+    assert run_cli("sign", str(bundle), "--key", str(key)).returncode == 0
+    ok = run_cli("verify", str(bundle), "--key", str(tmp_path / "build.key.pub"))
+    assert ok.returncode == 0 and "signed by trusted key" in ok.stdout, ok.stderr
+    assert run_cli("verify", str(bundle)).returncode == 0  # the signature is outside the file table
+
+
+def test_a_signature_names_who_signed_and_breaks_when_the_manifest_changes(small_bundle, keys, tmp_path):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(small_bundle, bundle)
+    sign_bundle(bundle, keys["ours"][0])
+    assert verify_signature(bundle, [keys["ours"][1]])
+    with pytest.raises(BundleVerificationError, match="which this reader does not trust"):
+        verify_signature(bundle, [keys["theirs"][1]])
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    manifest["note"] = "edited"
+    (bundle / "bundle.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleVerificationError, match="does not match bundle.json"):
+        verify_signature(bundle, [keys["ours"][1]])
+
+
+def test_whoever_can_write_the_store_cannot_pass_a_replaced_artifact_as_signed(small_bundle, keys, tmp_path):
+    """The recorded hash lives in the entry's own model.yaml: replace policy.ts, rehash, re-record, and the
+    integrity check passes; the signature check does not."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(small_bundle, bundle)
+    sign_bundle(bundle, keys["ours"][0])
+    root, _ = entry_like(bundle, tmp_path)
+    (root / "int8" / "policy.ts").write_bytes(b"not the built policy")
+    manifest = json.loads((root / "bundle.json").read_text())
+    manifest["files"]["int8/policy.ts"] = {"sha256": sha256_file(root / "int8" / "policy.ts"),
+                                           "size": (root / "int8" / "policy.ts").stat().st_size}
+    (root / "bundle.json").write_text(json.dumps(manifest))
+    forged = manifest_hash(root)
+    assert verify_entry(root, "int8", forged) == root / "int8"  # integrity alone: the forgery passes
+    with pytest.raises(BundleVerificationError, match="does not match bundle.json"):
+        verify_entry(root, "int8", forged, [keys["ours"][1]])
+
+
+def test_a_symlink_in_a_store_entry_is_refused(small_bundle, tmp_path):
+    root, sha = entry_like(small_bundle, tmp_path)
+    verify_entry(root, "int8", sha)
+    target = root / "int8" / "policy.ts"
+    outside = tmp_path / "policy.ts"
+    target.rename(outside)
+    target.symlink_to(outside)  # same bytes, so the hashes match: the link itself is what is refused
+    with pytest.raises(BundleVerificationError, match="a symlink in the store entry"):
+        verify_entry(root, "int8", sha)
+
+
+SIGN_AND_REGISTER = """
+import sys
+from pathlib import Path
+from policy_bundle.build.artifacts.model_store import register_bundle
+from policy_bundle.bundle.manifest import manifest_hash
+from policy_bundle.bundle.signing import sign_bundle
+bundle, key, version = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+if key.name != "none":
+    sign_bundle(bundle, key)
+register_bundle(bundle, version, manifest_hash(bundle))
+"""
+
+
+def test_a_router_that_trusts_a_key_refuses_an_unsigned_entry_and_serves_a_signed_one(small_bundle, keys, tmp_path):
+    import os
+
+    home = tmp_path / "bentoml"
+    bundle = tmp_path / "bundle"
+    shutil.copytree(small_bundle, bundle)
+    (bundle / "bundle.json.sig").unlink(missing_ok=True)
+    version = bundle_version(bundle)
+    for key, v in (("none", f"{version}-unsigned"), (str(keys["ours"][0]), version)):
+        reg = subprocess.run([sys.executable, "-c", SIGN_AND_REGISTER, str(bundle), key, v],
+                             env={**os.environ, "BENTOML_HOME": str(home)}, capture_output=True, text=True)
+        assert reg.returncode == 0, reg.stderr[-2000:]
+    trust = {"BENTOML_HOME": str(home), "POLICY_BUNDLE_TRUSTED_KEYS": str(keys["ours"][1])}
+    refused = Server({**env_for(tmp_path, "unsigned", f"{version}-unsigned", vllm=False), **trust},
+                     tmp_path / "unsigned.log")
+    try:
+        refused.proc.wait(timeout=180)
+        log = refused.log.read_text()
+    finally:
+        refused.stop()
+    assert refused.proc.returncode != 0 and "bundle.json.sig: missing: the bundle is unsigned" in log
+    assert "Traceback" not in log
+    server = Server({**env_for(tmp_path, "signed", version, vllm=False), **trust}, tmp_path / "signed.log").wait_ready()
+    try:
+        assert complete(server).status_code == 200
+    finally:
+        server.stop()
