@@ -19,6 +19,8 @@
 - ``stall:after=0:factor=5[:name=int8]``: the served variants (or the one named) wait that many seconds
   before handing out token ``after`` (0: before the first), without blocking other requests; several
   stalls of one variant all apply (e.g. a slow first token and a stall mid-stream);
+- ``hang:after=3[:name=int8]``: the served batched engine (or the one whose name starts with ``name``) blocks its
+  decode thread for good at its ``after``-th step, while its health endpoint still answers (a hung kernel);
 - ``template``: the router's chat template raises (``raise_exception``, as real templates do) on a
   system message that is not the first message;
 several faults at once: separated by ``;``.
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import List, Optional
 
 FAULT_ENV = "POLICY_BUNDLE_TEST_FAULT"
-KINDS = ("kill", "hold", "raise", "scale", "slow", "loop", "fail", "novllm", "artifact", "stall", "template")
+KINDS = ("kill", "hold", "raise", "scale", "slow", "loop", "fail", "novllm", "artifact", "stall", "template", "hang")
 _announced: set = set()
 
 

@@ -78,6 +78,9 @@ class BatchedEngine:
         self.max_batch, self.prefill_chunk = max(1, max_batch), max(1, prefill_chunk)
         fault = active_fault("slow")
         self.delay_s = fault.factor if fault else 0.0  # test-only fault: seconds per step
+        hang = active_fault("hang")  # test-only fault: the decode thread blocks for good at this step
+        self.hang_after = hang.after if hang is not None and (not hang.name or name.startswith(hang.name)) else None
+        self.last_step_at = time.monotonic()  # when the decode thread last finished a step (or found work, idle)
         self._pending: Deque[_Request] = deque()
         self._cv = threading.Condition()
         self.slots: SlotBatch[_Request] = SlotBatch(module, max_seq_len, self.max_batch)  # rows: the active requests
@@ -117,9 +120,14 @@ class BatchedEngine:
             req.cancelled = True  # a caller that stops early (client gone) frees its slot at the next step
 
     def stats(self) -> dict:
+        """Slots and counts, and what the router's health check reads: how long work has waited on the decode thread
+        for a step (0 while idle) and whether that thread is alive."""
+        busy = bool(len(self.slots) or self._pending or self._filling is not None)
         return {"active": len(self.slots), "pending": len(self._pending), "capacity": self.slots.capacity,
                 "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps,
-                "fused_chunks": self.fused_chunks}
+                "fused_chunks": self.fused_chunks,
+                "last_step_age_s": round(time.monotonic() - self.last_step_at, 3) if busy else 0.0,
+                "decode_thread_alive": self._thread.is_alive()}
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:
         return last_position_logits(self.module, batch)
@@ -131,9 +139,12 @@ class BatchedEngine:
         while True:
             try:
                 with self._cv:
-                    while not self._pending and not len(self.slots) and self._filling is None:
-                        self._cv.wait()
+                    if not self._pending and not len(self.slots) and self._filling is None:
+                        while not self._pending and not len(self.slots) and self._filling is None:
+                            self._cv.wait()
+                        self.last_step_at = time.monotonic()  # work arrived: its wait starts now
                 self._admit_and_step()
+                self.last_step_at = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep the loop alive
                 self.loop_errors += 1
                 failed = self.slots.rows + ([self._filling] if self._filling else []) + self._chunked
@@ -269,6 +280,9 @@ class BatchedEngine:
     def _sleep_for_fault(self) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
+        if self.hang_after is not None and self.steps >= self.hang_after:
+            log.error("%s: injected fault: the decode thread hangs at step %d", self.name, self.steps)
+            threading.Event().wait()
 
 
 def _prefill_failed(capacity: int, exc: BaseException) -> RuntimeError:

@@ -179,5 +179,12 @@ class VllmEngine:
                 yield Step(int(tok), float(lp))
             seen = len(comp.token_ids)
 
+    def state(self) -> str:
+        """``running``, or ``dead`` once vLLM's engine core has stopped or died (its requests then never finish)."""
+        try:
+            return "dead" if self.engine.errored else "running"
+        except Exception:  # noqa: BLE001 - an engine that cannot say is not one to route to
+            return "dead"
+
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -44,7 +44,8 @@ class Lanes:
         per = [e.stats() for e in self.lanes]
         total = {k: sum(s[k] for s in per) for k in ("active", "pending", "capacity", "steps", "fused_chunks")}
         return {**total, "max_batch": sum(s["max_batch"] for s in per), "peak_batch": max(s["peak_batch"] for s in per),
-                "lanes": len(per), "per_lane": per}
+                "last_step_age_s": max(s["last_step_age_s"] for s in per),  # the most stalled lane with work
+                "decode_thread_alive": all(s["decode_thread_alive"] for s in per), "lanes": len(per), "per_lane": per}
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:
         return self.lanes[0].score(batch)

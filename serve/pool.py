@@ -126,6 +126,9 @@ class VariantPool:
             if self.expected_manifest and sha and sha != self.expected_manifest:  # a variant restarted on a newer build
                 health.update(ready=False, error=f"serves manifest {sha[:12]}, not the router's pair "
                                                  f"{self.expected_manifest[:12]} (restart the router with one build)")
+            stalled = self._stalled(health)
+            if stalled:  # the probe answers, the engine does not: as good as a probe that timed out
+                health.update(ready=False, error=stalled, timed_out=True, stalled=True)
             ready = bool(health.get("ready"))
             self.probe_failures[name] = 0 if ready else self.probe_failures.get(name, 0) + 1
             if ready:
@@ -147,6 +150,20 @@ class VariantPool:
         self.metrics.fp16_fallback.set(1.0 if results["fp16"].get("fallback") else 0.0)
         self._report_engines(results)
         return results
+
+    def _stalled(self, health: dict) -> Optional[str]:
+        """Why a variant whose health endpoint answers cannot serve: its engine is dead, its decode thread died, or
+        work has waited ``health_timeout_s`` with no decode step (a hung kernel, a deadlock). None when it can."""
+        if health.get("engine_state") == "dead":
+            return "its engine stopped (vLLM's engine core is dead)"
+        batch = health.get("batch") or {}
+        if batch.get("decode_thread_alive") is False:
+            return "its decode thread died"
+        waiting = batch.get("active", 0) + batch.get("pending", 0)
+        age = batch.get("last_step_age_s") or 0.0
+        if waiting and age > self.settings.health_timeout_s:
+            return f"stalled: no decode step for {age:.1f}s while {waiting} request(s) wait"
+        return None
 
     def _report_engines(self, results: Dict[str, dict]) -> None:
         """policy_variant_engine: 1 for each variant's engine; a replaced engine's series goes to 0."""
@@ -205,8 +222,11 @@ class VariantPool:
         raise asyncio.TimeoutError(f"{name} did not answer in {self.settings.request_timeout_s}s")
 
     async def call(self, name: str, **kwargs) -> dict:
+        """A plain (non-streaming) generation; the variant stops it a second after this router would have given up
+        on it (``deadline_s``), so a timed-out or failed-over call does not decode on to ``max_tokens``."""
+        deadline = self.settings.request_timeout_s + 1.0 if self.settings.request_timeout_s else None
         return await self._retry_dropped(
-            lambda: self._unless_down(name, self.services[name].to_async.generate(**kwargs)))
+            lambda: self._unless_down(name, self.services[name].to_async.generate(**kwargs, deadline_s=deadline)))
 
     def order(self, preferred: str, forced: bool) -> List[str]:
         """Preferred first (unless it is down and the other is not), the other as fail-over unless forced."""

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+from contextlib import aclosing
 from pathlib import Path
 from typing import AsyncGenerator, List, Optional
 
@@ -113,9 +114,12 @@ def open_entry(variant, sub: str) -> Path:
 
 
 def variant_health(variant, **extra) -> dict:
-    return {"ready": variant.ready, "engine": variant.engine.name, "max_seq_len": variant.max_seq_len,
-            "test_fault": fault_spec(), "batch": engine_stats(variant.engine), "manifest_sha256": variant.manifest,
-            **extra}
+    """What the router's probe reads: ready, the engine and its state (a dead vLLM engine core is ``dead``), the
+    batch with the age of its last decode step while work waits (a hung decode thread), the manifest."""
+    state = variant.engine.state() if hasattr(variant.engine, "state") else "running"
+    return {"ready": variant.ready, "engine": variant.engine.name, "engine_state": state,
+            "max_seq_len": variant.max_seq_len, "test_fault": fault_spec(), "batch": engine_stats(variant.engine),
+            "manifest_sha256": variant.manifest, **extra}
 
 
 def batching_settings() -> dict:
@@ -163,8 +167,19 @@ async def _steps(variant: str, engine, prompt_ids: List[int], params: SamplingPa
         raise RuntimeError(f"injected fault: generation fails after {fail_after} token(s)")
 
 
-async def _collect(variant: str, engine, prompt_ids: List[int], params: SamplingParams) -> dict:
-    steps: List[Step] = [s async for s in _steps(variant, engine, prompt_ids, params)]
+async def _collect(variant: str, engine, prompt_ids: List[int], params: SamplingParams,
+                   deadline_s: Optional[float] = None) -> dict:
+    """The whole generation; with ``deadline_s``, given up after that many seconds, its decode stopped (the engine
+    frees the slot at its next step): a caller gone for good (the router timed out or failed over) cannot keep a
+    slot decoding up to ``max_tokens``, since a plain call's handler is not cancelled when its client leaves."""
+    steps: List[Step] = []
+    try:
+        async with asyncio.timeout(deadline_s):
+            async with aclosing(_steps(variant, engine, prompt_ids, params)) as gen:
+                async for s in gen:
+                    steps.append(s)
+    except TimeoutError:
+        raise TimeoutError(f"deadline_s: generation stopped after {deadline_s:g}s ({len(steps)} tokens)") from None
     return {"token_ids": [s.token_id for s in steps], "logprobs": [s.logprob for s in steps]}
 
 
@@ -177,9 +192,13 @@ def generation_apis():
 
     @bentoml.api
     async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
-                       top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> dict:
+                       top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None,
+                       deadline_s: Optional[float] = None) -> dict:
         check_input(self, prompt_ids, max_tokens, temperature, top_p)
-        return await _collect(self.variant, self.engine, prompt_ids, _params(max_tokens, temperature, top_p, seed, stop_token_id))
+        if deadline_s is not None and not deadline_s > 0:
+            raise InvalidArgument(f"deadline_s: {deadline_s} must be > 0 seconds")
+        return await _collect(self.variant, self.engine, prompt_ids,
+                              _params(max_tokens, temperature, top_p, seed, stop_token_id), deadline_s)
 
     @bentoml.api
     async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,

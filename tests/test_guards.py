@@ -119,3 +119,38 @@ def test_the_router_stays_ready_while_one_variant_restarts_once_both_came_up():
     for _ in range(3):
         asyncio.run(pool.refresh())
     assert not pool.ready() and pool.degraded() == ["int8", "fp16"]  # nothing can serve
+
+
+@pytest.mark.parametrize("health, why", [
+    ({"engine_state": "dead"}, "its engine stopped"),
+    ({"batch": {"decode_thread_alive": False}}, "its decode thread died"),
+    ({"batch": {"active": 2, "pending": 1, "last_step_age_s": 5.0, "decode_thread_alive": True}},
+     "stalled: no decode step for 5.0s while 3 request(s) wait"),
+    ({"batch": {"active": 2, "pending": 0, "last_step_age_s": 0.5, "decode_thread_alive": True}}, None),  # working
+    ({"batch": {"active": 0, "pending": 0, "last_step_age_s": 0.0, "decode_thread_alive": True}}, None),  # idle
+    ({"engine_state": "running", "batch": None}, None),  # vLLM, alive
+])
+def test_a_variant_whose_probe_answers_but_whose_engine_cannot_serve_is_not_ready(health, why):
+    from policy_bundle.serve.pool import VariantPool
+
+    async def probe():
+        return {"ready": True, "engine": "test", **health}
+
+    pool = VariantPool({n: SimpleNamespace(to_async=SimpleNamespace(health=probe)) for n in ("int8", "fp16")},
+                       SimpleNamespace(health_timeout_s=3.0), note=lambda *a: None, on_error=lambda *a: None,
+                       metrics=SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge()))
+    got = asyncio.run(pool.refresh())["int8"]
+    if why is None:
+        assert got["ready"] and not got.get("stalled")
+    else:
+        assert not got["ready"] and got["stalled"] and got["error"].startswith(why)
+
+
+def test_a_vllm_engine_whose_core_died_reports_dead():
+    from policy_bundle.serve.engines import VllmEngine
+
+    engine = VllmEngine.__new__(VllmEngine)
+    engine.engine = SimpleNamespace(errored=False)
+    assert engine.state() == "running"
+    engine.engine = SimpleNamespace(errored=True)
+    assert engine.state() == "dead"

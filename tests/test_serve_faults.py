@@ -251,3 +251,53 @@ def test_a_registration_killed_half_way_is_passed_over_for_the_last_whole_pair(t
                "policy-int8:killed-build-000000000000" in log
     finally:
         server.stop()
+
+
+def test_a_plain_request_the_router_gives_up_on_stops_decoding_in_the_variant(tmp_path, small_bundle):
+    """A non-streaming call the router timed out on must not keep decoding to max_tokens: under load the variant would
+    carry more work than admission let in. (BentoML cancels the handler when the router's connection closes; the
+    variant's own deadline, a second past the router's timeout, stops it where a connection is not closed:
+    tests/test_variant_deadline.py.)"""
+    server = start(tmp_path, small_bundle, "giveup", "slow:factor=1.0", config={
+        "request_timeout_s": 2.0, "health_interval_s": 0.5,
+        "rollout": {"analysis_interval_s": 0.5, "golden_interval_s": 3600, "min_samples": 10}})
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/completions", headers={"x-policy-variant": "int8", "x-admin-token": "t"},
+                       json={"model": "policy", "prompt": "1+1=", "max_tokens": 25, "temperature": 0}, timeout=60)
+        assert r.status_code == 503 and time.monotonic() - t0 < 10  # 25 tokens at 1 s each: given up at 2 s
+        deadline, active = time.monotonic() + 15, None
+        while time.monotonic() < deadline:
+            active = httpx.get(f"{server.url}/status", timeout=10).json()["variants"]["int8"]["batch"]["active"]
+            if active == 0:
+                break
+            time.sleep(0.5)
+        assert active == 0 and time.monotonic() - t0 < 12  # decoding stopped, not 25 s later
+    finally:
+        server.stop()
+
+
+def test_a_hung_decode_thread_is_marked_down_and_its_requests_fail_over(tmp_path, small_bundle):
+    """Health was a flag set once at start: a decode thread that hung kept answering the probe, so every routed
+    request waited request_timeout_s. The probe now reads the age of the last decode step while work waits."""
+    server = start(tmp_path, small_bundle, "hang", "hang:after=2:name=int8", config={
+        "request_timeout_s": 60.0, "health_interval_s": 0.5, "health_timeout_s": 2.0,
+        "rollout": {"analysis_interval_s": 0.5, "golden_interval_s": 3600, "min_samples": 10}})
+    try:
+        httpx.post(f"{server.url}/admin/rollout", json={"action": "set-weight", "weight": 100}, headers=ADMIN,
+                   timeout=30)
+        t0 = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/completions", timeout=90,
+                       json={"model": "policy", "prompt": "12+34=", "max_tokens": 6, "temperature": 0})
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and r.headers["x-policy-variant"] == "fp16", r.text
+        assert took < 15, took  # marked down within health_timeout_s of its last step, not after 60 s
+        status = httpx.get(f"{server.url}/status", timeout=10).json()
+        int8 = status["variants"]["int8"]
+        assert int8["stalled"] and "no decode step" in int8["error"] and status["degraded"] == ["int8"]
+        assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200  # FP16 serves every request
+        again = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                           json={"model": "policy", "prompt": "12+34=", "max_tokens": 6, "temperature": 0})
+        assert again.status_code == 200 and again.headers["x-policy-variant"] == "fp16"
+    finally:
+        server.stop()
