@@ -145,7 +145,8 @@ def cmd_containerize(args: argparse.Namespace) -> int:
                                              tags=tuple(args.tag or ()), rebuild_base=args.rebuild_base,
                                              torch_wheel=wheel))
     print(f"image: {built.image} ({built.size_bytes / 1e9:.2f} GB) from bento {built.bento}")
-    print(f"run: podman run --rm --network host --shm-size 1g {built.image} --port 3000")
+    print(f"run: podman run --rm --network host --shm-size 1g -e POLICY_BUNDLE_API_KEYS=<key> "
+          f"-v policy-bundle-state:/home/bentoml/state {built.image} --port 3000")
     return 0
 
 

@@ -70,29 +70,33 @@ def image(home):
     return {"image": built[1], "bento": built[3], "seconds": seconds}
 
 
-@pytest.fixture(scope="module")
-def container(image, tmp_path_factory):
-    """The image running as `podman run --network host` on a free port, admin token set; stopped after."""
-    port, name = free_port(), f"policy-bundle-test-{os.getpid()}"
+def run_container(image: str, name: str, *extra: str) -> str:
+    """``image`` running as `podman run --network host` on a free port, admin token set, until /readyz; its URL."""
+    port = free_port()
     run = podman("run", "-d", "--rm", "--name", name, "--network", "host", "--shm-size", "1g",
-                 "-e", f"POLICY_BUNDLE_ADMIN_TOKEN={ADMIN_TOKEN}", image["image"], "--port", str(port), "--host",
+                 "-e", f"POLICY_BUNDLE_ADMIN_TOKEN={ADMIN_TOKEN}", *extra, image, "--port", str(port), "--host",
                  "127.0.0.1")
     assert run.returncode == 0, run.stderr
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if podman("container", "exists", name).returncode != 0:
+            pytest.fail(f"container exited before /readyz:\n{logs(name)}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    pytest.fail(f"container not ready in 600s: {status(url)}\n{logs(name)}")
+
+
+@pytest.fixture(scope="module")
+def container(image, tmp_path_factory):
+    """The image running as `podman run --network host` on a free port, admin token set; stopped after."""
+    name = f"policy-bundle-test-{os.getpid()}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if podman("container", "exists", name).returncode != 0:
-                pytest.fail(f"container exited before /readyz:\n{logs(name)}")
-            try:
-                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail(f"container not ready in 600s: {status(url)}\n{logs(name)}")
-        yield {"url": url, "name": name}
+        yield {"url": run_container(image["image"], name), "name": name}
     finally:
         podman("rm", "-f", "-t", "20", name)
 
@@ -173,3 +177,27 @@ def test_a_second_containerize_reuses_the_package_layers(image, home):
     # the package install step (the image's big layer), then buildah's verdict on it
     # (BentoML relays buildah's lines with a log prefix: "INFO: STEP 29/35: RUN ...", "INFO: --> Using cache ...")
     assert re.search(r"RUN bash -euxo pipefail \S+/install\.sh\n[^\n]*--> Using cache", res.stderr), res.stderr[-4000:]
+
+
+@needs_podman
+@pytest.mark.container
+def test_a_rolled_back_int8_stays_rolled_back_when_the_container_is_replaced(image):
+    """The rollout state lived in the container's ephemeral HOME: a replaced container started the pair's rollout
+    over at its first step, the rolled-back INT8 included. The image keeps it in /home/bentoml/state, a volume."""
+    volume, admin = f"policy-bundle-state-{os.getpid()}", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        for attempt in ("first", "replaced"):
+            name = f"policy-bundle-state-{os.getpid()}-{attempt}"
+            try:
+                url = run_container(image["image"], name, "-v", f"{volume}:/home/bentoml/state")
+                if attempt == "first":
+                    r = httpx.post(f"{url}/admin/rollout", headers=admin, timeout=60,
+                                   json={"action": "rollback", "reason": "container test"})
+                    assert r.status_code == 200 and r.json()["state"]["status"] == "rolled-back", r.text
+                else:
+                    state = httpx.get(f"{url}/admin/rollout", headers=admin, timeout=60).json()["state"]
+                    assert (state["status"], state["weight"]) == ("rolled-back", 0.0), state
+            finally:
+                podman("rm", "-f", "-t", "20", name)
+    finally:
+        podman("volume", "rm", "-f", volume)
