@@ -52,6 +52,7 @@ class _Request:
     filled: int = 0  # prompt tokens already in the cache (chunked prefill)
     last: int = 0  # the token the next decode step feeds
     produced: int = 0
+    history: List[int] = field(default_factory=list)  # its tokens so far (presence / frequency penalties)
     cancelled: bool = False
     done: bool = field(default=False)
 
@@ -262,12 +263,14 @@ class BatchedEngine:
             r.done = True
             return
         try:
-            step = step if step is not None else pick_token(logits, r.params, r.gen)
+            step = step if step is not None else pick_token(logits, r.params, r.gen, r.history)
         except Exception as exc:  # noqa: BLE001 - e.g. non-finite logits: this request fails, the batch goes on
             r.done = True
             r.emit(RuntimeError(f"sampling failed: {type(exc).__name__}: {exc}"))
             return
         r.last, r.produced = step.token_id, r.produced + 1
+        if not r.params.plain:
+            r.history.append(step.token_id)
         r.emit(step)
         if step.token_id == r.params.stop_token_id or len(r.prompt) + r.produced >= r.total:
             r.done = True

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence
+from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -31,26 +31,63 @@ class SamplingParams:
     top_p: float = 1.0
     seed: Optional[int] = None
     stop_token_id: Optional[int] = None
+    logit_bias: Tuple[Tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's logit_bias
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it appeared in this answer
+    frequency_penalty: float = 0.0  # subtracted per time it appeared in this answer
+    top_logprobs: int = 0  # the most likely alternatives reported per step (their logprobs)
+
+    @property
+    def plain(self) -> bool:
+        """No logit changes and no alternatives: a greedy step is the row's argmax (``greedy_steps``)."""
+        return not (self.logit_bias or self.presence_penalty or self.frequency_penalty or self.top_logprobs)
 
 
 @dataclass(frozen=True)
 class Step:
     token_id: int
     logprob: float
+    top: Tuple[Tuple[int, float], ...] = ()  # the ``top_logprobs`` most likely tokens and their logprobs
 
 
-def pick_token(logits: Tensor, params: SamplingParams, gen: Optional[torch.Generator]) -> Step:
-    """Greedy at temperature 0 (or below MIN_TEMPERATURE), else nucleus sampling; the token and its logprob."""
-    if params.temperature < MIN_TEMPERATURE:  # greedy, as the router's schema says (no overflow to NaN)
+def adjusted_logits(logits: Tensor, params: SamplingParams, history: Sequence[int]) -> Tensor:
+    """``logits`` with the request's logit bias and its presence / frequency penalties over the tokens it has
+    generated so far (``history``), as OpenAI and vLLM define them; the logits themselves when it has none."""
+    if not (params.logit_bias or params.presence_penalty or params.frequency_penalty):
+        return logits
+    out = logits.detach().reshape(-1).float().clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        out[torch.tensor(ids)] += torch.tensor(bias, dtype=out.dtype)
+    if history and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(list(history)), minlength=out.numel())[: out.numel()].to(out.dtype)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def pick_token(logits: Tensor, params: SamplingParams, gen: Optional[torch.Generator],
+               history: Sequence[int] = ()) -> Step:
+    """Greedy at temperature 0 (or below MIN_TEMPERATURE), else nucleus sampling, on the logits as the request's bias
+    and penalties leave them (``history``: its tokens so far); the token, its logprob (of the model's own
+    distribution, as vLLM reports it by default) and, with ``top_logprobs``, the likeliest alternatives."""
+    if params.plain and params.temperature < MIN_TEMPERATURE:  # greedy, as the schema says (no overflow to NaN)
         return greedy_steps(logits.reshape(1, -1))[0]
-    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    raw = logits.reshape(-1)
+    logprobs = torch.log_softmax(raw.double(), dim=-1)
+    logits = adjusted_logits(raw, params, history)
+    top = ()
+    if params.top_logprobs:
+        values, ids = logprobs.topk(min(params.top_logprobs, logprobs.numel()))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    if params.temperature < MIN_TEMPERATURE:
+        tok = int(logits.argmax())
+        return Step(tok, float(logprobs[tok]), top)
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < params.top_p
         probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
     tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-    return Step(tok, float(logprobs[tok]))
+    return Step(tok, float(logprobs[tok]), top)
 
 
 def greedy_steps(logits: Tensor) -> List[Step]:
@@ -67,7 +104,7 @@ def greedy_steps(logits: Tensor) -> List[Step]:
 def greedy_picks(logits: Tensor, params: Sequence[Optional[SamplingParams]]) -> Dict[int, Step]:
     """``greedy_steps`` of the rows of ``logits`` whose ``params`` are greedy (None: none wanted), by row index; empty
     for fewer than two such rows, or where it fails (each row then picks alone, failing only its own request)."""
-    greedy = [i for i, p in enumerate(params) if p is not None and p.temperature < MIN_TEMPERATURE]
+    greedy = [i for i, p in enumerate(params) if p is not None and p.plain and p.temperature < MIN_TEMPERATURE]
     if len(greedy) < 2:
         return {}
     try:
@@ -132,11 +169,14 @@ class CachedPolicyEngine:
     def _run(self, prompt_ids: List[int], params: SamplingParams) -> Iterator[Step]:
         """The one decode loop (``quantize.decode``) with this request's sampling."""
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        history: List[int] = []
 
         def pick(logits: Tensor) -> Step:
             if self.delay_s:  # the test fault ``slow``
                 time.sleep(self.delay_s)
-            return pick_token(logits, params, gen)
+            step = pick_token(logits, params, gen, history)
+            history.append(step.token_id)
+            return step
 
         return decode_steps(self.module, prompt_ids, params.max_tokens, pick, params.stop_token_id, self.max_seq_len)
 
@@ -168,15 +208,21 @@ class VllmEngine:
 
         self._n += 1
         vp = VParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                     seed=params.seed, logprobs=0, ignore_eos=params.stop_token_id is None,  # as CachedPolicyEngine
-                     stop_token_ids=[params.stop_token_id] if params.stop_token_id is not None else None)
+                     seed=params.seed, logprobs=params.top_logprobs, ignore_eos=params.stop_token_id is None,
+                     stop_token_ids=[params.stop_token_id] if params.stop_token_id is not None else None,
+                     logit_bias=dict(params.logit_bias) or None, presence_penalty=params.presence_penalty,
+                     frequency_penalty=params.frequency_penalty)
         seen = 0
         async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, vp, f"req-{os.getpid()}-{self._n}"):
             comp = out.outputs[0]
             for i in range(seen, len(comp.token_ids)):
                 tok = comp.token_ids[i]
                 lp = comp.logprobs[i].get(tok).logprob if comp.logprobs and tok in comp.logprobs[i] else 0.0
-                yield Step(int(tok), float(lp))
+                top = ()
+                if params.top_logprobs and comp.logprobs:
+                    ranked = sorted(comp.logprobs[i].items(), key=lambda kv: kv[1].rank or 0)
+                    top = tuple((int(t), float(v.logprob)) for t, v in ranked if v.rank)[: params.top_logprobs]
+                yield Step(int(tok), float(lp), top)
             seen = len(comp.token_ids)
 
     def state(self) -> str:

@@ -72,7 +72,8 @@ class Prepared:
     def sampling(self, eos: Optional[int]) -> dict:
         r = self.req
         return dict(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, temperature=r.temperature,
-                    top_p=r.top_p, seed=r.seed, stop_token_id=self.stop_id(eos))
+                    top_p=r.top_p, seed=r.seed, stop_token_id=self.stop_id(eos),
+                    **r.sampling_modifiers(r.top_logprobs_wanted()))
 
     def usage(self, n_tokens: int) -> dict:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n_tokens,
@@ -94,6 +95,9 @@ class Adapter:
         self.tok, self.info, self.model_name = tok, info, model_name
 
     def prepare(self, req) -> Prepared:
+        if req.stream and req.logprobs:
+            raise ApiError(400, "logprobs: not sent in streamed chunks; ask for logprobs without stream", "logprobs",
+                           req.logprobs)
         text, ids = self.encode(req)
         max_tokens = self.max_tokens(req)
         if len(ids) + max_tokens > self.info.max_seq_len:
@@ -140,8 +144,9 @@ class Adapter:
         usage = p.usage(n)
         wanted = p.req.logprobs is not None and p.req.logprobs is not False
         tokens = [ids_to_text(self.tok, [t]) for t in stream.ids] if wanted else []
+        top = [[(ids_to_text(self.tok, [t]), lp) for t, lp in alts] for alts in result.get("top_logprobs", [])[:n]]
         return {**self._base(p, variant), "usage": usage,
-                "choices": [self.choice(p, stream.text, finish, tokens, result["logprobs"][:n])]}
+                "choices": [self.choice(p, stream.text, finish, tokens, result["logprobs"][:n], top)]}
 
 
 class CompletionsAdapter(Adapter):
@@ -160,10 +165,12 @@ class CompletionsAdapter(Adapter):
     def complete(self, p: Prepared, variant: str, result: dict) -> dict:
         return {**super().complete(p, variant, result), "object": "text_completion"}
 
-    def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float]) -> dict:
+    def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float],
+               top: List[list]) -> dict:
         lp = None
-        if p.req.logprobs is not None:
-            lp = {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+        if p.req.logprobs is not None:  # top_logprobs: per token, the ``logprobs`` likeliest tokens' text -> logprob
+            lp = {"tokens": tokens, "token_logprobs": logprobs, "text_offset": None,
+                  "top_logprobs": [dict(alts) for alts in top] if p.req.logprobs else None}
         return {"index": 0, "text": (p.prompt_text if p.req.echo else "") + text, "finish_reason": finish,
                 "logprobs": lp}
 
@@ -213,11 +220,14 @@ class ChatAdapter(Adapter):
     def complete(self, p: Prepared, variant: str, result: dict) -> dict:
         return {**super().complete(p, variant, result), "object": "chat.completion"}
 
-    def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float]) -> dict:
+    def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float],
+               top: List[list]) -> dict:
         lp = None
         if p.req.logprobs:
-            lp = {"content": [{"token": t, "logprob": x, "bytes": list(t.encode()), "top_logprobs": []}
-                              for t, x in zip(tokens, logprobs)]}
+            alts = top or [[] for _ in tokens]
+            lp = {"content": [{"token": t, "logprob": x, "bytes": list(t.encode()),
+                               "top_logprobs": [{"token": a, "logprob": y, "bytes": list(a.encode())} for a, y in alt]}
+                              for t, x, alt in zip(tokens, logprobs, alts)]}
         return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp}
 
     def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, role: bool = False) -> dict:

@@ -37,7 +37,10 @@ def client_error(exc: BaseException) -> Optional[ApiError]:
     """A variant's 4xx answer (a request it refuses) as the client's error: not a variant failure."""
     code = int(getattr(exc, "error_code", 0) or 0)
     if 400 <= code < 500:
-        return ApiError(400 if code != 429 else 429, f"refused by the variant: {str(exc)[:300]}", "prompt",
+        text = str(exc)[:300]
+        param = next((f for f in ("logit_bias", "top_logprobs", "presence_penalty", "frequency_penalty") if f in text),
+                     "prompt")  # the field the variant's check names (its own checks are on these)
+        return ApiError(400 if code != 429 else 429, f"{param}: refused by the variant: {text}", param,
                         code="invalid_request_error" if code != 429 else "rate_limited")
     return None
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, List, Literal, Optional, Union
+from typing import Annotated, Dict, List, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError,
                       ValidationInfo, field_validator)
@@ -64,10 +64,11 @@ def _json_safe(v):
 # they were not there would answer another request than the one asked). Any other unknown field is refused too.
 NOT_IMPLEMENTED = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "logit_bias": ({},),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "top_logprobs": (0,),
+    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "repetition_penalty": (1,),
     "best_of": (1,), "suffix": ("",), "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "store": (False,),
 }
+MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 300, 20, 5  # OpenAI's limits
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MESSAGE_NOT_IMPLEMENTED = {"tool_calls": ([],), "name": (), "tool_call_id": (), "function_call": ()}
 
 
@@ -114,6 +115,11 @@ class _Request(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens tokens, EOS or not
     n: StrictInt = Field(default=1, ge=1, le=1)
+    # token id (a string, as JSON keys are) -> added to its logit before sampling, greedy included
+    logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
+    presence_penalty: Penalty = 0.0  # subtracted from a token's logit once it is in the answer
+    frequency_penalty: Penalty = 0.0  # subtracted per time it is in the answer
     stop: Optional[Union[StopText, List[StopText]]] = Field(default=None, json_schema_extra=_published(
         {"anyOf": [STOP, {"type": "array", "items": STOP, "maxItems": MAX_STOP}], "nullable": True}))
 
@@ -129,6 +135,27 @@ class _Request(BaseModel):
             raise ValueError("only allowed with stream: true")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value):
+        bad = next((k for k in value or {} if not (k.isascii() and k.isdigit())), None)
+        if bad is not None:
+            raise ValueError(f"{bad!r} is not a token id (a non-negative integer as a string)")
+        return value
+
+    def sampling_modifiers(self, top_logprobs: int) -> dict:
+        """What the variants apply per step besides temperature and top_p (only what is set)."""
+        out = {}
+        if self.logit_bias:
+            out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        if self.presence_penalty:
+            out["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            out["frequency_penalty"] = self.frequency_penalty
+        if top_logprobs:
+            out["top_logprobs"] = top_logprobs
+        return out
+
     def stop_strings(self) -> List[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP:
@@ -139,8 +166,11 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: Union[str, List[str]] = Field(json_schema_extra=_published(
         {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 1}]}))
-    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=1)
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
+
+    def top_logprobs_wanted(self) -> int:
+        return self.logprobs or 0
 
 
 class ChatMessage(BaseModel):
@@ -153,7 +183,18 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: List[ChatMessage] = Field(min_length=1, max_length=64)
     logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs", False):
+            raise ValueError("only allowed with logprobs: true")
+        return value
+
+    def top_logprobs_wanted(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 def parse_request(model: type[BaseModel], data) -> BaseModel:

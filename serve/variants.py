@@ -13,7 +13,7 @@ import logging
 import os
 from contextlib import aclosing
 from pathlib import Path
-from typing import AsyncGenerator, List, Optional
+from typing import AsyncGenerator, Dict, List, Optional
 
 import bentoml
 from bentoml.exceptions import InvalidArgument, NotFound
@@ -180,11 +180,33 @@ async def _collect(variant: str, engine, prompt_ids: List[int], params: Sampling
                     steps.append(s)
     except TimeoutError:
         raise TimeoutError(f"deadline_s: generation stopped after {deadline_s:g}s ({len(steps)} tokens)") from None
-    return {"token_ids": [s.token_id for s in steps], "logprobs": [s.logprob for s in steps]}
+    out = {"token_ids": [s.token_id for s in steps], "logprobs": [s.logprob for s in steps]}
+    if params.top_logprobs:
+        out["top_logprobs"] = [[list(t) for t in s.top] for s in steps]
+    return out
 
 
-def _params(max_tokens: int, temperature: float, top_p: float, seed: Optional[int], stop: Optional[int]):
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_id=stop)
+MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS = 300, 20  # OpenAI's limits
+
+
+def _params(svc, max_tokens: int, temperature: float, top_p: float, seed: Optional[int], stop: Optional[int],
+            logit_bias: Optional[Dict[int, float]] = None, presence_penalty: float = 0.0,
+            frequency_penalty: float = 0.0, top_logprobs: int = 0) -> SamplingParams:
+    """The request's sampling, its modifiers checked against this variant's vocabulary and OpenAI's ranges."""
+    bias = dict(logit_bias or {})
+    bad = next((t for t in bias if not 0 <= int(t) < svc.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {svc.vocab_size})")
+    if len(bias) > MAX_LOGIT_BIAS or any(not -100.0 <= float(v) <= 100.0 for v in bias.values()):
+        raise InvalidArgument(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, each biased within [-100, 100]")
+    if not (-2.0 <= presence_penalty <= 2.0 and -2.0 <= frequency_penalty <= 2.0):
+        raise InvalidArgument("presence_penalty, frequency_penalty: each within [-2, 2]")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs: {top_logprobs} is out of range [0, {MAX_TOP_LOGPROBS}]")
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_id=stop,
+                          logit_bias=tuple(sorted((int(t), float(v)) for t, v in bias.items())),
+                          presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
+                          top_logprobs=int(top_logprobs))
 
 
 def generation_apis():
@@ -193,27 +215,33 @@ def generation_apis():
     @bentoml.api
     async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
                        top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None,
-                       deadline_s: Optional[float] = None) -> dict:
+                       deadline_s: Optional[float] = None, logit_bias: Optional[Dict[int, float]] = None,
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0, top_logprobs: int = 0) -> dict:
         check_input(self, prompt_ids, max_tokens, temperature, top_p)
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidArgument(f"deadline_s: {deadline_s} must be > 0 seconds")
-        return await _collect(self.variant, self.engine, prompt_ids,
-                              _params(max_tokens, temperature, top_p, seed, stop_token_id), deadline_s)
+        params = _params(self, max_tokens, temperature, top_p, seed, stop_token_id, logit_bias, presence_penalty,
+                         frequency_penalty, top_logprobs)
+        return await _collect(self.variant, self.engine, prompt_ids, params, deadline_s)
 
     @bentoml.api
     async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                     seed: Optional[int] = None, stop_token_id: Optional[int] = None) -> AsyncGenerator[str, None]:
+                     seed: Optional[int] = None, stop_token_id: Optional[int] = None,
+                     logit_bias: Optional[Dict[int, float]] = None, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, top_logprobs: int = 0) -> AsyncGenerator[str, None]:
         # A stream's status line is sent before its body runs, so every outcome is a line: steps, then
         # {"done": true}, or {"error", "status"}; a stream that ends without either was cut off.
         try:
             check_input(self, prompt_ids, max_tokens, temperature, top_p)
+            params = _params(self, max_tokens, temperature, top_p, seed, stop_token_id, logit_bias, presence_penalty,
+                             frequency_penalty, top_logprobs)
         except InvalidArgument as exc:
             yield json.dumps({"error": str(exc), "status": 400}) + "\n"
             return
-        params = _params(max_tokens, temperature, top_p, seed, stop_token_id)
         try:
             async for s in _steps(self.variant, self.engine, prompt_ids, params):
-                yield json.dumps({"token_id": s.token_id, "logprob": s.logprob}) + "\n"
+                yield json.dumps({"token_id": s.token_id, "logprob": s.logprob,
+                                  **({"top": [list(t) for t in s.top]} if s.top else {})}) + "\n"
         except Exception as exc:  # noqa: BLE001 - reported in-band: the caller must not take it for an end
             log.warning("%s stream failed: %s: %s", self.variant, type(exc).__name__, exc)
             yield json.dumps({"error": f"{type(exc).__name__}: {exc}"[:300], "status": 500}) + "\n"

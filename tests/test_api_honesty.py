@@ -47,8 +47,10 @@ def test_control_text_in_a_content_the_template_rewrites_is_refused():
     (CompletionRequest, {"temperature": "0.5"}, "temperature", None),
     (CompletionRequest, {"temperature": True}, "temperature", None),
     (CompletionRequest, {"stream": "true"}, "stream", None),
-    (CompletionRequest, {"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
-    (CompletionRequest, {"presence_penalty": False}, None, None),  # false is not 0: refused below
+    (CompletionRequest, {"logit_bias": {"one": 5}}, "logit_bias", None),
+    (CompletionRequest, {"presence_penalty": False}, None, None),  # false is not 0 (strict)
+    (CompletionRequest, {"best_of": 2}, "best_of", "unsupported_parameter"),
+    (ChatRequest, {"top_logprobs": 3}, "top_logprobs", None),  # without logprobs: true
     (ChatRequest, {"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
     (ChatRequest, {"frobnicate": 1}, "frobnicate", "unknown_parameter"),
 ])
@@ -75,3 +77,21 @@ def test_the_published_spec_allows_no_other_fields():
     schema = op["requestBody"]["content"]["application/json"]["schema"]
     assert schema["additionalProperties"] is False and schema["properties"]["messages"]["items"][
         "additionalProperties"] is False
+
+
+def test_logit_bias_and_penalties_change_the_logits_they_name():
+    import torch
+
+    from policy_bundle.serve.engines import SamplingParams, adjusted_logits, pick_token
+
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    p = SamplingParams(logit_bias=((3, 5.0),), presence_penalty=0.5, frequency_penalty=0.25)
+    got = adjusted_logits(logits, p, history=[0, 0, 1])
+    assert torch.allclose(got, torch.tensor([3.0 - 0.5 - 0.5, 2.0 - 0.5 - 0.25, 1.0, 5.0]))
+    assert torch.equal(adjusted_logits(logits, SamplingParams(), [0]), logits)  # no modifiers: untouched
+    step = pick_token(logits, SamplingParams(logit_bias=((2, 10.0),), top_logprobs=2), None)
+    raw = torch.log_softmax(logits.double(), -1)
+    assert step.token_id == 2 and abs(step.logprob - float(raw[2])) < 1e-9  # the model's own logprob of the pick
+    assert [t for t, _ in step.top] == [0, 1]  # the model's likeliest, bias or not
+    penalised = pick_token(logits, SamplingParams(frequency_penalty=2.0), None, history=[0])
+    assert penalised.token_id == 1  # 3 - 2 < 2

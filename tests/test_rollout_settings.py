@@ -55,8 +55,11 @@ def test_the_state_url_comes_from_the_file_and_the_env_var_wins(tmp_path, monkey
 def test_an_unreachable_state_database_is_one_line(tmp_path):
     from policy_bundle.serve.rollout_db import RolloutDatabase, StoreUnavailable
 
+    from policy_bundle.serve.rollout_db import BundlePair
+
+    db = RolloutDatabase("postgresql+psycopg://user:secret@127.0.0.1:1/x")  # connects at its first use
     with pytest.raises(StoreUnavailable, match=r"rollout state database 127.0.0.1:1/x: ") as err:
-        RolloutDatabase("postgresql+psycopg://user:secret@127.0.0.1:1/x")
+        db.load(BundlePair("a" * 64, "a" * 64))
     assert "secret" not in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(StoreUnavailable, match="rollout state database"):
         RolloutDatabase("nosuchdialect://x")

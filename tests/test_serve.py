@@ -180,9 +180,13 @@ def test_admin_api_needs_the_bearer_token(good):
         ({"model": "policy", "prompt": "1+1=", "temperature": "0.5"}, 400, "temperature"),
         ({"model": "policy", "prompt": "1+1=", "temperature": True}, 400, "temperature"),
         # what the server does not implement is refused by name, never ignored
-        ({"model": "policy", "prompt": "1+1=", "logit_bias": {"5": 100}}, 400, "logit_bias"),
-        ({"model": "policy", "prompt": "1+1=", "presence_penalty": 1.5}, 400, "presence_penalty"),
-        ({"model": "policy", "prompt": "1+1=", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        ({"model": "policy", "prompt": "1+1=", "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+        ({"model": "policy", "prompt": "1+1=", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+        ({"model": "policy", "prompt": "1+1=", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+        ({"model": "policy", "prompt": "1+1=", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"model": "policy", "prompt": "1+1=", "frequency_penalty": -3}, 400, "frequency_penalty"),
+        ({"model": "policy", "prompt": "1+1=", "logprobs": 6}, 400, "logprobs"),
+        ({"model": "policy", "prompt": "1+1=", "logprobs": 1, "stream": True}, 400, "logprobs"),
         ({"model": "policy", "prompt": "1+1=", "best_of": 3}, 400, "best_of"),
         ({"model": "policy", "prompt": "1+1=", "suffix": "!"}, 400, "suffix"),
         ({"model": "policy", "prompt": "1+1=", "top_k": 5}, 400, "top_k"),
@@ -204,7 +208,6 @@ CHAT = {"model": "policy", "messages": [{"role": "user", "content": "12+34="}], 
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"top_logprobs": 5, "logprobs": True}, "top_logprobs"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]},
                    {"role": "user", "content": "12+34="}]}, "messages.0.tool_calls"),
 ])
@@ -215,11 +218,46 @@ def test_chat_fields_the_server_does_not_implement_are_refused_by_name(good, ext
     assert err["param"] == param and err["message"].startswith(f"{param}: not implemented by this server")
 
 
+def token_id(small_bundle, text: str) -> int:
+    from policy_bundle.bundle.info import load_tokenizer
+
+    ids = load_tokenizer(small_bundle / "int8")(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_logit_bias_steers_greedy_decoding_in_both_variants(good, small_bundle, variant):
+    seven = token_id(small_bundle, "7")
+    forced = {"x-policy-variant": variant, "x-admin-token": "test-admin-token"}
+    plain = complete(good, headers=forced, max_tokens=4).json()["choices"][0]["text"]
+    biased = complete(good, headers=forced, max_tokens=4, logit_bias={str(seven): 100}).json()
+    assert plain != "7777" and biased["choices"][0]["text"] == "7777", (plain, biased)
+    banned = complete(good, headers=forced, max_tokens=4, logit_bias={str(token_id(small_bundle, "9")): -100}).json()
+    assert "9" not in banned["choices"][0]["text"] and "9" in plain  # the control: 998 without the ban
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_top_logprobs_are_the_likeliest_tokens_and_hold_the_greedy_one(good, variant):
+    forced = {"x-policy-variant": variant, "x-admin-token": "test-admin-token"}
+    r = httpx.post(f"{good.url}/v1/chat/completions", headers=forced, timeout=60,
+                   json={**CHAT, "logprobs": True, "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(len(c["top_logprobs"]) == 3 for c in content)
+    for c in content:  # greedy: the chosen token is the likeliest, with its logprob, and the rest are below it
+        alts = c["top_logprobs"]
+        assert alts[0]["token"] == c["token"] and abs(alts[0]["logprob"] - c["logprob"]) < 1e-3
+        assert [a["logprob"] for a in alts] == sorted((a["logprob"] for a in alts), reverse=True)
+    done = complete(good, headers=forced, max_tokens=3, logprobs=2).json()["choices"][0]["logprobs"]
+    assert len(done["top_logprobs"]) == len(done["tokens"]) and all(len(t) == 2 for t in done["top_logprobs"])
+
+
 def test_fields_at_their_off_value_are_accepted(good):
     """A client that sends a field at the value that means off (vLLM's benchmark sends repetition_penalty 1.0) is
     answered: nothing it asked for is ignored."""
     off = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": None,
-           "response_format": {"type": "text"}, "repetition_penalty": 1.0, "top_logprobs": None}
+           "response_format": {"type": "text"}, "repetition_penalty": 1.0, "top_logprobs": None, "best_of": 1}
     r = httpx.post(f"{good.url}/v1/chat/completions", json={**CHAT, **off}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "46"

@@ -6,7 +6,6 @@ import asyncio
 import pytest
 
 from policy_bundle.serve.engines import SamplingParams, Step
-from policy_bundle.serve.variants import _collect
 
 
 class SlowEngine:
@@ -25,7 +24,11 @@ class SlowEngine:
             self.closed = True  # the batched engine marks the request cancelled here: its slot is freed
 
 
-def test_a_plain_generation_stops_at_its_deadline_and_closes_the_engines_stream():
+def test_a_plain_generation_stops_at_its_deadline_and_closes_the_engines_stream(bentoml_home):
+    # imported here, with the test store set: importing the variants module reads the model store, and BentoML
+    # binds a process to the first store it reads
+    from policy_bundle.serve.variants import _collect
+
     engine = SlowEngine()
     with pytest.raises(TimeoutError, match=r"deadline_s: generation stopped after 0.5s \(2 tokens\)"):
         asyncio.run(_collect("int8", engine, [1, 2], SamplingParams(max_tokens=50), deadline_s=0.5))
