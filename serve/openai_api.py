@@ -99,14 +99,23 @@ class Adapter:
             raise ApiError(400, "logprobs: not sent in streamed chunks; ask for logprobs without stream", "logprobs",
                            req.logprobs)
         text, ids = self.encode(req)
-        max_tokens = self.max_tokens(req)
-        if len(ids) + max_tokens > self.info.max_seq_len:
+        max_tokens, context = self.max_tokens(req), self.info.max_seq_len
+        asked = self.asked_tokens(req)
+        if asked is not None and len(ids) < context and len(ids) + asked > context:
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(400, f"{name}: {asked} exceeds the {context - len(ids)} tokens the context ({context}) "
+                           f"leaves after the {len(ids)}-token prompt", name, asked, context - len(ids))
+        if len(ids) + max_tokens > context:
             raise ApiError(400, f"{self.field_name}: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the "
-                           "context", self.field_name, len(ids) + max_tokens, self.info.max_seq_len)
+                           f"context ({context})", self.field_name, len(ids) + max_tokens, context)
         return Prepared(req, ids, text, max_tokens, req.stop_strings(), f"{self.id_prefix}-{uuid.uuid4().hex[:24]}")
 
     def max_tokens(self, req) -> int:
         return req.max_tokens or self.info.max_new_tokens
+
+    def asked_tokens(self, req) -> Optional[int]:
+        """The new tokens the request itself asked for (None: the bundle's default)."""
+        return req.max_tokens
 
     def text_stream(self, p: Prepared) -> TextStream:
         return TextStream(self.tok, p.stop)
@@ -216,6 +225,9 @@ class ChatAdapter(Adapter):
 
     def max_tokens(self, req: ChatRequest) -> int:
         return req.max_completion_tokens or super().max_tokens(req)
+
+    def asked_tokens(self, req: ChatRequest) -> Optional[int]:
+        return req.max_completion_tokens or req.max_tokens
 
     def complete(self, p: Prepared, variant: str, result: dict) -> dict:
         return {**super().complete(p, variant, result), "object": "chat.completion"}

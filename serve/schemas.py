@@ -8,7 +8,6 @@ from typing import Annotated, Dict, List, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError,
                       ValidationInfo, field_validator)
 
-MAX_TOKENS_LIMIT = 256
 # Below this, sampling is greedy (as in vLLM, whose sampler's epsilon it is): logits / 1e-320 overflow to inf
 # and NaN probabilities, which must not be a variant's failure, let alone count towards a rollback.
 MIN_TEMPERATURE = 1e-5
@@ -105,7 +104,8 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
-    max_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    # up to the context less the prompt (Adapter.prepare: the numbers in the 400); /v1/models says max_model_len
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0,
                                description=f"0 (or below {MIN_TEMPERATURE}): greedy; else sampling at that temperature")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -184,7 +184,7 @@ class ChatRequest(_Request):
     messages: List[ChatMessage] = Field(min_length=1, max_length=64)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
 
     @field_validator("top_logprobs")
     @classmethod

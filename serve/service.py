@@ -226,7 +226,8 @@ class PolicyRouter:
     @app.get("/v1/models")
     async def models(self, request: Request):
         return self._guarded(request) or {"object": "list", "data": [{
-            "id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "policy-bundle"}]}
+            "id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "policy-bundle",
+            "max_model_len": self.info.max_seq_len}]}  # as vLLM publishes it: prompt + answer tokens at most
 
     @app.get("/status")
     async def status(self, request: Request):

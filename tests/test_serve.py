@@ -27,7 +27,8 @@ def test_openai_client_completion_chat_and_streaming(good):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{good.url}/v1", api_key="unused")
-    assert [m.id for m in client.models.list()] == ["policy"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["policy"] and models[0].model_extra["max_model_len"] == 32  # the bundle's
     done = client.completions.create(model="policy", prompt="358+64=", max_tokens=6, temperature=0, logprobs=1)
     assert done.choices[0].text == "998" and done.model_extra["policy_variant"] in ("int8", "fp16")
     assert len(done.choices[0].logprobs.token_logprobs) == done.usage.completion_tokens
@@ -261,6 +262,20 @@ def test_fields_at_their_off_value_are_accepted(good):
     r = httpx.post(f"{good.url}/v1/chat/completions", json={**CHAT, **off}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "46"
+
+
+def test_max_tokens_is_bounded_by_the_context_less_the_prompt_not_a_fixed_cap(good):
+    """max_tokens was capped at 256 whatever the context; it is bounded by the context less the prompt, with the
+    numbers named."""
+    err = complete(good, prompt="1+1=", max_tokens=300).json()["error"]
+    assert err["param"] == "max_tokens" and err["value"] == 300 and err["limit"] < 32
+    assert "tokens the context (32) leaves after the" in err["message"]
+    room = err["limit"]
+    ok = complete(good, prompt="1+1=", max_tokens=room, ignore_eos=True)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == room  # the whole room, answered
+    chat = httpx.post(f"{good.url}/v1/chat/completions", timeout=30,
+                      json={**CHAT, "max_tokens": None, "max_completion_tokens": 999})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_completion_tokens"
 
 
 def test_prompt_too_long_names_the_limit(good):

@@ -99,7 +99,9 @@ def test_one_context_length_for_the_router_and_both_variants(spm, variant):
     assert fits.status_code == 200, fits.text  # 241 + 79 = 320 tokens
     over = httpx.post(f"{server.url}/v1/completions", headers=FORCE[variant], timeout=60,
                       json={"model": "policy", "prompt": " ".join([words] * 4) + " two", "max_tokens": 80})
-    assert over.status_code == 400 and over.json()["error"]["limit"] == CONTEXT
+    err = over.json()["error"]  # max_tokens' own limit: what the context leaves after this prompt
+    assert over.status_code == 400 and err["param"] == "max_tokens" and err["limit"] == 79
+    assert f"the context ({CONTEXT})" in err["message"]
 
 
 def byte_level_tokenizer():
