@@ -62,6 +62,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from policy_bundle.build.rollout_client import AdminClient, RouterUnreachable, run
+
+    try:
+        lines = run(args.rollout_command, AdminClient.from_args(args.url, args.token), args.reason, args.weight,
+                    args.limit)
+    except RouterUnreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from policy_bundle.bundle.signing import generate_key, key_id, _load
 
@@ -170,6 +183,21 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--key", action="append", metavar="PUBLIC_KEY",
                    help="also require the manifest signed by this public key (repeatable: any of them)")
     v.set_defaults(func=cmd_verify)
+
+    r = sub.add_parser("rollout", parents=[common],
+                       help="operate the served rollout over the router's admin API (status, history, promote, ...)",
+                       description="Operate a served rollout: the router's URL and admin token from --url/--token or "
+                                   "POLICY_BUNDLE_URL / POLICY_BUNDLE_ADMIN_TOKEN. A refused command is one line and "
+                                   "exit 2; a router that cannot be reached, exit 1.")
+    from policy_bundle.build.rollout_client import COMMANDS, DEFAULT_URL
+
+    r.add_argument("rollout_command", choices=COMMANDS, metavar="COMMAND", help=" | ".join(COMMANDS))
+    r.add_argument("weight", nargs="?", type=float, help="set-weight: the INT8 weight in %% (0-100)")
+    r.add_argument("--url", help=f"the router (default: POLICY_BUNDLE_URL, else {DEFAULT_URL})")
+    r.add_argument("--token", help="the admin token (default: POLICY_BUNDLE_ADMIN_TOKEN)")
+    r.add_argument("--reason", default="policy-bundle rollout", help="recorded in the rollout's history")
+    r.add_argument("--limit", type=int, default=20, help="history: the newest N events (default 20)")
+    r.set_defaults(func=cmd_rollout)
 
     g = sub.add_parser("keygen", parents=[common], help="make an Ed25519 signing key and its public key (.pub)")
     g.add_argument("--out", required=True, help="the private key file to write (the public key goes beside it)")
