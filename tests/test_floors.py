@@ -38,13 +38,15 @@ BUILD_ALLOWED = {
     "progress": set(),
     "config": BASE,
     "containerize": BASE,
+    "rollout_client": BASE,  # the admin API over HTTP: no stage, no serve/
     "source": BASE | {"config"},
     "calibrate": BASE | {"config", "source"},
     "gate": BASE | {"config", "source", "calibrate"},
     "artifacts": BASE | {"config", "source", "calibrate", "gate"},
     "pipeline": BASE | {"config", "source", "calibrate", "gate", "artifacts"},
     "watch": BASE | {"config", "source", "calibrate", "gate", "artifacts", "containerize", "pipeline"},
-    "cli": BASE | {"config", "source", "calibrate", "gate", "artifacts", "containerize", "pipeline", "watch"},
+    "cli": BASE | {"config", "source", "calibrate", "gate", "artifacts", "containerize", "pipeline", "watch",
+                   "rollout_client"},
 }
 NAMED_ONCE = ("quantize", "bundle", "build", "serve")  # no two modules of these share a file name
 
