@@ -17,36 +17,60 @@ from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest
 
 
 class TextStream:
-    """Token ids in, text out, as it becomes final: the whole sequence is decoded each time (byte-level and
-    SentencePiece tokenizers only make sense of tokens together), text ending in an incomplete UTF-8
-    character (U+FFFD) or in what could start a stop string is held back, and a stop string ends it."""
+    """Token ids in, text out, as it becomes final. Each token is decoded incrementally with ``tokenizers``'
+    ``DecodeStream`` (byte-level and SentencePiece tokenizers only make sense of tokens together: it holds back an
+    incomplete UTF-8 character and decodes with the tokens before), so a token costs the same at the 2000th as at the
+    first; a tokenizer without a fast backend decodes the whole sequence each time. Text that could start a stop
+    string is held back (stop strings are looked for in the new text and a stop string's length before it), and a
+    stop string ends it. ``finish`` decodes the whole sequence once: the streamed text adds up to exactly the plain
+    one (``ids_to_text``), a trailing incomplete character included."""
 
     def __init__(self, tok, stop: List[str]):
         self.tok, self.stop = tok, stop
         self.ids: List[int] = []
         self.text, self.sent = "", 0
         self.stopped = False
+        self.decoded = ""  # every complete character decoded so far
+        self._longest_stop = max((len(x) for x in stop), default=0)
+        backend = getattr(tok, "backend_tokenizer", None)
+        self._stream = _decode_stream() if backend is not None else None
+        self._backend = backend
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        return self._advance(final=False)
+        if self._stream is None:
+            return self._advance(ids_to_text(self.tok, self.ids), final=False, searched=0)
+        before = len(self.decoded)
+        try:
+            piece = self._stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 - an id the stream cannot take (out of range): decode whole from here on
+            self._stream = None
+            return self._advance(ids_to_text(self.tok, self.ids), final=False, searched=0)
+        self.decoded += piece or ""
+        return self._advance(self.decoded, final=False, searched=max(0, before - self._longest_stop))
 
     def finish(self) -> str:
-        return "" if self.stopped else self._advance(final=True)
+        return "" if self.stopped else self._advance(ids_to_text(self.tok, self.ids), final=True, searched=0)
 
-    def _advance(self, final: bool) -> str:
-        text = ids_to_text(self.tok, self.ids)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+    def _advance(self, text: str, final: bool, searched: int) -> str:
+        """Send what of ``text`` is final; stop strings are looked for from ``searched`` on (before it: none)."""
+        cut = min((i for i in (text.find(s, searched) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             text, final, self.stopped = text[:cut], True, True
         end = len(text)
         if not final:
             end = len(text.rstrip("\ufffd"))
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k], 0, end)), default=0)
             end -= hold
         end = max(end, self.sent)
         out, self.sent, self.text = text[self.sent:end], end, text[:end]
         return out
+
+
+def _decode_stream():
+    from tokenizers.decoders import DecodeStream
+
+    return DecodeStream(skip_special_tokens=True)
 
 
 @dataclass

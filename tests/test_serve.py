@@ -402,6 +402,36 @@ def test_vllm_benchmark_request_function_reads_the_router(good, variant):
     assert out.success, out.error
     assert out.output_tokens == 10 and out.prompt_len == 8 and len(out.itl) >= 1 and out.ttft > 0
 
+def test_the_rollout_cli_operates_the_served_rollout(good):
+    """`policy-bundle rollout` over the admin API: what an operator typed as curl with a bearer token."""
+    from cli_helpers import run_cli
+
+    env = {"POLICY_BUNDLE_URL": good.url, "POLICY_BUNDLE_ADMIN_TOKEN": "test-admin-token"}
+    res = run_cli("rollout", "restart", "--reason", "cli test", env=env)
+    assert res.returncode == 0 and "restart: done" in res.stdout and "weight:  1 % of traffic on INT8" in res.stdout, \
+        res.stderr
+    res = run_cli("rollout", "set-weight", "30", env=env)
+    assert res.returncode == 0 and "status:  held" in res.stdout and "weight:  30 %" in res.stdout, res.stderr
+    assert httpx.get(f"{good.url}/admin/rollout", headers=ADMIN, timeout=30).json()["state"]["weight"] == 30.0
+    res = run_cli("rollout", "pause", env=env)
+    assert res.returncode == 0 and "status:  paused (paused from held)" in res.stdout, res.stderr
+    res = run_cli("rollout", "resume", env=env)
+    assert res.returncode == 0 and "status:  held" in res.stdout, res.stderr
+    res = run_cli("rollout", "resume", env=env)  # not paused: refused by the router, one line
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "error: 400: action: resume needs a paused rollout (it is held)"], res.stderr
+    res = run_cli("rollout", "history", "--limit", "3", env=env)
+    assert res.returncode == 0 and "set-weight" in res.stdout and "(3 of" in res.stdout, res.stderr
+    status = run_cli("rollout", "status", env=env)
+    assert status.returncode == 0 and "state version:" in status.stdout
+    refused = run_cli("rollout", "status", env={**env, "POLICY_BUNDLE_ADMIN_TOKEN": "wrong"})
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: 403: admin token is not valid"], refused.stderr
+    gone = run_cli("rollout", "status", "--url", "http://127.0.0.1:9", env=env)
+    assert gone.returncode == 1 and "no answer" in gone.stderr and "Traceback" not in gone.stderr
+    admin(good, "restart")
+
+
 def test_history_returns_the_newest_events(good):
     admin(good, "restart", reason="h0")  # pause needs a rollout in progress, whatever earlier tests left
     admin(good, "pause", reason="h1")
@@ -459,32 +489,3 @@ def test_int8_served_by_vllm_on_the_w8a8_dir_reports_its_engine(small_bundle, st
     finally:
         server.stop()
 
-
-def test_the_rollout_cli_operates_the_served_rollout(good):
-    """`policy-bundle rollout` over the admin API: what an operator typed as curl with a bearer token."""
-    from cli_helpers import run_cli
-
-    env = {"POLICY_BUNDLE_URL": good.url, "POLICY_BUNDLE_ADMIN_TOKEN": "test-admin-token"}
-    res = run_cli("rollout", "restart", "--reason", "cli test", env=env)
-    assert res.returncode == 0 and "restart: done" in res.stdout and "weight:  1 % of traffic on INT8" in res.stdout, \
-        res.stderr
-    res = run_cli("rollout", "set-weight", "30", env=env)
-    assert res.returncode == 0 and "status:  held" in res.stdout and "weight:  30 %" in res.stdout, res.stderr
-    assert httpx.get(f"{good.url}/admin/rollout", headers=ADMIN, timeout=30).json()["state"]["weight"] == 30.0
-    res = run_cli("rollout", "pause", env=env)
-    assert res.returncode == 0 and "status:  paused (paused from held)" in res.stdout, res.stderr
-    res = run_cli("rollout", "resume", env=env)
-    assert res.returncode == 0 and "status:  held" in res.stdout, res.stderr
-    res = run_cli("rollout", "resume", env=env)  # not paused: refused by the router, one line
-    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "error: 400: action: resume needs a paused rollout (it is held)"], res.stderr
-    res = run_cli("rollout", "history", "--limit", "3", env=env)
-    assert res.returncode == 0 and "set-weight" in res.stdout and "(3 of" in res.stdout, res.stderr
-    status = run_cli("rollout", "status", env=env)
-    assert status.returncode == 0 and "state version:" in status.stdout
-    refused = run_cli("rollout", "status", env={**env, "POLICY_BUNDLE_ADMIN_TOKEN": "wrong"})
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        "error: 403: admin token is not valid"], refused.stderr
-    gone = run_cli("rollout", "status", "--url", "http://127.0.0.1:9", env=env)
-    assert gone.returncode == 1 and "no answer" in gone.stderr and "Traceback" not in gone.stderr
-    admin(good, "restart")

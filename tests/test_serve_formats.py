@@ -146,3 +146,29 @@ def test_the_build_gate_scores_the_text_the_service_returns():
     ids = tok("words . and spaces")["input_ids"]
     assert tok.decode(ids, skip_special_tokens=True) == "words. and spaces"  # what the gate once scored
     assert fidelity_kwargs(load_config(None), tok)["decode"](ids) == ids_to_text(tok, ids) == "words . and spaces"
+
+
+@pytest.mark.parametrize("make", ["byte-level", "sentencepiece"])
+def test_a_long_stream_is_decoded_incrementally_and_adds_up_to_the_whole_decode(make, tmp_path):
+    """The stream re-decoded the whole sequence at every token (quadratic in the answer's length); it now decodes
+    each token once (tokenizers' DecodeStream) and still adds up to one decode of everything, cut characters too."""
+    from policy_bundle.quantize.text import ids_to_text
+    from policy_bundle.serve.openai_api import TextStream
+
+    if make == "byte-level":
+        tok = byte_level_tokenizer()
+        text = " ".join(["naïve café 日本語 🙂 ok and plain words"] * 120)
+    else:
+        from policy_bundle.bundle.info import load_tokenizer
+
+        tok = load_tokenizer(sentencepiece_policy(tmp_path / "spm"))
+        text = " ".join(["the policy answers every question with a short plain sentence"] * 200)
+    ids = tok(text, add_special_tokens=False)["input_ids"][:2000]
+    assert len(ids) >= 1500
+    stream = TextStream(tok, ["no such stop"])
+    assert stream._stream is not None  # the incremental path, not the whole-decode fallback
+    pieces = [stream.push(i) for i in ids] + [stream.finish()]
+    assert "".join(pieces) == ids_to_text(tok, ids)
+    cut = ids[:-1] + [ids[-1]] if make == "sentencepiece" else ids[:7]  # byte-level: ends inside a character
+    tail = TextStream(tok, [])
+    assert "".join([tail.push(i) for i in cut] + [tail.finish()]) == ids_to_text(tok, cut)
