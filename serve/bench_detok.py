@@ -1,7 +1,7 @@
 """The streaming detokenizer's cost per token at an answer's 2000th token: one decode of the whole sequence per token
 (the router before) against ``TextStream``'s incremental decode, side by side in one run (nothing asserted).
 
-Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_detok [--tokenizer DIR] [--tokens 2000]`` (default: the
+Run: ``.venv/bin/python -m policy_bundle.serve.bench_detok [--tokenizer DIR] [--tokens 2000]`` (default: the
 SmolLM2-135M fixture's tokenizer, ``python -m policy_bundle.loadtest.real_lm``).
 """
 
