@@ -5,6 +5,7 @@ the analysis that drives the rollout, and the supervised loops that run them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from typing import Awaitable, Callable, Dict, List
@@ -149,10 +150,8 @@ class LiveCanary:
         what came after (a few shadow pairs per window at 5 % never bound the flip rate on their own). With the
         database down a failing window still counts (``RolloutController._failed_offline``: at the limit INT8 stops
         here at once); any other is kept for the next tick."""
-        try:
-            self.controller.refresh()
-        except StoreUnavailable:
-            pass  # judged on this replica's state; what cannot be written is handled by the controller
+        with contextlib.suppress(StoreUnavailable):  # else judged on this replica's state (the controller keeps
+            self.controller.refresh()                # what it cannot write)
         window, self.window = self.window, Window(self.controller.epoch())
         verdict, reasons, metrics = analyse(window, self.settings.rollout, self.info.thresholds)
         try:
