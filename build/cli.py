@@ -76,11 +76,11 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from policy_bundle.bundle.signing import generate_key, key_id, _load
+    from policy_bundle.bundle.signing import generate_key, key_id, load_key
 
     pub = generate_key(Path(args.out))
     print(f"private key: {args.out} (keep it secret: the build signs with it, POLICY_BUNDLE_SIGNING_KEY)")
-    print(f"public key: {pub} (key {key_id(_load(pub, private=False))}; routers trust it, POLICY_BUNDLE_TRUSTED_KEYS)")
+    print(f"public key: {pub} (key {key_id(load_key(pub, private=False))}; routers trust it, POLICY_BUNDLE_TRUSTED_KEYS)")
     return 0
 
 

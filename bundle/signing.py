@@ -53,7 +53,8 @@ def generate_key(out: Path) -> Path:
     return pub
 
 
-def _load(path: Path, private: bool):
+def load_key(path: Path, private: bool):
+    """The Ed25519 key at ``path`` (PEM), private or public; ``SigningKeyError`` naming the file otherwise."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
     ser, kind = _serialization(), "private" if private else "public"
@@ -77,7 +78,7 @@ def signing_key_from_env() -> Optional[Path]:
     if not raw:
         return None
     try:
-        _load(Path(raw), private=True)
+        load_key(Path(raw), private=True)
     except SigningKeyError as exc:
         raise SigningKeyError(f"{SIGNING_KEY_ENV}: {exc}") from None
     return Path(raw)
@@ -91,7 +92,7 @@ def key_id(public_key) -> str:
 
 def sign_bundle(root: Path, private_key: Path) -> str:
     """Sign ``root``'s manifest with the key at ``private_key``; writes ``bundle.json.sig``, returns the key's id."""
-    key = _load(private_key, private=True)
+    key = load_key(private_key, private=True)
     data = (Path(root) / MANIFEST).read_bytes()
     kid = key_id(key.public_key())
     sig = {"algorithm": ALGORITHM, "key_id": kid, "signature": base64.b64encode(key.sign(data)).decode()}
@@ -104,7 +105,7 @@ def verify_signature(root: Path, trusted: Sequence[Path]) -> str:
     unsigned, signed by a key not in ``trusted``, or its signature does not match the manifest's bytes."""
     from cryptography.exceptions import InvalidSignature
 
-    keys = {key_id(k): k for k in (_load(p, private=False) for p in trusted)}
+    keys = {key_id(k): k for k in (load_key(p, private=False) for p in trusted)}
     path = Path(root) / SIGNATURE
     if path.is_symlink() or not path.is_file():
         raise BundleVerificationError(f"{SIGNATURE}: missing: the bundle is unsigned, and this reader trusts only "

@@ -83,12 +83,20 @@ class RouterSettings:
     def __post_init__(self) -> None:
         check(self)
         for p in self.trusted_keys:  # read now: a key that cannot be read stops start-up, not the first request
-            from policy_bundle.bundle.signing import SigningKeyError, _load
+            from policy_bundle.bundle.signing import SigningKeyError, load_key
 
             try:
-                _load(Path(p), private=False)
+                load_key(Path(p), private=False)
             except SigningKeyError as exc:
                 raise FieldError("trusted_keys", str(exc)) from None
+
+
+def _env_list(env: Mapping[str, str], name: str, empty: str) -> Tuple[str, ...]:
+    """A comma-separated variable's items; set to none of them is refused (``empty`` says why), never read as unset."""
+    items = tuple(k.strip() for k in env[name].split(",") if k.strip())
+    if not items:
+        raise FieldError(name, f"is set but {empty}")
+    return items
 
 
 def _with_env(s: RouterSettings, env: Mapping[str, str]) -> RouterSettings:
@@ -100,16 +108,10 @@ def _with_env(s: RouterSettings, env: Mapping[str, str]) -> RouterSettings:
     if env.get("POLICY_BUNDLE_ADMIN_TOKEN"):
         s = replace(s, admin_token=env["POLICY_BUNDLE_ADMIN_TOKEN"])
     if "POLICY_BUNDLE_API_KEYS" in env:  # set at all: its keys replace the file's, and none is refused, not open
-        keys = tuple(k.strip() for k in env["POLICY_BUNDLE_API_KEYS"].split(",") if k.strip())
-        if not keys:
-            raise FieldError("POLICY_BUNDLE_API_KEYS", f"is set but {NO_KEYS}")
-        s = replace(s, api_keys=keys)
+        s = replace(s, api_keys=_env_list(env, "POLICY_BUNDLE_API_KEYS", NO_KEYS))
     if "POLICY_BUNDLE_TRUSTED_KEYS" in env:
-        keys = tuple(k.strip() for k in env["POLICY_BUNDLE_TRUSTED_KEYS"].split(",") if k.strip())
-        if not keys:
-            raise FieldError("POLICY_BUNDLE_TRUSTED_KEYS", "is set but names no key file (unset it to serve unsigned "
-                                                           "bundles)")
-        s = replace(s, trusted_keys=keys)
+        s = replace(s, trusted_keys=_env_list(env, "POLICY_BUNDLE_TRUSTED_KEYS",
+                                              "names no key file (unset it to serve unsigned bundles)"))
     if env.get("POLICY_BUNDLE_INT8_ENGINE"):
         s = replace(s, int8_engine=env["POLICY_BUNDLE_INT8_ENGINE"].strip())
     return s
