@@ -93,11 +93,13 @@ class Prepared:
         """The token that ends generation: the tokenizer's EOS, or none with ``ignore_eos``."""
         return None if self.req.ignore_eos else eos
 
-    def sampling(self, eos: Optional[int]) -> dict:
+    def sampling(self, eos: Optional[int]) -> List[dict]:
+        """One call's arguments per choice; with a seed, choice i samples with seed + i (the request stays
+        reproducible and its choices differ)."""
         r = self.req
-        return dict(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, temperature=r.temperature,
-                    top_p=r.top_p, seed=r.seed, stop_token_id=self.stop_id(eos),
-                    **r.sampling_modifiers(r.top_logprobs_wanted()))
+        base = dict(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, temperature=r.temperature,
+                    top_p=r.top_p, stop_token_id=self.stop_id(eos), **r.sampling_modifiers(r.top_logprobs_wanted()))
+        return [{**base, "seed": None if r.seed is None else (r.seed + i) % 2**63} for i in range(r.n)]
 
     def usage(self, n_tokens: int) -> dict:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n_tokens,
@@ -151,17 +153,25 @@ class Adapter:
         """A stream chunk's common fields; with ``stream_options.include_usage`` every chunk has ``usage: null``."""
         return {**self._base(p, variant), **({"usage": None} if p.include_usage else {})}
 
-    def closing(self, p: Prepared, variant: str, stream: TextStream, n_tokens: int, eos: Optional[int]) -> List[dict]:
-        """A stream's last chunks before [DONE]: the finish reason, then (``include_usage``) the usage chunk
-        the OpenAI spec describes: empty ``choices``, the whole request's ``usage``."""
-        last = [self.chunk(p, variant, "", finish_reason(stream, n_tokens, p.max_tokens, p.stop_id(eos)))]
-        if p.include_usage:
-            last.append({**self._base(p, variant), "object": last[0]["object"], "choices": [],
-                         "usage": p.usage(n_tokens)})
-        return last
+    def closing(self, p: Prepared, variant: str, stream: TextStream, n_tokens: int, eos: Optional[int],
+                index: int = 0) -> dict:
+        """A choice's last chunk: its finish reason."""
+        return self.chunk(p, variant, "", finish_reason(stream, n_tokens, p.max_tokens, p.stop_id(eos)), index)
 
-    def complete(self, p: Prepared, variant: str, result: dict) -> dict:
-        """The non-streamed body: one decode of all ids (what a stream's pieces add up to), or, with stop
+    def usage_chunk(self, p: Prepared, variant: str, n_tokens: int) -> dict:
+        """With ``include_usage``, the chunk before [DONE] the OpenAI spec describes: empty ``choices``, the whole
+        request's ``usage`` (every choice's tokens)."""
+        return {**self._base(p, variant), "object": self.chunk(p, variant, "")["object"], "choices": [],
+                "usage": p.usage(n_tokens)}
+
+    def complete(self, p: Prepared, variant: str, results: List[dict]) -> dict:
+        """The non-streamed body: a choice per result; ``usage`` counts every choice's tokens."""
+        choices = [self._choice(p, result, i) for i, result in enumerate(results)]
+        usage = p.usage(sum(n for _, n in choices))
+        return {**self._base(p, variant), "usage": usage, "choices": [c for c, _ in choices]}
+
+    def _choice(self, p: Prepared, result: dict, index: int) -> tuple:
+        """One choice and its token count: one decode of all ids (what a stream's pieces add up to), or, with stop
         strings, the same TextStream a stream uses, which ends at the first one."""
         stream = self.text_stream(p)
         if p.stop:
@@ -174,12 +184,10 @@ class Adapter:
             stream.ids, stream.text = list(result["token_ids"]), ids_to_text(self.tok, result["token_ids"])
         n = len(stream.ids)
         finish = finish_reason(stream, n, p.max_tokens, p.stop_id(self.tok.eos_token_id))
-        usage = p.usage(n)
         wanted = p.req.logprobs is not None and p.req.logprobs is not False
         tokens = [ids_to_text(self.tok, [t]) for t in stream.ids] if wanted else []
         top = [[(ids_to_text(self.tok, [t]), lp) for t, lp in alts] for alts in result.get("top_logprobs", [])[:n]]
-        return {**self._base(p, variant), "usage": usage,
-                "choices": [self.choice(p, stream.text, finish, tokens, result["logprobs"][:n], top)]}
+        return self.choice(p, stream.text, finish, tokens, result["logprobs"][:n], top, index), n
 
 
 class CompletionsAdapter(Adapter):
@@ -195,24 +203,24 @@ class CompletionsAdapter(Adapter):
             raise ApiError(400, "prompt: must not be empty", "prompt", text)
         return text, encode_text(self.tok, text)
 
-    def complete(self, p: Prepared, variant: str, result: dict) -> dict:
-        return {**super().complete(p, variant, result), "object": "text_completion"}
+    def complete(self, p: Prepared, variant: str, results: List[dict]) -> dict:
+        return {**super().complete(p, variant, results), "object": "text_completion"}
 
     def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float],
-               top: List[list]) -> dict:
+               top: List[list], index: int = 0) -> dict:
         lp = None
         if p.req.logprobs is not None:  # top_logprobs: per token, the ``logprobs`` likeliest tokens' text -> logprob
             lp = {"tokens": tokens, "token_logprobs": logprobs, "text_offset": None,
                   "top_logprobs": [dict(alts) for alts in top] if p.req.logprobs else None}
-        return {"index": 0, "text": (p.prompt_text if p.req.echo else "") + text, "finish_reason": finish,
+        return {"index": index, "text": (p.prompt_text if p.req.echo else "") + text, "finish_reason": finish,
                 "logprobs": lp}
 
-    def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None) -> dict:
+    def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, index: int = 0) -> dict:
         return {**self._chunk_base(p, variant), "object": "text_completion",
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
 
-    def opening(self, p: Prepared, variant: str) -> List[dict]:
-        return [self.chunk(p, variant, p.prompt_text)] if p.req.echo else []
+    def opening(self, p: Prepared, variant: str, index: int = 0) -> List[dict]:
+        return [self.chunk(p, variant, p.prompt_text, index=index)] if p.req.echo else []
 
 
 # Under the test fault ``template``: a check real templates make (Llama's, Gemma's), ahead of the bundle's own
@@ -253,23 +261,25 @@ class ChatAdapter(Adapter):
     def asked_tokens(self, req: ChatRequest) -> Optional[int]:
         return req.max_completion_tokens or req.max_tokens
 
-    def complete(self, p: Prepared, variant: str, result: dict) -> dict:
-        return {**super().complete(p, variant, result), "object": "chat.completion"}
+    def complete(self, p: Prepared, variant: str, results: List[dict]) -> dict:
+        return {**super().complete(p, variant, results), "object": "chat.completion"}
 
     def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float],
-               top: List[list]) -> dict:
+               top: List[list], index: int = 0) -> dict:
         lp = None
         if p.req.logprobs:
             alts = top or [[] for _ in tokens]
             lp = {"content": [{"token": t, "logprob": x, "bytes": list(t.encode()),
                                "top_logprobs": [{"token": a, "logprob": y, "bytes": list(a.encode())} for a, y in alt]}
                               for t, x, alt in zip(tokens, logprobs, alts)]}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": lp}
 
-    def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, role: bool = False) -> dict:
+    def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, index: int = 0,
+              role: bool = False) -> dict:
         delta = {"role": "assistant", "content": text} if role else ({"content": text} if finish is None else {})
         return {**self._chunk_base(p, variant), "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
-    def opening(self, p: Prepared, variant: str) -> List[dict]:
-        return [self.chunk(p, variant, "", role=True)]
+    def opening(self, p: Prepared, variant: str, index: int = 0) -> List[dict]:
+        return [self.chunk(p, variant, "", index=index, role=True)]

@@ -5,6 +5,7 @@ and admission, counted for every call the router makes (client, shadow, golden c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -82,19 +83,20 @@ class Admission:
         self.cap, self.background_cap, self.on_change = cap, background_cap, on_change
         self.inflight = self.background = self.peak = self.background_peak = 0
 
-    def try_acquire(self, background: bool = False) -> bool:
-        if self.inflight >= self.cap or (background and self.background >= self.background_cap):
+    def try_acquire(self, background: bool = False, count: int = 1) -> bool:
+        """``count`` slots at once (a request with ``n`` choices holds ``n``), or none."""
+        if self.inflight + count > self.cap or (background and self.background + count > self.background_cap):
             return False
-        self.inflight += 1
-        self.background += int(background)
+        self.inflight += count
+        self.background += count if background else 0
         self.peak = max(self.peak, self.inflight)
         self.background_peak = max(self.background_peak, self.background)
         self.on_change(self.inflight, self.peak)
         return True
 
-    def release(self, background: bool = False) -> None:
-        self.inflight -= 1
-        self.background -= int(background)
+    def release(self, background: bool = False, count: int = 1) -> None:
+        self.inflight -= count
+        self.background -= count if background else 0
         self.on_change(self.inflight, self.peak)
 
 
@@ -256,15 +258,27 @@ class VariantPool:
                 self.on_error(name, exc, not forced)  # a forced variant's failure is no rollout evidence
         raise _unavailable(last)
 
-    async def generate(self, preferred: str, forced: bool, kwargs: dict) -> Tuple[str, dict]:
-        return await self._fail_over(preferred, forced, lambda name: self.call(name, **kwargs))
+    async def generate(self, preferred: str, forced: bool, choices: List[dict]) -> Tuple[str, List[dict]]:
+        """Every choice's generation, side by side on one variant (the variant batches them); the whole request
+        fails over together, so one variant answers all of its choices."""
+        return await self._fail_over(preferred, forced, lambda name: _all([self.call(name, **kw) for kw in choices]))
 
-    async def open_stream(self, preferred: str, forced: bool, kwargs: dict) -> Tuple[str, Optional[dict], AsyncIterator[dict]]:
-        """The first step of a stream from the first variant that gives one (fail-over before any token is
-        sent, with the same down check, timeout and dropped-connection retry as plain calls); then the rest."""
-        name, (first, steps) = await self._fail_over(
-            preferred, forced, lambda name: self._retry_dropped(lambda: self._first_step(name, kwargs)))
-        return name, first, steps
+    async def open_stream(self, preferred: str, forced: bool,
+                          choices: List[dict]) -> Tuple[str, List[Tuple[Optional[dict], AsyncIterator[dict]]]]:
+        """The first step of every choice's stream from the first variant that gives them all (fail-over before
+        any token is sent, with the same down check, timeout and dropped-connection retry as plain calls); then
+        the rest, one stream per choice. A variant that opens some of them and fails another has its opened
+        streams closed."""
+        async def opened(name: str):
+            tasks = [asyncio.ensure_future(self._retry_dropped(lambda kw=kw: self._first_step(name, kw)))
+                     for kw in choices]
+            try:
+                return await _all(tasks)
+            except BaseException:
+                await close_streams(*[t.result()[1] for t in tasks
+                                      if t.done() and not t.cancelled() and t.exception() is None])
+                raise
+        return await self._fail_over(preferred, forced, opened)
 
     async def _first_step(self, name: str, kwargs: dict) -> Tuple[Optional[dict], AsyncIterator[dict]]:
         """A new stream from ``name`` and its first step; the stream is closed if that fails (nothing was sent)."""
@@ -294,6 +308,47 @@ class VariantPool:
             return await self._unless_down(name, steps.__anext__())
         except StopAsyncIteration:
             return None
+
+
+async def interleaved(gens: list) -> AsyncIterator:
+    """The items of several async generators as each comes (the next of each is awaited side by side); on the
+    first failure, or when closed, the others' pending steps are cancelled and every generator is closed."""
+    nexts = {asyncio.ensure_future(g.__anext__()): g for g in gens}
+    try:
+        while nexts:
+            done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+            for task in [t for t in nexts if t in done]:  # in the generators' order when several are done
+                gen = nexts.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                nexts[asyncio.ensure_future(gen.__anext__())] = gen
+                yield item
+    finally:
+        for task in nexts:
+            await cancelled(task)
+        for gen in gens:
+            with contextlib.suppress(Exception):
+                await gen.aclose()
+
+
+async def _all(calls) -> list:
+    """Every call's result in order; at the first failure the others are cancelled (and awaited) and it is
+    raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:
+        for t in tasks:
+            await cancelled(t)
+        raise
+    failed = next((t for t in tasks if t in done and not t.cancelled() and t.exception() is not None), None)
+    if failed is not None:
+        for t in pending:
+            await cancelled(t)
+        raise failed.exception()
+    return [t.result() for t in tasks]
 
 
 def _unavailable(last: Optional[BaseException]) -> ApiError:

@@ -67,6 +67,7 @@ NOT_IMPLEMENTED = {
     "best_of": (1,), "suffix": ("",), "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "store": (False,),
 }
 MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 300, 20, 5  # OpenAI's limits
+MAX_CHOICES = 16  # n: each choice is a sequence the variant decodes in its batch and holds an admission slot
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MESSAGE_NOT_IMPLEMENTED = {"tool_calls": ([],), "name": (), "tool_call_id": (), "function_call": ()}
 
@@ -114,7 +115,8 @@ class _Request(BaseModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens tokens, EOS or not
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    # choices, decoded side by side in one variant's batch; with a seed, choice i samples with seed + i
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     # token id (a string, as JSON keys are) -> added to its logit before sampling, greedy included
     logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
         default=None, max_length=MAX_LOGIT_BIAS)

@@ -8,6 +8,7 @@ analysis loops), ``admin`` (commands), ``rollout`` (state machine + SQLite), ``h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from policy_bundle.serve.http import (ApiKeyGuard, ReleasingStream, error_respon
                                       require_api_key)
 from policy_bundle.serve.metrics import Metrics
 from policy_bundle.serve.openai_api import Adapter, ChatAdapter, CompletionsAdapter
-from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, close_streams
+from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, close_streams, interleaved
 from policy_bundle.serve.rollout import RolloutController
 from policy_bundle.serve.rollout_db import BundlePair, RolloutDatabase, StoreUnavailable, default_url, event_dict
 from policy_bundle.serve.routing import choose, forced_variant, matched_variant
@@ -141,76 +142,100 @@ class PolicyRouter:
                                self.settings.max_inflight, code="rate_limited", headers={"Retry-After": "1"})
         except ApiError as err:
             return self._refuse(adapter, err)
-        streaming = False
+        streaming, held = False, 1
         try:
             req = parse_request(adapter.schema, data)
             if req.model != self.settings.model_name:
                 raise ApiError(404, f"model: {req.model!r} does not exist (serving {self.settings.model_name!r})",
                                "model", req.model, code="model_not_found")
             p = adapter.prepare(req)
+            held = self._hold_choices(req.n)
             forced = forced_variant(request, self.settings.admin_token)
             variant = forced or matched_variant(request, self.settings.rollout.match, self.controller.stopped()) \
                 or choose(self.controller.state.weight, self.settings.sticky_salt,
                                        req.user or request.headers.get("x-policy-user"))
-            kwargs = p.sampling(self.tok.eos_token_id)
+            choices = p.sampling(self.tok.eos_token_id)
             if req.stream:
-                served, first, steps = await self.pool.open_stream(variant, forced is not None, kwargs)
-                streaming = True  # from here the response releases the slot, however the stream ends
-                body = self._stream(adapter, p, served, first, steps, t0, forced is None)
-                return ReleasingStream(body, lambda: self._stream_ended(body, steps), media_type="text/event-stream",
-                                       headers={"x-policy-variant": served})
-            served, result = await self.pool.generate(variant, forced is not None, kwargs)
+                served, opened = await self.pool.open_stream(variant, forced is not None, choices)
+                streaming = True  # from here the response releases the slots, however the stream ends
+                body = self._stream(adapter, p, served, opened, t0, forced is None)
+                steps = [s for _, s in opened]
+                return ReleasingStream(body, lambda: self._stream_ended(body, steps, held),
+                                       media_type="text/event-stream", headers={"x-policy-variant": served})
+            served, results = await self.pool.generate(variant, forced is not None, choices)
         except ApiError as err:
             return self._refuse(adapter, err)
         finally:
             if not streaming:
-                self.admission.release()
-        self.canary.record(served, time.perf_counter() - t0, len(result["token_ids"]), forced is None)
-        self.canary.maybe_shadow(served, kwargs, result["token_ids"], forced is None and req.temperature == 0.0)
-        return JSONResponse(adapter.complete(p, served, result), headers={"x-policy-variant": served})
+                self.admission.release(count=held)
+        self.canary.record(served, time.perf_counter() - t0, sum(len(r["token_ids"]) for r in results), forced is None)
+        self.canary.maybe_shadow(served, choices[0], results[0]["token_ids"], forced is None and req.temperature == 0.0)
+        return JSONResponse(adapter.complete(p, served, results), headers={"x-policy-variant": served})
+
+    def _hold_choices(self, n: int) -> int:
+        """The slots a request holds: one per choice (the first was taken before its body was read)."""
+        if n > 1:
+            if n > self.settings.max_inflight:
+                raise ApiError(400, f"n: {n} choices exceed the {self.settings.max_inflight} calls this router runs "
+                               "at once (max_inflight)", "n", n, self.settings.max_inflight)
+            if not self.admission.try_acquire(count=n - 1):
+                raise ApiError(429, f"too many requests in flight for {n} more choices; retry later", "concurrency",
+                               self.admission.inflight, self.settings.max_inflight, code="rate_limited",
+                               headers={"Retry-After": "1"})
+        return n
 
     def _refuse(self, adapter: Adapter, err: ApiError) -> JSONResponse:
         self.metrics.rejected.labels(endpoint=adapter.endpoint, status=str(err.status)).inc()
         return error_response(err)
 
-    async def _stream(self, adapter: Adapter, p, served: str, first: Optional[dict], steps, t0: float,
-                      evidence: bool = True):
-        """SSE chunks from a stream whose first step is in hand; text made incrementally (same as plain)."""
-        text, n, ok = adapter.text_stream(p), 0, False
+    async def _stream(self, adapter: Adapter, p, served: str, opened: list, t0: float, evidence: bool = True):
+        """SSE chunks from each choice's stream, whose first step is in hand: a choice's text made incrementally
+        (the same as plain), the choices' chunks interleaved as their tokens come."""
+        total, ok = 0, False
+        parts = [self._choice_chunks(adapter, p, served, i, first, steps) for i, (first, steps) in enumerate(opened)]
         try:
-            for chunk in adapter.opening(p, served):
-                yield sse(chunk)
-            step = first
-            while step is not None:
-                n += 1
-                delta = text.push(step["token_id"])
-                if delta:
-                    yield sse(adapter.chunk(p, served, delta))
-                if text.stopped or n >= p.max_tokens:
-                    break
-                step = await self.pool.next_step(served, steps)
-            tail = text.finish()
-            if tail:
-                yield sse(adapter.chunk(p, served, tail))
-            for chunk in adapter.closing(p, served, text, n, self.tok.eos_token_id):
-                yield sse(chunk)
+            for i in range(len(opened)):
+                for chunk in adapter.opening(p, served, i):
+                    yield sse(chunk)
+            async with contextlib.aclosing(parts[0] if len(parts) == 1 else interleaved(parts)) as chunks:
+                async for chunk, tokens in chunks:
+                    total += tokens
+                    if chunk is not None:
+                        yield sse(chunk)
+            if p.include_usage:
+                yield sse(adapter.usage_chunk(p, served, total))
             yield "data: [DONE]\n\n"
             ok = True
         except Exception as exc:  # noqa: BLE001 - tokens were sent: the client gets an error event, not a "stop"
             self.canary.record_error(served, exc, evidence)
             yield sse({"error": {"message": f"variant {served} failed mid-stream ({type(exc).__name__})",
                                  "type": "server_error", "code": "variant_failed", "param": None}})
-        finally:  # the variant's stream is closed by _stream_ended, which also runs if this never starts
+        finally:  # the variants' streams are closed by _stream_ended, which also runs if this never starts
             if ok:
-                self.canary.record(served, time.perf_counter() - t0, n, evidence)
+                self.canary.record(served, time.perf_counter() - t0, total, evidence)
 
-    def _stream_ended(self, body, steps) -> None:
+    async def _choice_chunks(self, adapter: Adapter, p, served: str, index: int, first: Optional[dict], steps):
+        """One choice's chunks, each with the tokens it adds (a chunk is None while text is held back)."""
+        text, n, step = adapter.text_stream(p), 0, first
+        while step is not None:
+            n += 1
+            delta = text.push(step["token_id"])
+            yield (adapter.chunk(p, served, delta, index=index) if delta else None), 1
+            if text.stopped or n >= p.max_tokens:
+                break
+            step = await self.pool.next_step(served, steps)
+        tail = text.finish()
+        if tail:
+            yield adapter.chunk(p, served, tail, index=index), 0
+        yield adapter.closing(p, served, text, n, self.tok.eos_token_id, index), 0
+
+    def _stream_ended(self, body, steps: list, held: int = 1) -> None:
         """A streamed response is over (sent, cut off mid-stream, or its client gone before the body started,
-        when Starlette never starts the body and its ``finally`` never runs): the slot is free at once; the
+        when Starlette never starts the body and its ``finally`` never runs): the slots are free at once; the
         streams close in a task of their own, which a cancelled request's scope cannot cut short (the one
         place they are closed)."""
-        self.admission.release()
-        task = asyncio.ensure_future(close_streams(body, steps))
+        self.admission.release(count=held)
+        task = asyncio.ensure_future(close_streams(body, *steps))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 

@@ -47,7 +47,7 @@ def pool_of(int8: list, fp16: list):
 
 def open_stream(pool):
     async def run():
-        name, first, steps = await pool.open_stream("int8", False, {})
+        name, [(first, steps)] = await pool.open_stream("int8", False, [{}])
         await steps.aclose()
         return name, first
 
@@ -76,9 +76,34 @@ def test_a_variants_4xx_is_the_clients_error_and_the_other_variant_is_not_asked(
 
 def test_a_plain_call_fails_over_too_and_with_no_variant_left_it_is_a_503():
     pool, calls, errors = pool_of(["fail"], ["ok"])
-    assert asyncio.run(pool.generate("int8", False, {})) == ("fp16", {"variant": "fp16"})
+    assert asyncio.run(pool.generate("int8", False, [{}])) == ("fp16", [{"variant": "fp16"}])
     assert errors == ["int8"]
     pool, calls, errors = pool_of(["fail"], ["drop"])
     with pytest.raises(ApiError) as info:
-        asyncio.run(pool.generate("int8", False, {}))
+        asyncio.run(pool.generate("int8", False, [{}]))
     assert info.value.status == 503 and calls == ["int8", "fp16", "fp16"] and errors == ["int8", "fp16"]
+
+
+def test_a_request_with_several_choices_fails_over_whole_and_closes_the_streams_it_opened():
+    """n choices are answered by one variant: when one choice's stream fails on INT8, the choices INT8 opened are
+    closed and every choice goes to FP16."""
+    closed = []
+    pool, calls, errors = pool_of(["ok", "fail"], ["ok"])
+    stream = pool.services["int8"].to_async.stream
+
+    async def tracked(**kw):
+        try:
+            async for line in stream(**kw):
+                yield line
+        finally:
+            closed.append("int8")
+    pool.services["int8"].to_async.stream = tracked
+
+    async def run():
+        name, opened = await pool.open_stream("int8", False, [{}, {}])
+        for _, steps in opened:
+            await steps.aclose()
+        return name, [first for first, _ in opened]
+    name, firsts = asyncio.run(run())
+    assert name == "fp16" and firsts == [{"token_id": 7, "variant": "fp16"}] * 2
+    assert calls == ["int8", "int8", "fp16", "fp16"] and errors == ["int8"] and closed == ["int8", "int8"]

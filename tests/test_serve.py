@@ -9,7 +9,8 @@ import pytest
 
 from cli_helpers import needs_vllm
 from policy_bundle.quantize.vllm_launch import vllm_available
-from serve_helpers import ADMIN, FORCE_INT8, Server, admin, bundle_version, burst, complete, env_for
+from serve_helpers import (ADMIN, FORCE_INT8, Server, admin, bundle_version, burst, complete, env_for,
+                           sse_events)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +190,9 @@ def test_admin_api_needs_the_bearer_token(good):
         ({"model": "policy", "prompt": "1+1=", "logprobs": 6}, 400, "logprobs"),
         ({"model": "policy", "prompt": "1+1=", "logprobs": 1, "stream": True}, 400, "logprobs"),
         ({"model": "policy", "prompt": "1+1=", "best_of": 3}, 400, "best_of"),
+        ({"model": "policy", "prompt": "1+1=", "n": 0}, 400, "n"),
+        ({"model": "policy", "prompt": "1+1=", "n": 17}, 400, "n"),  # MAX_CHOICES
+        ({"model": "policy", "prompt": "1+1=", "n": "2"}, 400, "n"),
         ({"model": "policy", "prompt": "1+1=", "suffix": "!"}, 400, "suffix"),
         ({"model": "policy", "prompt": "1+1=", "top_k": 5}, 400, "top_k"),
         ({"model": "policy", "prompt": "1+1=", "no_such_field": 1}, 400, "no_such_field"),
@@ -252,6 +256,48 @@ def test_top_logprobs_are_the_likeliest_tokens_and_hold_the_greedy_one(good, var
         assert [a["logprob"] for a in alts] == sorted((a["logprob"] for a in alts), reverse=True)
     done = complete(good, headers=forced, max_tokens=3, logprobs=2).json()["choices"][0]["logprobs"]
     assert len(done["top_logprobs"]) == len(done["tokens"]) and all(len(t) == 2 for t in done["top_logprobs"])
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_n_choices_are_sampled_side_by_side_and_reproducible_with_a_seed(good, variant):
+    forced = {"x-policy-variant": variant, "x-admin-token": "test-admin-token"}
+    body = dict(prompt="9", n=4, temperature=2.0, seed=7, max_tokens=8, ignore_eos=True)
+    first = complete(good, headers=forced, **body)
+    assert first.status_code == 200, first.text
+    done = first.json()
+    assert [c["index"] for c in done["choices"]] == [0, 1, 2, 3]
+    assert all(c["finish_reason"] == "length" for c in done["choices"])
+    assert done["usage"]["completion_tokens"] == 4 * 8 and done["usage"]["prompt_tokens"] > 0
+    texts = [c["text"] for c in done["choices"]]
+    assert len(set(texts)) > 1, texts  # choice i samples with seed + i: the choices differ...
+    again = complete(good, headers=forced, **body).json()
+    assert [c["text"] for c in again["choices"]] == texts  # ...and the request is reproducible
+    alone = [complete(good, headers=forced, **{**body, "n": 1, "seed": 7 + i}).json()["choices"][0]["text"]
+             for i in range(4)]
+    assert alone == texts  # choice i is the request with n: 1 and seed + i, decoded alone
+    greedy = complete(good, headers=forced, n=3, max_tokens=6).json()
+    assert [c["text"] for c in greedy["choices"]] == ["998"] * 3
+
+
+def test_n_streamed_choices_interleave_by_index_and_count_every_token(good):
+    events = sse_events(httpx.post(f"{good.url}/v1/chat/completions", timeout=60, json={
+        **CHAT, "n": 3, "stream": True, "stream_options": {"include_usage": True}}))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts, finishes = {}, {}
+    for c in chunks[:-1]:
+        for choice in c["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "46", 1: "46", 2: "46"} and finishes == {0: "stop", 1: "stop", 2: "stop"}
+    single = httpx.post(f"{good.url}/v1/chat/completions", json=CHAT, timeout=60).json()["usage"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3 * single["completion_tokens"]
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{good.url}/v1", api_key="unused")
+    done = client.completions.create(model="policy", prompt="358+64=", max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in done.choices] == ["998", "998"] and [c.index for c in done.choices] == [0, 1]
 
 
 def test_fields_at_their_off_value_are_accepted(good):

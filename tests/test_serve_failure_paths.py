@@ -116,6 +116,24 @@ def test_streams_that_stall_mid_stream_release_their_slots(stalled):
     assert inflight_drains(stalled) == 0
 
 
+def test_n_choices_hold_a_slot_each_and_release_them_all_when_their_streams_stall(stalled):
+    """A request with n choices holds n admission slots (n above the cap is a 400 naming n), and a stream whose
+    variant stalls mid-stream frees every one of them: twice 2 choices against a cap of 3 would 429 on a leak."""
+    err = httpx.post(f"{stalled.url}/v1/completions", json={**STREAM, "n": MAX_INFLIGHT + 1}, timeout=30)
+    assert err.status_code == 400 and err.json()["error"]["param"] == "n"
+    assert err.json()["error"]["limit"] == MAX_INFLIGHT
+    for _ in range(2):
+        with httpx.stream("POST", f"{stalled.url}/v1/completions", json={**STREAM, "n": 2}, headers=FORCE_FP16,
+                          timeout=30) as r:
+            events = sse_events(r)
+        assert r.status_code == 200 and json.loads(events[-1])["error"]["code"] == "variant_failed"
+        assert inflight_drains(stalled) == 0
+    plain = httpx.post(f"{stalled.url}/v1/completions", headers=FORCE_FP16, timeout=30, json={
+        "model": "policy", "prompt": "12+34=", "max_tokens": 2, "temperature": 0, "n": MAX_INFLIGHT})
+    assert plain.status_code == 200 and len(plain.json()["choices"]) == MAX_INFLIGHT  # within FP16's first 2 tokens
+    assert inflight_drains(stalled) == 0
+
+
 # ---- hang-ups before the first streamed byte (item 4) ---------------------------------------------
 
 
