@@ -45,6 +45,39 @@ def verified_bytes(root: Path, rel: str) -> bytes:
     return data
 
 
+def verified_copy(root: Path, sub: str) -> Path:
+    """``root/sub`` copied into a directory only this process may write (0700, removed at exit), each file hashed
+    as it is copied and checked against the manifest: an engine that opens its files by path (vLLM, the HF loader)
+    then reads the bytes that were hashed, whatever happens to the store entry afterwards. What it costs: the
+    directory's size on the temporary disk (``TMPDIR``). Used with trusted keys (signed bundles)."""
+    import atexit
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from policy_bundle.bundle.manifest import read_manifest
+
+    files = {rel: e for rel, e in read_manifest(root).get("files", {}).items() if rel.startswith(f"{sub}/")}
+    dest = Path(tempfile.mkdtemp(prefix=f"policy-bundle-{sub.replace('/', '-')}-"))
+    atexit.register(shutil.rmtree, dest, True)
+    for rel, entry in sorted(files.items()):
+        target = dest / rel[len(sub) + 1:]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest, size = hashlib.sha256(), 0
+        fd = os.open(Path(root) / rel, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as src, open(target, "wb") as out:
+            while chunk := src.read(1 << 22):
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+        if size != entry.get("size") or digest.hexdigest() != entry.get("sha256"):
+            shutil.rmtree(dest, ignore_errors=True)
+            refuse(f"{rel}: changed after it was verified (its bytes no longer match the manifest)")
+    log.info("%s/ loaded from a private copy of its verified bytes (%s)", sub, dest)
+    return dest
+
+
 def manifest_sha(model: bentoml.models.BentoModel) -> Optional[str]:
     """The manifest sha256 the store entry recorded at registration."""
     return (bentoml.models.get(str(model.tag)).info.metadata or {}).get("manifest_sha256")

@@ -27,7 +27,7 @@ from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
-from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact, verified_bytes
+from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact, verified_bytes, verified_copy
 
 log = logging.getLogger("policy_bundle.serve")
 VERSION = pair_version(os.environ.get("POLICY_BUNDLE_VERSION", "latest"), log.warning)
@@ -113,13 +113,20 @@ def open_entry(variant, sub: str) -> Path:
     return path
 
 
+def engine_dir(variant, root: Path, sub: str) -> Path:
+    """The directory an engine that opens files by path loads ``sub/`` from: with trusted keys, a private copy of the
+    verified bytes (``verified_copy``); else the verified entry itself."""
+    variant.verified_copy = bool(settings_or_exit().trusted_keys)
+    return verified_copy(root, sub) if variant.verified_copy else root / sub
+
+
 def variant_health(variant, **extra) -> dict:
     """What the router's probe reads: ready, the engine and its state (a dead vLLM engine core is ``dead``), the
     batch with the age of its last decode step while work waits (a hung decode thread), the manifest."""
     state = variant.engine.state() if hasattr(variant.engine, "state") else "running"
     return {"ready": variant.ready, "engine": variant.engine.name, "engine_state": state,
             "max_seq_len": variant.max_seq_len, "test_fault": fault_spec(), "batch": engine_stats(variant.engine),
-            "manifest_sha256": variant.manifest, **extra}
+            "manifest_sha256": variant.manifest, "verified_copy": getattr(variant, "verified_copy", False), **extra}
 
 
 def batching_settings() -> dict:
@@ -262,7 +269,8 @@ class Int8Policy:
         path = open_entry(self, INT8_DIR)
         entry = BundleLayout(path.parent)
         if settings_or_exit().int8_engine == "vllm":
-            self.engine, self.ready = int8_vllm_engine(entry.int8_vllm_dir, self.max_seq_len), False
+            self.engine, self.ready = int8_vllm_engine(engine_dir(self, path.parent, INT8_VLLM_DIR),
+                                                       self.max_seq_len), False
             log.info("INT8 W8A8 loaded in vLLM from %s (verified)", entry.int8_vllm_dir)
             return
         batching = batching_settings()
@@ -318,7 +326,7 @@ class Fp16Policy:
     model = bentoml.models.BentoModel(f"policy-fp16:{VERSION}")
 
     def __init__(self) -> None:
-        path = open_entry(self, FP16_DIR)
+        path = engine_dir(self, open_entry(self, FP16_DIR).parent, FP16_DIR)
         require = settings_or_exit().require_vllm
         # vLLM is expected where it is installed and not switched off (POLICY_BUNDLE_DISABLE_VLLM), or required
         self.vllm_expected = require or vllm_available(load=True)

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from cli_helpers import run_cli
@@ -132,5 +133,26 @@ def test_a_router_that_trusts_a_key_refuses_an_unsigned_entry_and_serves_a_signe
     server = Server({**env_for(tmp_path, "signed", version, vllm=False), **trust}, tmp_path / "signed.log").wait_ready()
     try:
         assert complete(server).status_code == 200
+        fp16 = httpx.get(f"{server.url}/status", timeout=30).json()["variants"]["fp16"]
+        assert fp16["verified_copy"] is True  # the FP16 engine opens its files by path: a private verified copy
     finally:
         server.stop()
+
+
+def test_an_engine_that_opens_files_by_path_gets_the_bytes_that_were_hashed(small_bundle, tmp_path):
+    """vLLM opens the FP16 directory by path: with trusted keys it loads a private copy made while hashing, and a
+    file changed after the entry's verification is refused, not loaded."""
+    from policy_bundle.bundle.layout import FP16_DIR
+    from policy_bundle.bundle.manifest import read_manifest
+    from policy_bundle.serve.store_entries import verified_copy
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(small_bundle, bundle)
+    copy = verified_copy(bundle, FP16_DIR)
+    files = sorted(rel for rel in read_manifest(bundle)["files"] if rel.startswith(f"{FP16_DIR}/"))
+    assert sorted(f"{FP16_DIR}/{p.relative_to(copy)}" for p in copy.rglob("*") if p.is_file()) == files
+    assert oct(copy.stat().st_mode & 0o777) == "0o700"
+    config = bundle / FP16_DIR / "config.json"
+    config.write_text(config.read_text().replace("}", ', "swapped": true}', 1))
+    with pytest.raises(SystemExit, match="config.json: changed after it was verified"):
+        verified_copy(bundle, FP16_DIR)
