@@ -121,9 +121,6 @@ class Adapter:
         self.tok, self.info, self.model_name = tok, info, model_name
 
     def prepare(self, req) -> Prepared:
-        if req.stream and req.logprobs:
-            raise ApiError(400, "logprobs: not sent in streamed chunks; ask for logprobs without stream", "logprobs",
-                           req.logprobs)
         text, ids = self.encode(req)
         max_tokens, context = self.max_tokens(req), self.info.max_seq_len
         asked = self.asked_tokens(req)
@@ -154,9 +151,29 @@ class Adapter:
         return {**self._base(p, variant), **({"usage": None} if p.include_usage else {})}
 
     def closing(self, p: Prepared, variant: str, stream: TextStream, n_tokens: int, eos: Optional[int],
-                index: int = 0) -> dict:
-        """A choice's last chunk: its finish reason."""
-        return self.chunk(p, variant, "", finish_reason(stream, n_tokens, p.max_tokens, p.stop_id(eos)), index)
+                index: int = 0, logprobs: Optional[dict] = None) -> dict:
+        """A choice's last chunk: its finish reason (and the logprobs of tokens that added no text)."""
+        return self.chunk(p, variant, "", finish_reason(stream, n_tokens, p.max_tokens, p.stop_id(eos)), index,
+                          logprobs)
+
+    def wants_logprobs(self, p: Prepared) -> bool:
+        return p.req.logprobs is not None and p.req.logprobs is not False
+
+    def logprobs_of(self, p: Prepared, ids: List[int], logprobs: List[float], tops: List[list]) -> Optional[dict]:
+        """The endpoint's ``logprobs`` for these tokens (None when not asked): in a plain answer all of them, in a
+        streamed chunk those the chunk's text came from."""
+        if not self.wants_logprobs(p):
+            return None
+        tokens = [ids_to_text(self.tok, [t]) for t in ids]
+        top = [[(ids_to_text(self.tok, [t]), lp) for t, lp in alts] for alts in tops]
+        return self.format_logprobs(p, tokens, logprobs, top)
+
+    def step_logprobs(self, p: Prepared, steps: List[dict]) -> Optional[dict]:
+        """``logprobs_of`` the variant's stream steps (``token_id``, ``logprob``, ``top``)."""
+        if not steps:
+            return None
+        return self.logprobs_of(p, [s["token_id"] for s in steps], [s["logprob"] for s in steps],
+                                [s.get("top") or [] for s in steps] if p.req.top_logprobs_wanted() else [])
 
     def usage_chunk(self, p: Prepared, variant: str, n_tokens: int) -> dict:
         """With ``include_usage``, the chunk before [DONE] the OpenAI spec describes: empty ``choices``, the whole
@@ -184,10 +201,8 @@ class Adapter:
             stream.ids, stream.text = list(result["token_ids"]), ids_to_text(self.tok, result["token_ids"])
         n = len(stream.ids)
         finish = finish_reason(stream, n, p.max_tokens, p.stop_id(self.tok.eos_token_id))
-        wanted = p.req.logprobs is not None and p.req.logprobs is not False
-        tokens = [ids_to_text(self.tok, [t]) for t in stream.ids] if wanted else []
-        top = [[(ids_to_text(self.tok, [t]), lp) for t, lp in alts] for alts in result.get("top_logprobs", [])[:n]]
-        return self.choice(p, stream.text, finish, tokens, result["logprobs"][:n], top, index), n
+        lp = self.logprobs_of(p, stream.ids, result["logprobs"][:n], result.get("top_logprobs", [])[:n])
+        return self.choice(p, stream.text, finish, lp, index), n
 
 
 class CompletionsAdapter(Adapter):
@@ -206,18 +221,19 @@ class CompletionsAdapter(Adapter):
     def complete(self, p: Prepared, variant: str, results: List[dict]) -> dict:
         return {**super().complete(p, variant, results), "object": "text_completion"}
 
-    def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float],
-               top: List[list], index: int = 0) -> dict:
-        lp = None
-        if p.req.logprobs is not None:  # top_logprobs: per token, the ``logprobs`` likeliest tokens' text -> logprob
-            lp = {"tokens": tokens, "token_logprobs": logprobs, "text_offset": None,
-                  "top_logprobs": [dict(alts) for alts in top] if p.req.logprobs else None}
+    def format_logprobs(self, p: Prepared, tokens: List[str], logprobs: List[float], top: List[list]) -> dict:
+        # top_logprobs: per token, the ``logprobs`` likeliest tokens' text -> logprob
+        return {"tokens": tokens, "token_logprobs": logprobs, "text_offset": None,
+                "top_logprobs": [dict(alts) for alts in top] if p.req.logprobs else None}
+
+    def choice(self, p: Prepared, text: str, finish: str, lp: Optional[dict], index: int = 0) -> dict:
         return {"index": index, "text": (p.prompt_text if p.req.echo else "") + text, "finish_reason": finish,
                 "logprobs": lp}
 
-    def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, index: int = 0) -> dict:
+    def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, index: int = 0,
+              logprobs: Optional[dict] = None) -> dict:
         return {**self._chunk_base(p, variant), "object": "text_completion",
-                "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
     def opening(self, p: Prepared, variant: str, index: int = 0) -> List[dict]:
         return [self.chunk(p, variant, p.prompt_text, index=index)] if p.req.echo else []
@@ -264,22 +280,21 @@ class ChatAdapter(Adapter):
     def complete(self, p: Prepared, variant: str, results: List[dict]) -> dict:
         return {**super().complete(p, variant, results), "object": "chat.completion"}
 
-    def choice(self, p: Prepared, text: str, finish: str, tokens: List[str], logprobs: List[float],
-               top: List[list], index: int = 0) -> dict:
-        lp = None
-        if p.req.logprobs:
-            alts = top or [[] for _ in tokens]
-            lp = {"content": [{"token": t, "logprob": x, "bytes": list(t.encode()),
-                               "top_logprobs": [{"token": a, "logprob": y, "bytes": list(a.encode())} for a, y in alt]}
-                              for t, x, alt in zip(tokens, logprobs, alts)]}
+    def format_logprobs(self, p: Prepared, tokens: List[str], logprobs: List[float], top: List[list]) -> dict:
+        alts = top or [[] for _ in tokens]
+        return {"content": [{"token": t, "logprob": x, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": a, "logprob": y, "bytes": list(a.encode())} for a, y in alt]}
+                            for t, x, alt in zip(tokens, logprobs, alts)]}
+
+    def choice(self, p: Prepared, text: str, finish: str, lp: Optional[dict], index: int = 0) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                 "logprobs": lp}
 
     def chunk(self, p: Prepared, variant: str, text: str, finish: Optional[str] = None, index: int = 0,
-              role: bool = False) -> dict:
+              logprobs: Optional[dict] = None, role: bool = False) -> dict:
         delta = {"role": "assistant", "content": text} if role else ({"content": text} if finish is None else {})
         return {**self._chunk_base(p, variant), "object": "chat.completion.chunk",
-                "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
     def opening(self, p: Prepared, variant: str, index: int = 0) -> List[dict]:
         return [self.chunk(p, variant, "", index=index, role=True)]

@@ -215,19 +215,28 @@ class PolicyRouter:
                 self.canary.record(served, time.perf_counter() - t0, total, evidence)
 
     async def _choice_chunks(self, adapter: Adapter, p, served: str, index: int, first: Optional[dict], steps):
-        """One choice's chunks, each with the tokens it adds (a chunk is None while text is held back)."""
-        text, n, step = adapter.text_stream(p), 0, first
+        """One choice's chunks, each with the tokens it adds (a chunk is None while text is held back); asked for, a
+        chunk carries the logprobs of the tokens its text came from (held-back tokens with the text that frees them,
+        tokens that add no text with the last chunk), so they add up to the plain answer's."""
+        text, n, step, unsent = adapter.text_stream(p), 0, first, []
+        wanted = adapter.wants_logprobs(p)
         while step is not None:
             n += 1
+            unsent += [step] if wanted else []
             delta = text.push(step["token_id"])
-            yield (adapter.chunk(p, served, delta, index=index) if delta else None), 1
+            if delta:
+                yield adapter.chunk(p, served, delta, index=index, logprobs=adapter.step_logprobs(p, unsent)), 1
+                unsent = []
+            else:
+                yield None, 1
             if text.stopped or n >= p.max_tokens:
                 break
             step = await self.pool.next_step(served, steps)
         tail = text.finish()
         if tail:
-            yield adapter.chunk(p, served, tail, index=index), 0
-        yield adapter.closing(p, served, text, n, self.tok.eos_token_id, index), 0
+            yield adapter.chunk(p, served, tail, index=index, logprobs=adapter.step_logprobs(p, unsent)), 0
+            unsent = []
+        yield adapter.closing(p, served, text, n, self.tok.eos_token_id, index, adapter.step_logprobs(p, unsent)), 0
 
     def _stream_ended(self, body, steps: list, held: int = 1) -> None:
         """A streamed response is over (sent, cut off mid-stream, or its client gone before the body started,

@@ -188,7 +188,6 @@ def test_admin_api_needs_the_bearer_token(good):
         ({"model": "policy", "prompt": "1+1=", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ({"model": "policy", "prompt": "1+1=", "frequency_penalty": -3}, 400, "frequency_penalty"),
         ({"model": "policy", "prompt": "1+1=", "logprobs": 6}, 400, "logprobs"),
-        ({"model": "policy", "prompt": "1+1=", "logprobs": 1, "stream": True}, 400, "logprobs"),
         ({"model": "policy", "prompt": "1+1=", "best_of": 3}, 400, "best_of"),
         ({"model": "policy", "prompt": "1+1=", "n": 0}, 400, "n"),
         ({"model": "policy", "prompt": "1+1=", "n": 17}, 400, "n"),  # MAX_CHOICES
@@ -298,6 +297,29 @@ def test_n_streamed_choices_interleave_by_index_and_count_every_token(good):
     client = OpenAI(base_url=f"{good.url}/v1", api_key="unused")
     done = client.completions.create(model="policy", prompt="358+64=", max_tokens=6, temperature=0, n=2)
     assert [c.text for c in done.choices] == ["998", "998"] and [c.index for c in done.choices] == [0, 1]
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_streamed_logprobs_add_up_to_the_plain_answers(good, variant):
+    """Streamed chunks carry the logprobs of the tokens their text came from (a token that adds no text, such as
+    the EOS, in the last chunk): concatenated, the plain answer's tokens, logprobs and top alternatives."""
+    forced = {"x-policy-variant": variant, "x-admin-token": "test-admin-token"}
+    for path, body, read in (
+            ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2},
+             lambda lp: [(c["token"], c["logprob"], [a["token"] for a in c["top_logprobs"]]) for c in lp["content"]]),
+            ("completions", {"model": "policy", "prompt": "358+64=", "max_tokens": 6, "temperature": 0, "logprobs": 2},
+             lambda lp: [(t, x, sorted(top)) for t, x, top in zip(lp["tokens"], lp["token_logprobs"],
+                                                                   lp["top_logprobs"])])):
+        plain = httpx.post(f"{good.url}/v1/{path}", json=body, headers=forced, timeout=60).json()
+        want = read(plain["choices"][0]["logprobs"])
+        events = sse_events(httpx.post(f"{good.url}/v1/{path}", json={**body, "stream": True}, headers=forced,
+                                       timeout=60))
+        got = []
+        for e in events[:-1]:
+            lp = json.loads(e)["choices"][0]["logprobs"]
+            got += read(lp) if lp else []
+        assert [(t, top) for t, _, top in got] == [(t, top) for t, _, top in want] and len(want) >= 2, (got, want)
+        assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(got, want))
 
 
 def test_fields_at_their_off_value_are_accepted(good):
