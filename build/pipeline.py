@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Tuple
 
@@ -118,6 +118,7 @@ def optional_mesh(cfg: BuildConfig, policy_dir: Path) -> Iterator[Any]:
 def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_vllm: Int8Vllm,
                 drift: Optional[dict]) -> BuildResult:
     loaded = load_stage(cfg, stages)
+    cfg = replace(cfg, policy=replace(cfg.policy, max_seq_len=loaded.policy.max_seq_len))  # as resolved
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
         rollouts = rollouts_stage(cfg, stages, mesh, loaded)
         calibrated = CalibratedModels(cfg, mesh, loaded.policy, rollouts.batches)
@@ -143,7 +144,7 @@ def load_stage(cfg: BuildConfig, stages: Stages) -> Loaded:
                              cfg.calibration.procs)
         log(f"[build] {memory.line()}")
         check_memory(memory)
-        policy = load_policy(policy_dir, max_seq_len=cfg.policy.max_seq_len)
+        policy = load_policy(policy_dir, max_seq_len=cfg.policy.max_seq_len or cfg.policy.max_seq_len_cap)
         tok = load_tokenizer(policy_dir)
         s.detail = f"{policy_dir}, {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params"
     return Loaded(policy_dir, policy, tok)

@@ -6,6 +6,12 @@ free slot, ``len(rows)``, and ``join`` makes that slot a row; ``step`` advances 
 each at its own position, on a view of the cache; ``release`` moves the last row into a freed slot.
 Rows do not see each other, so a row's tokens do not depend on the batch (for modules whose rows are
 independent: float policies, per-token or static int8).
+
+With ``block`` > 0 (the server) the cache's positions grow in blocks as its rows need them and ``trim`` gives memory
+back when long rows leave, so a context of thousands of tokens costs what the rows use, not slots x the context; the
+caller bounds the worst case with ``footprint``. Without (the build's batched rollouts) it holds ``max_len`` positions
+from the start. Either way attention runs over the same ``attention_len`` positions, so a row's tokens do not depend
+on how long the cache is.
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ class SlotBatch(Generic[R]):
     """``module``'s KV cache of ``capacity`` slots of ``max_len`` positions; ``rows[i]`` (the caller's
     object for the sequence in slot ``i``) writes its next token at ``pos[i]``."""
 
-    def __init__(self, module, max_len: int, max_capacity: int):
+    def __init__(self, module, max_len: int, max_capacity: int, block: int = 0):
         self.module, self.max_len, self.max_capacity = module, max_len, max(1, max_capacity)
+        if block and block % 32:
+            raise ValueError(f"block: {block} positions is not a multiple of 32 (attention runs over whole 32s)")
+        self.block = block
+        self.ceiling = 0  # with ``block``: the most positions the cache may grow to (the caller's reservation; 0: any)
+        self._bytes_per_position = 0
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
         self.capacity = 0
@@ -37,20 +48,83 @@ class SlotBatch(Generic[R]):
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def length(self) -> int:
+        """The positions the cache holds now (0 before the first allocation)."""
+        return 0 if self.k is None else int(self.k.shape[3])
+
+    def slots_for(self, n: int) -> int:
+        """The slots an allocation for ``n`` sequences holds: a power of two (at least 4 without ``block``), at most
+        ``max_capacity``."""
+        return min(self.max_capacity, max(1 if self.block else 4, 1 << (max(1, n) - 1).bit_length()))
+
+    def positions_for(self, needed: int) -> int:
+        """The positions an allocation for ``needed`` of them holds: whole blocks (whole attention blocks without
+        ``block``: the whole ``max_len``), never past ``max_len``'s."""
+        whole = cache_len_for(self.max_len)
+        if not self.block:
+            return whole
+        return min(whole, max(self.block, -(-needed // self.block) * self.block))
+
+    def bytes_per_position(self) -> int:
+        """KV-cache bytes one position of one sequence costs (keys and values, every layer)."""
+        if not self._bytes_per_position:
+            k, v = self.module.new_cache(1, 1)
+            self._bytes_per_position = k.numel() * k.element_size() + v.numel() * v.element_size()
+        return self._bytes_per_position
+
+    def footprint(self, n: int, positions: int) -> int:
+        """The bytes a cache for ``n`` sequences of up to ``positions`` positions each takes, as this batch
+        allocates it (``slots_for`` x ``positions_for``)."""
+        return self.slots_for(n) * self.positions_for(positions) * self.bytes_per_position()
+
+    def allocated_bytes(self) -> int:
+        return 0 if self.k is None else self.capacity * self.length * self.bytes_per_position()
+
     def grow(self, n: int) -> bool:
-        """Make room for ``n`` slots (a power of two, at least 4, at most ``max_capacity``), keeping the
-        cache's contents; True when it reallocated. A failed allocation leaves the batch as it was."""
+        """Make room for ``n`` slots (``slots_for``), keeping the cache's contents; True when it reallocated. A failed
+        allocation leaves the batch as it was."""
         if n <= self.capacity:
             return False
         if n > self.max_capacity:
             raise ValueError(f"{n} slots asked of a batch of at most {self.max_capacity}")
-        cap = min(self.max_capacity, max(4, 1 << (n - 1).bit_length()))
-        k, v = self.module.new_cache(cap, cache_len_for(self.max_len))  # whole attention blocks
-        if self.k is not None:
-            k[:, : self.capacity] = self.k
-            v[:, : self.capacity] = self.v
-        self.k, self.v, self.capacity = k, v, cap
+        self._reshape(self.slots_for(n), self.length or self.positions_for(1))
         return True
+
+    def reach(self, needed: int) -> None:
+        """Make the cache hold at least ``needed`` positions (with ``block``: at least doubling, so a long answer
+        copies its cache a few times, not once per block; never past ``ceiling``)."""
+        if needed > self.length and self.k is not None:
+            grown = self.positions_for(max(needed, 2 * self.length))
+            if self.ceiling:
+                grown = max(self.positions_for(needed), min(grown, self.ceiling))
+            self._reshape(self.capacity, grown)
+
+    def trim(self, n: int, needed: int) -> bool:
+        """With ``block``: give memory back when the cache holds more slots than ``n`` sequences take or more positions
+        than ``ceiling`` (none left: free it); it keeps ``needed`` positions. True when it reallocated."""
+        if not self.block or self.k is None:
+            return False
+        if n == 0:
+            self.k = self.v = None
+            self.capacity = 0
+            return True
+        slots = self.slots_for(n)
+        over = self.ceiling and self.length > self.ceiling
+        if self.capacity <= slots and not over:
+            return False
+        length = max(self.positions_for(needed), min(self.length, self.ceiling)) if over else self.length
+        self._reshape(min(self.capacity, slots), length)
+        return True
+
+    def _reshape(self, cap: int, length: int) -> None:
+        """Reallocate to ``cap`` slots of ``length`` positions, keeping what fits of the cache's contents."""
+        k, v = self.module.new_cache(cap, length)
+        if self.k is not None:
+            c, n = min(cap, self.capacity), min(length, self.length)
+            k[:, :c, :, :n] = self.k[:, :c, :, :n]
+            v[:, :c, :, :n] = self.v[:, :c, :, :n]
+        self.k, self.v, self.capacity = k, v, cap
 
     def prefill(self, ids: Sequence[int], start: int = 0) -> Tensor:
         """Write the prompt tokens ``ids`` at positions ``start..`` of the next free slot (its positions
@@ -62,6 +136,7 @@ class SlotBatch(Generic[R]):
             raise ValueError(f"no free slot: {slot} rows fill the cache's {self.capacity} slots (grow it first)")
         self.filling = 0
         run = getattr(self.module, "next_logits", self.module)
+        self.reach(end)
         n = self.attended(end)
         logits = run(torch.tensor([list(ids)]), start, self.k[:, slot : slot + 1, :, :n], self.v[:, slot : slot + 1, :, :n])
         self.filling = end
@@ -93,7 +168,9 @@ class SlotBatch(Generic[R]):
         if n + m > self.capacity:
             raise ValueError(f"no free slot: {n} rows and {m} prompts overfill the cache's {self.capacity} slots")
         ends = [start + len(ids) for ids, start in chunks]
-        s = self.attended(max([p + 1 for p in self.pos] + ends))
+        needed = max([p + 1 for p in self.pos] + ends)
+        self.reach(needed)
+        s = self.attended(needed)
         logits = self.module.step_and_prefill(torch.tensor(list(tokens), dtype=torch.long).view(n, 1),
                                               torch.tensor(self.pos, dtype=torch.long),
                                               [torch.tensor([list(ids)]) for ids, _ in chunks],
@@ -107,6 +184,7 @@ class SlotBatch(Generic[R]):
     def step(self, tokens: Sequence[int]) -> Tensor:
         """Feed ``tokens[i]`` to row ``i`` at ``pos[i]``; returns the next logits [n, V]. One row runs the
         single-sequence ``decode`` (the same arithmetic, minus ``decode_batch``'s gathers)."""
+        self.reach(max(self.pos) + 1)
         n, s = len(self.rows), self.attended(max(self.pos) + 1)
         k, v = self.k[:, :n, :, :s], self.v[:, :n, :, :s]
         ids = torch.tensor(list(tokens)).view(n, 1)

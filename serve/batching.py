@@ -34,11 +34,47 @@ from typing import AsyncIterator, Deque, List, Optional, Tuple
 import torch
 
 from policy_bundle.quantize.slots import SlotBatch
-from policy_bundle.serve.engines import (SamplingParams, Step, check_threads, decode_thread_setup, greedy_picks,
-                                         last_position_logits, pick_token)
+from policy_bundle.serve.engines import (CapacityError, SamplingParams, Step, check_threads, decode_thread_setup,
+                                         greedy_picks, last_position_logits, pick_token)
 from policy_bundle.serve.lanes import Lanes, lane_count
 
 log = logging.getLogger("policy_bundle.serve")
+KV_BLOCK = 256  # positions the served KV cache grows by (a multiple of attention's 32)
+MiB = 2**20
+
+
+def auto_kv_budget() -> int:
+    """``kv_cache_bytes: 0``: a tenth of the memory this process may use (its cgroup's limit or the machine's available
+    memory), within 256 MiB and 8 GiB."""
+    from policy_bundle.quantize.memory import memory_limit
+
+    limit, _ = memory_limit()
+    return int(min(8 * 1024 * MiB, max(256 * MiB, (limit or 0) // 10)))
+
+
+class KvBudget:
+    """The KV-cache bytes a torch engine's lanes may hold together. A lane holds the footprint of its worst case
+    (every sequence it admitted at its prompt + max_tokens, as its cache allocates them) before it admits one more,
+    and lowers it as they leave; the cache itself grows by blocks as the sequences do, never past what is held."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self._held: dict = {}
+        self._lock = threading.Lock()
+
+    def hold(self, lane: str, nbytes: int) -> bool:
+        """Hold ``nbytes`` for ``lane`` (in place of what it held): False, and nothing changed, when that is more than
+        it held and the lanes' total would pass the limit."""
+        with self._lock:
+            others = sum(v for k, v in self._held.items() if k != lane)
+            if nbytes > self._held.get(lane, 0) and others + nbytes > self.limit:
+                return False
+            self._held[lane] = nbytes
+            return True
+
+    def held(self) -> int:
+        with self._lock:
+            return sum(self._held.values())
 
 
 @dataclass(eq=False)
@@ -49,6 +85,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     gen: Optional[torch.Generator] = None
+    queued_at: float = field(default_factory=time.monotonic)
     filled: int = 0  # prompt tokens already in the cache (chunked prefill)
     last: int = 0  # the token the next decode step feeds
     produced: int = 0
@@ -72,7 +109,7 @@ class BatchedEngine:
     """``generate(prompt_ids, params)`` like every engine; all requests share one batched decode."""
 
     def __init__(self, module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64,
-                 threads: int = 1):
+                 threads: int = 1, kv: Optional[KvBudget] = None, kv_wait_s: float = 20.0):
         from policy_bundle.bundle.faults import active_fault
 
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
@@ -84,7 +121,10 @@ class BatchedEngine:
         self.last_step_at = time.monotonic()  # when the decode thread last finished a step (or found work, idle)
         self._pending: Deque[_Request] = deque()
         self._cv = threading.Condition()
-        self.slots: SlotBatch[_Request] = SlotBatch(module, max_seq_len, self.max_batch)  # rows: the active requests
+        # rows: the active requests; with a KV budget the cache grows by blocks within it (``_fits``, ``_settle``)
+        self.kv, self.kv_wait_s = kv, kv_wait_s
+        self.slots: SlotBatch[_Request] = SlotBatch(module, max_seq_len, self.max_batch, KV_BLOCK if kv else 0)
+        self.kv_refused = 0  # requests that waited kv_wait_s for KV memory and got a 429
         self._filling: Optional[_Request] = None  # a newcomer whose prompt is part-way into slot len(slots)
         self._chunked: List[_Request] = []  # newcomers whose chunks are in the forward now running (failed with it)
         self.fused = self.slots.can_fuse()
@@ -104,6 +144,11 @@ class BatchedEngine:
         total = min(len(prompt_ids) + params.max_tokens, self.max_seq_len)
         if total <= len(prompt_ids):
             return
+        if self.kv is not None and self.slots.footprint(1, total) > self.kv.limit:
+            need = self.slots.footprint(1, total)
+            raise CapacityError(f"max_tokens: {len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} need "
+                                f"{need / MiB:.0f} MiB of KV cache, more than the engine's whole budget "
+                                f"({self.kv.limit / MiB:.0f} MiB, kv_cache_bytes); ask for fewer tokens", 400)
         req = _Request(list(prompt_ids), params, total, asyncio.get_running_loop(), asyncio.Queue(),
                        torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
         with self._cv:
@@ -126,7 +171,9 @@ class BatchedEngine:
         busy = bool(len(self.slots) or self._pending or self._filling is not None)
         return {"active": len(self.slots), "pending": len(self._pending), "capacity": self.slots.capacity,
                 "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps,
-                "fused_chunks": self.fused_chunks,
+                "fused_chunks": self.fused_chunks, "kv_allocated_bytes": self.slots.allocated_bytes(),
+                "kv_positions": self.slots.length, "kv_refused": self.kv_refused,
+                "kv_held_bytes": self.kv.held() if self.kv else None, "kv_budget_bytes": self.kv.limit if self.kv else None,
                 "last_step_age_s": round(time.monotonic() - self.last_step_at, 3) if busy else 0.0,
                 "decode_thread_alive": self._thread.is_alive()}
 
@@ -146,6 +193,9 @@ class BatchedEngine:
                         self.last_step_at = time.monotonic()  # work arrived: its wait starts now
                 self._admit_and_step()
                 self.last_step_at = time.monotonic()
+                if not len(self.slots) and self._filling is None and self._pending:
+                    with self._cv:  # the newcomers wait for KV memory other lanes hold: look again shortly
+                        self._cv.wait(0.05)
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep the loop alive
                 self.loop_errors += 1
                 failed = self.slots.rows + ([self._filling] if self._filling else []) + self._chunked
@@ -155,6 +205,7 @@ class BatchedEngine:
                     r.emit(RuntimeError(f"{type(exc).__name__}: {exc}"))
                 self.slots.clear()
                 self._filling, self._chunked = None, []
+                self._settle()
 
     def _chunks(self) -> List[Tuple[_Request, int, int]]:
         """This step's prompt chunks ``(request, start, end)``, one free slot each, at most ``prefill_chunk`` tokens in
@@ -175,6 +226,13 @@ class BatchedEngine:
                 break
             if r.cancelled:
                 continue
+            fits = True if r.filled else self._fits(r, taken)
+            if fits is None:  # refused (it waited kv_wait_s)
+                continue
+            if not fits:  # first in line for KV memory: the ones behind it wait too (no long prompt starves)
+                with self._cv:
+                    self._pending.appendleft(r)
+                break
             rest = len(r.prompt) - r.filled
             if (idle and not taken) or rest <= budget:
                 end = len(r.prompt)
@@ -215,7 +273,7 @@ class BatchedEngine:
                     continue
                 self._sleep_for_fault()
                 self._took(r, end, logits)
-            self.slots.drop(_leaves)
+            self._settle()
             if len(self.slots):
                 self._step()
             return
@@ -231,7 +289,7 @@ class BatchedEngine:
         for (r, _, end), logits in zip(taken, chunk_logits):
             self._took(r, end, logits)
         self.peak_batch = max(self.peak_batch, len(self.slots))
-        self.slots.drop(_leaves)
+        self._settle()
 
     def _took(self, r: _Request, end: int, logits) -> None:
         """``r``'s prompt is in its slot up to ``end``: the rest waits for the next step, or it joins the rows."""
@@ -249,7 +307,7 @@ class BatchedEngine:
         self.steps += 1
         self._sleep_for_fault()
         self._advance_rows(rows, logits)
-        self.slots.drop(_leaves)
+        self._settle()
 
     def _advance_rows(self, rows: List[_Request], logits) -> None:
         """``_advance`` of each row; the greedy rows' tokens picked in one call (``greedy_picks``)."""
@@ -276,9 +334,46 @@ class BatchedEngine:
             r.done = True
             r.emit(None)
 
+    def _admitted(self) -> List[_Request]:
+        """The requests holding KV memory: the rows and a part-prefilled newcomer."""
+        return self.slots.rows + ([self._filling] if self._filling is not None else [])
+
+    def _fits(self, r: _Request, taken: List[Tuple[_Request, int, int]]) -> Optional[bool]:
+        """Whether ``r`` may join (with this step's ``taken`` chunks): with a KV budget, the lanes' worst case with it
+        must fit, and the budget is held for it now. One that has waited ``kv_wait_s`` gets a 429 instead (None)."""
+        if self.kv is None:
+            return True
+        with_it = self._admitted() + [t[0] for t in taken] + [r]
+        longest = max(q.total for q in with_it)
+        if self.kv.hold(self.name, self.slots.footprint(len(with_it), longest)):
+            self.slots.ceiling = self.slots.positions_for(longest)  # the cache grows no further than what is held
+            return True
+        if time.monotonic() - r.queued_at >= self.kv_wait_s:
+            self.kv_refused += 1
+            r.cancelled = True
+            r.emit(CapacityError(f"kv_cache: no KV memory came free for this request in {self.kv_wait_s:g}s "
+                                 f"(budget {self.kv.limit / MiB:.0f} MiB, {len(self._admitted())} sequences hold it); "
+                                 "retry later", 429))
+            return None
+        return False
+
+    def _settle(self) -> None:
+        """Finished and cancelled rows leave; with a KV budget, what the lane holds falls to what the rest may still
+        need and the cache gives back memory it no longer needs."""
+        self.slots.drop(_leaves)
+        if self.kv is None:
+            return
+        admitted = self._admitted()
+        longest = max((q.total for q in admitted), default=0)
+        self.kv.hold(self.name, self.slots.footprint(len(admitted), longest) if admitted else 0)
+        self.slots.ceiling = self.slots.positions_for(longest)
+        needed = max([p + 1 for p in self.slots.pos] + ([self.slots.filling] if self._filling is not None else [0]))
+        if self.slots.trim(len(admitted), needed):
+            log.debug("%s: KV cache now %d slots of %d positions", self.name, self.slots.capacity, self.slots.length)
+
     def _grow(self, n: int) -> None:
         if self.slots.grow(n):
-            log.info("%s: KV cache grown to %d slots of %d tokens", self.name, self.slots.capacity, self.max_seq_len)
+            log.info("%s: KV cache grown to %d slots of %d positions", self.name, self.slots.capacity, self.slots.length)
 
     def _sleep_for_fault(self) -> None:
         if self.delay_s:
@@ -293,7 +388,7 @@ def _prefill_failed(capacity: int, exc: BaseException) -> RuntimeError:
 
 
 def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64, threads: int = 1,
-                  lanes: int = 1):
+                  lanes: int = 1, kv_cache_bytes: Optional[int] = None, kv_wait_s: float = 20.0):
     """The batched engine when the module has ``decode_batch`` (artifacts since batched decode), in ``lanes`` lanes
     (``Lanes``; 0: one per ``threads`` usable cores) that share ``max_batch`` between them (so their KV caches hold no
     more slots than one lane's would), else the one-sequence-at-a-time engine, with one log line naming why."""
@@ -303,8 +398,14 @@ def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, pref
         total = max(1, max_batch)
         n = lane_count(lanes, threads, total)
         sizes = [total // n + (i < total % n) for i in range(n)]
+        kv = None
+        if kv_cache_bytes is not None:  # one budget over every lane (0: ``auto_kv_budget``)
+            kv = KvBudget(kv_cache_bytes or auto_kv_budget())
+            log.info("%s: KV cache budget %.0f MiB over %d lane(s), grown by %d positions", name, kv.limit / MiB, n,
+                     KV_BLOCK)
         engines = [BatchedEngine(module, max_seq_len, name if n == 1 else f"{name}-lane{i}", max_batch=size,
-                                 prefill_chunk=prefill_chunk, threads=threads) for i, size in enumerate(sizes)]
+                                 prefill_chunk=prefill_chunk, threads=threads, kv=kv, kv_wait_s=kv_wait_s)
+                   for i, size in enumerate(sizes)]
         if n == 1:
             return engines[0]
         log.info("%s: %d decode lanes of %d intra-op thread(s), %s sequences at most", name, n, threads,

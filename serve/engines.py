@@ -24,6 +24,15 @@ from policy_bundle.quantize.vllm_launch import async_llm_engine
 from policy_bundle.serve.schemas import MIN_TEMPERATURE
 
 
+class CapacityError(RuntimeError):
+    """A request the engine cannot take: ``status`` 400 when it can never fit (its message names the field and the
+    limit), 429 when memory did not come free in time (retry later)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16

@@ -35,14 +35,16 @@ class StreamFailed(RuntimeError):
 
 
 def client_error(exc: BaseException) -> Optional[ApiError]:
-    """A variant's 4xx answer (a request it refuses) as the client's error: not a variant failure."""
+    """A variant's 4xx answer (a request it refuses) as the client's error: not a variant failure. A 429 (its engine's
+    KV memory did not come free in time) keeps its status, with ``Retry-After``."""
     code = int(getattr(exc, "error_code", 0) or 0)
     if 400 <= code < 500:
-        text = str(exc)[:300]
-        param = next((f for f in ("logit_bias", "top_logprobs", "presence_penalty", "frequency_penalty") if f in text),
-                     "prompt")  # the field the variant's check names (its own checks are on these)
-        return ApiError(400 if code != 429 else 429, f"{param}: refused by the variant: {text}", param,
-                        code="invalid_request_error" if code != 429 else "rate_limited")
+        text = str(exc)[:500]
+        param = next((f for f in ("logit_bias", "top_logprobs", "presence_penalty", "frequency_penalty", "max_tokens",
+                                  "kv_cache") if f in text), "prompt")  # the field the variant's check names
+        if code == 429:
+            return ApiError(429, f"{param}: {text}", param, code="rate_limited", headers={"Retry-After": "2"})
+        return ApiError(400, f"{param}: refused by the variant: {text}", param, code="invalid_request_error")
     return None
 
 

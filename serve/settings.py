@@ -68,6 +68,12 @@ class RouterSettings:
     # on the one loaded module, sharing max_batch (serve/lanes.py); 0 = one per engine_threads usable cores, at most
     # one per 8 of max_batch
     engine_lanes: int = ranged(0, 0, 256)
+    # KV-cache bytes a torch engine (INT8 TorchScript, the FP fallback) may hold over all its lanes; a request is
+    # admitted when its worst case (prompt + max_tokens) fits beside the others', else it waits up to kv_wait_s, then
+    # 429 + Retry-After; one that could never fit is a 400 naming max_tokens. 0: a tenth of the memory limit (256 MiB
+    # to 8 GiB). vLLM's own is VLLM_CPU_KVCACHE_SPACE.
+    kv_cache_bytes: int = ranged(0, 0)
+    kv_wait_s: float = ranged(20.0, 0.0)
     request_timeout_s: float = ranged(60.0, 0.0)
     health_interval_s: float = ranged(1.0, 0.0)  # variant health probes; a variant that fails one gets no new traffic
     health_timeout_s: float = ranged(3.0, 0.0)

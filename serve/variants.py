@@ -12,11 +12,12 @@ import json
 import logging
 import os
 from contextlib import aclosing
+from http import HTTPStatus
 from pathlib import Path
 from typing import AsyncGenerator, Dict, List, Optional
 
 import bentoml
-from bentoml.exceptions import InvalidArgument, NotFound
+from bentoml.exceptions import BentoMLException, InvalidArgument, NotFound
 
 from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
@@ -24,7 +25,7 @@ from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_TORCHSCRIPT, IN
 from policy_bundle.bundle.store import pair_version
 from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
 from policy_bundle.serve.batching import policy_engine
-from policy_bundle.serve.engines import SamplingParams, Step, VllmEngine
+from policy_bundle.serve.engines import CapacityError, SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
 from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact, verified_bytes, verified_copy
@@ -132,7 +133,7 @@ def variant_health(variant, **extra) -> dict:
 def batching_settings() -> dict:
     s = settings_or_exit()
     return {"max_batch": s.max_batch, "prefill_chunk": s.prefill_chunk, "threads": s.engine_threads,
-            "lanes": s.engine_lanes}
+            "lanes": s.engine_lanes, "kv_cache_bytes": s.kv_cache_bytes, "kv_wait_s": s.kv_wait_s}
 
 
 def engine_stats(engine) -> Optional[dict]:
@@ -196,6 +197,16 @@ async def _collect(variant: str, engine, prompt_ids: List[int], params: Sampling
 MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS = 300, 20  # OpenAI's limits
 
 
+class TooManyRequests(BentoMLException):
+    """A 429 from a variant's API (its engine's KV memory did not come free in time): the router passes it on."""
+
+    error_code = HTTPStatus.TOO_MANY_REQUESTS
+
+
+def as_http_error(exc: CapacityError) -> BentoMLException:
+    return InvalidArgument(str(exc)) if exc.status == 400 else TooManyRequests(str(exc))
+
+
 def _params(svc, max_tokens: int, temperature: float, top_p: float, seed: Optional[int], stop: Optional[int],
             logit_bias: Optional[Dict[int, float]] = None, presence_penalty: float = 0.0,
             frequency_penalty: float = 0.0, top_logprobs: int = 0) -> SamplingParams:
@@ -229,7 +240,10 @@ def generation_apis():
             raise InvalidArgument(f"deadline_s: {deadline_s} must be > 0 seconds")
         params = _params(self, max_tokens, temperature, top_p, seed, stop_token_id, logit_bias, presence_penalty,
                          frequency_penalty, top_logprobs)
-        return await _collect(self.variant, self.engine, prompt_ids, params, deadline_s)
+        try:
+            return await _collect(self.variant, self.engine, prompt_ids, params, deadline_s)
+        except CapacityError as exc:
+            raise as_http_error(exc) from None
 
     @bentoml.api
     async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
@@ -249,6 +263,9 @@ def generation_apis():
             async for s in _steps(self.variant, self.engine, prompt_ids, params):
                 yield json.dumps({"token_id": s.token_id, "logprob": s.logprob,
                                   **({"top": [list(t) for t in s.top]} if s.top else {})}) + "\n"
+        except CapacityError as exc:  # a request this engine cannot take now (429) or ever (400)
+            yield json.dumps({"error": str(exc)[:500], "status": exc.status}) + "\n"
+            return
         except Exception as exc:  # noqa: BLE001 - reported in-band: the caller must not take it for an end
             log.warning("%s stream failed: %s: %s", self.variant, type(exc).__name__, exc)
             yield json.dumps({"error": f"{type(exc).__name__}: {exc}"[:300], "status": 500}) + "\n"

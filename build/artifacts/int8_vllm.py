@@ -145,7 +145,9 @@ def vllm_items(cfg: BuildConfig, golden: List[GoldenItem]) -> List[GoldenItem]:
 
 def golden_request(cfg: BuildConfig, policy: Policy, golden: List[GoldenItem], bundle: Path) -> VllmGoldenRequest:
     vllm_dir = BundleLayout(bundle).int8_vllm_dir
-    ctx = min(cfg.policy.max_seq_len, load_hf_config(vllm_dir).max_seq_len)
+    # the context the check needs (its longest item), not the bundle's: vLLM sizes its KV cache for max_model_len
+    longest = max(len(g.prompt_ids) + len(g.completion_ids) for g in golden) + cfg.prompts.max_new_tokens
+    ctx = min(cfg.policy.max_seq_len, load_hf_config(vllm_dir).max_seq_len, -(-longest // 256) * 256)
     return VllmGoldenRequest(str(vllm_dir), DTYPE, ctx, cfg.prompts.max_new_tokens,
                              min(TOP_K, int(policy.embed_tokens.num_embeddings)),
                              [g.prompt_ids for g in golden], [g.prompt_ids + g.completion_ids for g in golden])

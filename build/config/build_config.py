@@ -46,7 +46,10 @@ class TorchtitanSection:
 @dataclass(frozen=True)
 class PolicySection:
     source: str = "reference"  # "reference", a path to an HF directory, or a torchtitan step-N directory
-    max_seq_len: int = ranged(256, 8, 32768)
+    # the context the bundle serves (prompt + answer); None: the model's own (max_position_embeddings), at most
+    # max_seq_len_cap. The served KV cache grows with what requests use (serve's kv_cache_bytes bounds it)
+    max_seq_len: Optional[int] = ranged(None, 8, 262144)
+    max_seq_len_cap: int = ranged(8192, 8, 262144)
     torchtitan: Optional[TorchtitanSection] = None  # set when source is a torchtitan DCP checkpoint
 
     def __post_init__(self) -> None:

@@ -13,13 +13,12 @@ file, ``quantize/reference_logits.py``), and a fixed share per process for Pytho
 
 from __future__ import annotations
 
-import os
-import resource
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from policy_bundle.build.errors import BuildError
+from policy_bundle.quantize.memory import memory_limit
 from policy_bundle.quantize.reference_logits import TEACHER_FORCED_TOKENS
 
 PROCESS_BASE = 450 * 2**20  # Python + torch + the project's imports, resident, measured per process
@@ -49,53 +48,6 @@ class MemoryPlan:
                 f"{g(self.weights)} float32 in the controller; one layer's working set {g(self.layer_working_set)}; "
                 f"int8 policy {g(self.int8_model)}; gate batch {g(self.gate_batch)}; actors {g(self.actors)}; expected peak {g(self.peak)} over all "
                 f"processes; limit {g(self.limit) if self.limit else 'unknown'} ({self.limit_source})")
-
-
-def memory_limit() -> tuple[Optional[int], str]:
-    """The most memory the build may use: the cgroup's limit, the machine's available memory, the address-space
-    limit and ``POLICY_BUNDLE_MEMORY_LIMIT`` (GB), whichever is least."""
-    meminfo = Path("/proc/meminfo")
-    lines = meminfo.read_text().splitlines() if meminfo.is_file() else []
-    found = [(int(line.split()[1]) * 1024, "MemAvailable") for line in lines if line.startswith("MemAvailable:")]
-    for limit_file, usage_file in _cgroup_files():
-        try:
-            raw = Path(limit_file).read_text().strip()
-            if raw != "max" and int(raw) < 2**60:
-                found.append((int(raw), f"cgroup {limit_file}"))
-        except (OSError, ValueError):
-            continue
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft not in (resource.RLIM_INFINITY, -1):
-        found.append((soft, "RLIMIT_AS"))
-    override = os.environ.get("POLICY_BUNDLE_MEMORY_LIMIT")
-    if override:
-        found.append((int(float(override) * 2**30), "POLICY_BUNDLE_MEMORY_LIMIT (GB)"))
-    if not found:
-        return None, "unknown"
-    return min(found)
-
-
-def _cgroup_files() -> list:
-    """(limit, usage) files of this process's memory cgroup and its parents (cgroup v2 and v1). The limit counts, not
-    the usage: that includes the page cache, which the kernel reclaims before it kills."""
-    out = []
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            base, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
-        elif "memory" in controllers.split(","):
-            base, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for i in range(len(parts), -1, -1):
-            d = base.joinpath(*parts[:i])
-            out.append((str(d / files[0]), str(d / files[1])))
-    return out
 
 
 def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:

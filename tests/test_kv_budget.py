@@ -1,0 +1,124 @@
+"""The served KV cache in blocks within a budget: it grows by blocks as sequences do and gives memory back as they
+leave; a request is admitted when its worst case (prompt + max_tokens) fits beside the others', waits otherwise,
+and gets a 429 after ``kv_wait_s``; one that could never fit is a 400 naming max_tokens. A sequence's tokens are the
+same alone, batched, and across cache growth (the HTTP side: tests/test_long_context.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from policy_bundle.quantize.decode import decode_steps, greedy_pick
+from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.policy_config import PolicyConfig
+from policy_bundle.quantize.slots import SlotBatch
+from policy_bundle.serve.batching import KV_BLOCK, BatchedEngine, KvBudget, policy_engine
+from policy_bundle.serve.engines import CapacityError, SamplingParams
+
+CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return torch.jit.script(init_random_policy(CFG, seed=3).eval())
+
+
+def prompt(n: int, seed: int):
+    return torch.randint(1, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def tokens(engine, ids, max_tokens: int):
+    return [s.token_id async for s in engine.generate(ids, SamplingParams(max_tokens=max_tokens))]
+
+
+def settled(engine) -> dict:
+    """The engine's stats once its rows have left (a last token reaches its caller before its row leaves)."""
+    for _ in range(300):
+        stats = engine.stats()
+        if not stats["active"] and not stats["kv_held_bytes"]:
+            return stats
+        time.sleep(0.01)
+    return stats
+
+
+def footprint(policy, n: int, positions: int) -> int:
+    return SlotBatch(policy, CFG.max_seq_len, 32, KV_BLOCK).footprint(n, positions)
+
+
+def test_tokens_past_several_blocks_are_the_same_alone_batched_and_as_the_cache_grows(policy):
+    """Three requests crossing 256-position blocks at different steps (the cache grows under them, and shrinks when
+    the long one leaves) get the tokens each gets alone in one whole-context cache."""
+    cases = [(prompt(300, 0), 300), (prompt(40, 1), 200), (prompt(10, 2), 600)]
+    alone = [[s.token_id for s in decode_steps(policy, p, n, greedy_pick, max_seq_len=CFG.max_seq_len)]
+             for p, n in cases]
+    engine = BatchedEngine(policy, CFG.max_seq_len, "kv", max_batch=4, kv=KvBudget(2**30))
+
+    async def run():
+        short = await tokens(engine, prompt(5, 9), 4)  # alone: one block, not the whole context
+        positions = engine.stats()["kv_positions"]
+        return short, positions, await asyncio.gather(*[tokens(engine, p, n) for p, n in cases])
+    _, positions, batched = asyncio.run(run())
+    assert positions in (0, KV_BLOCK)  # a block while it ran (0 once it left), never the context's 1024
+    assert batched == alone and [len(t) for t in batched] == [n for _, n in cases]
+    stats = settled(engine)
+    assert stats["kv_held_bytes"] == 0 and stats["kv_allocated_bytes"] == 0  # memory given back at the end
+
+
+def test_admission_counts_kv_over_every_lane_and_gives_it_back(policy):
+    """A budget for two worst cases: six requests over two lanes never hold more than two sequences' memory at
+    once, all are answered, and the budget and the cache are back to 0 afterwards."""
+    budget = footprint(policy, 2, 512)
+    engine = policy_engine(policy, CFG.max_seq_len, "kv", max_batch=8, lanes=2, kv_cache_bytes=budget)
+    for lane in engine.lanes:
+        lane.delay_s = 0.002  # steps long enough for the requests to overlap
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            s = engine.stats()
+            seen.append((s["active"], s["kv_held_bytes"], s["kv_allocated_bytes"]))
+            time.sleep(0.002)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        async def run():
+            return await asyncio.wait_for(asyncio.gather(*[tokens(engine, prompt(10, i), 300) for i in range(6)]), 120)
+        out = asyncio.run(run())
+    finally:
+        stop.set()
+        watcher.join()
+    assert [len(t) for t in out] == [300] * 6
+    assert max(a for a, _, _ in seen) == 2  # two at once (the budget's worth), never three
+    assert max(h for _, h, _ in seen) <= budget and max(b for _, _, b in seen) <= budget
+    stats = settled(engine)
+    assert stats["kv_held_bytes"] == 0 and stats["kv_allocated_bytes"] == 0 and stats["active"] == 0
+
+
+def test_a_worst_case_over_the_whole_budget_is_refused_naming_max_tokens(policy):
+    engine = BatchedEngine(policy, CFG.max_seq_len, "kv", kv=KvBudget(footprint(policy, 1, 256)))
+    with pytest.raises(CapacityError) as err:
+        asyncio.run(tokens(engine, prompt(10, 0), 500))
+    assert err.value.status == 400 and str(err.value).startswith("max_tokens: 10 prompt tokens + max_tokens 500")
+    assert asyncio.run(tokens(engine, prompt(10, 0), 200)) and settled(engine)["kv_held_bytes"] == 0  # answered
+
+
+def test_a_request_that_waits_past_kv_wait_s_gets_a_429_and_the_one_holding_the_memory_finishes(policy):
+    engine = BatchedEngine(policy, CFG.max_seq_len, "kv", kv=KvBudget(footprint(policy, 1, 512)), kv_wait_s=0.3)
+    engine.delay_s = 0.004  # the first request decodes 400 tokens for about 1.6 s
+
+    async def run():
+        first = asyncio.ensure_future(tokens(engine, prompt(10, 0), 400))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(CapacityError) as err:
+            await tokens(engine, prompt(10, 1), 400)
+        waited = time.monotonic() - t0
+        return await first, waited, err.value
+    done, waited, err = asyncio.run(run())
+    assert err.status == 429 and str(err).startswith("kv_cache: no KV memory came free") and 0.25 < waited < 1.5
+    assert len(done) == 400 and settled(engine)["kv_refused"] == 1 and engine.kv.held() == 0
