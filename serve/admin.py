@@ -57,7 +57,7 @@ async def execute(body, canary, controller, metrics) -> dict:
     except ValueError as exc:
         raise ApiError(400, str(exc), "action") from None
     canary.new_window()
-    metrics.weight.set(state.weight)
+    metrics.set_rollout(state)
     # False: a stop applied on this replica while the database is away (written when it is back)
     return {"state": asdict(state), "written": controller.local_stop is None}
 

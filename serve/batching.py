@@ -40,6 +40,9 @@ from policy_bundle.serve.lanes import Lanes, lane_count
 
 log = logging.getLogger("policy_bundle.serve")
 KV_BLOCK = 256  # positions the served KV cache grows by (a multiple of attention's 32)
+# An idle engine prefills a prompt whole up to this many tokens, a longer one in chunks of it: attention over a chunk
+# makes a [chunk x heads, context] mask and scores, not [prompt, prompt] (a 6000-token prompt: 12 MB a head, not 144)
+LONG_PROMPT_CHUNK = 512
 MiB = 2**20
 
 
@@ -125,6 +128,7 @@ class BatchedEngine:
         self.kv, self.kv_wait_s = kv, kv_wait_s
         self.slots: SlotBatch[_Request] = SlotBatch(module, max_seq_len, self.max_batch, KV_BLOCK if kv else 0)
         self.kv_refused = 0  # requests that waited kv_wait_s for KV memory and got a 429
+        self.waits: Deque[float] = deque(maxlen=256)  # recent requests' seconds from arrival to their first chunk
         self._filling: Optional[_Request] = None  # a newcomer whose prompt is part-way into slot len(slots)
         self._chunked: List[_Request] = []  # newcomers whose chunks are in the forward now running (failed with it)
         self.fused = self.slots.can_fuse()
@@ -174,6 +178,7 @@ class BatchedEngine:
                 "fused_chunks": self.fused_chunks, "kv_allocated_bytes": self.slots.allocated_bytes(),
                 "kv_positions": self.slots.length, "kv_refused": self.kv_refused,
                 "kv_held_bytes": self.kv.held() if self.kv else None, "kv_budget_bytes": self.kv.limit if self.kv else None,
+                "queue_wait_s": _quantiles(list(self.waits)),
                 "last_step_age_s": round(time.monotonic() - self.last_step_at, 3) if busy else 0.0,
                 "decode_thread_alive": self._thread.is_alive()}
 
@@ -234,8 +239,10 @@ class BatchedEngine:
                     self._pending.appendleft(r)
                 break
             rest = len(r.prompt) - r.filled
-            if (idle and not taken) or rest <= budget:
+            if rest <= budget or (idle and not taken and rest <= LONG_PROMPT_CHUNK):
                 end = len(r.prompt)
+            elif idle and not taken:  # a long prompt on an idle engine: its next LONG_PROMPT_CHUNK tokens
+                end = r.filled + LONG_PROMPT_CHUNK
             elif not taken:  # the whole budget: a long prompt's next prefill_chunk tokens
                 end = r.filled + budget
             else:  # it would be cut where this step's budget runs out: it goes first next step
@@ -245,6 +252,8 @@ class BatchedEngine:
                     with self._cv:
                         self._pending.appendleft(r)
                 break
+            if not r.filled:
+                self.waits.append(time.monotonic() - r.queued_at)
             taken.append((r, r.filled, end))
             budget -= end - r.filled
             if end < len(r.prompt):
@@ -381,6 +390,14 @@ class BatchedEngine:
         if self.hang_after is not None and self.steps >= self.hang_after:
             log.error("%s: injected fault: the decode thread hangs at step %d", self.name, self.steps)
             threading.Event().wait()
+
+
+def _quantiles(values: List[float]) -> dict:
+    """The median and 99th percentile of ``values`` (nearest rank), rounded; empty when there are none."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {q: round(ordered[min(len(ordered) - 1, int(float(q) * len(ordered)))], 4) for q in ("0.5", "0.99")}
 
 
 def _prefill_failed(capacity: int, exc: BaseException) -> RuntimeError:

@@ -173,7 +173,7 @@ class LiveCanary:
             self.controller.note("variant-errors", ", ".join(f"{n} {v} failure(s)" for v, n in failures.items())
                                  + " in the last window (requests retried on the other variant)", metrics)
         self.controller.flush()
-        self.metrics.weight.set(self.controller.state.weight)
+        self.metrics.set_rollout(self.controller.state)
         if window.shadow_pairs:
             self.metrics.shadow_agreement.set(window.shadow_same / window.shadow_pairs)
         return {"verdict": verdict, "reasons": reasons, "metrics": metrics}
@@ -204,7 +204,7 @@ class LiveCanary:
             self.new_window()
             log.info("rollout state changed elsewhere: INT8 at %.1f%% (%s)", self.controller.state.weight,
                      self.controller.state.status)
-        self.metrics.weight.set(self.controller.state.weight)
+        self.metrics.set_rollout(self.controller.state)
 
     # -- supervised loops ----------------------------------------------------------------------
     def ensure_loops(self, loops: Dict[str, tuple], first: Dict[str, float]) -> None:

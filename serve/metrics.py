@@ -1,8 +1,15 @@
-"""The router's Prometheus metrics (served on BentoML's /metrics), labelled by variant."""
+"""The router's Prometheus metrics (served on BentoML's /metrics), labelled by variant. Names follow Prometheus'
+conventions (base units, ``_total`` counters, ``_ratio`` fractions, ``_info`` for labels-as-values); the dashboard
+and alert rules in ``deploy/prometheus`` and ``deploy/grafana`` read them (``tests/test_observability.py`` checks
+every name they use is exported)."""
 
 from __future__ import annotations
 
 import bentoml
+
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+ROLLOUT_STATUSES = ("not-started", "progressing", "waiting", "paused", "held", "promoted", "rolled-back", "aborted",
+                    "database-unreachable")
 
 
 class Metrics:
@@ -20,12 +27,33 @@ class Metrics:
         self.tokens = m.Counter(name="policy_tokens_total", documentation="Completion tokens", labelnames=["variant"])
         self.shadow = m.Counter(name="policy_shadow_comparisons_total", documentation="Shadow pairs compared",
                                 labelnames=["outcome"])
-        self.shadow_agreement = m.Gauge(name="policy_shadow_agreement", documentation="Greedy agreement, last window",
-                                          multiprocess_mode="livemostrecent")
+        self.shadow_agreement = m.Gauge(name="policy_shadow_agreement_ratio", documentation="Greedy agreement of "
+                                        "INT8 with FP16 on shadowed requests, last analysis window",
+                                        multiprocess_mode="livemostrecent")
         self.verdicts = m.Counter(name="policy_canary_verdicts_total", documentation="Rollout analyses",
                                   labelnames=["verdict"])
-        self.weight = m.Gauge(name="policy_int8_weight_percent", documentation="Traffic share of INT8",
+        self.weight = m.Gauge(name="policy_int8_traffic_ratio", documentation="Share of routed traffic sent to "
+                              "INT8 (0 to 1)", multiprocess_mode="livemostrecent")
+        self.rollout = m.Gauge(name="policy_rollout_status_info", documentation="1 for the rollout's status",
+                               labelnames=["status"], multiprocess_mode="livemostrecent")
+        self.ttft = m.Histogram(name="policy_time_to_first_token_seconds", documentation="Streamed requests: time "
+                                "from the request to its first token", labelnames=["variant"], buckets=TOKEN_BUCKETS)
+        self.itl = m.Histogram(name="policy_inter_token_latency_seconds", documentation="Streamed requests: time "
+                               "between consecutive tokens", labelnames=["variant"], buckets=TOKEN_BUCKETS)
+        self.up = m.Gauge(name="policy_variant_up", documentation="1 while the variant's last probe found it ready "
+                          "and not marked down", labelnames=["variant"], multiprocess_mode="livemostrecent")
+        self.batch = m.Gauge(name="policy_engine_batch_size", documentation="Sequences the variant's torch engine "
+                             "decodes now (every lane)", labelnames=["variant"], multiprocess_mode="livemostrecent")
+        self.pending = m.Gauge(name="policy_engine_pending_requests", documentation="Requests waiting in the "
+                               "variant's torch engine for a slot or KV memory", labelnames=["variant"],
                                multiprocess_mode="livemostrecent")
+        self.queue_wait = m.Gauge(name="policy_engine_queue_wait_seconds", documentation="How long requests waited "
+                                  "in the variant's torch engine before they joined its batch (recent requests; "
+                                  "quantile 0.5 and 0.99)", labelnames=["variant", "quantile"],
+                                  multiprocess_mode="livemostrecent")
+        self.kv = m.Gauge(name="policy_kv_cache_bytes", documentation="The variant's torch engine's KV cache: budget, "
+                          "held (admitted sequences' worst case) and allocated", labelnames=["variant", "kind"],
+                          multiprocess_mode="livemostrecent")
         self.inflight = m.Gauge(name="policy_inflight_requests", documentation="Requests in flight",
                                  multiprocess_mode="livemostrecent")
         self.inflight_peak = m.Gauge(name="policy_inflight_peak", documentation="Most calls in flight at once since "
@@ -34,10 +62,32 @@ class Metrics:
                                     "calls admitted (counted against max_inflight)", labelnames=["kind"])
         self.loop_errors = m.Counter(name="policy_loop_errors_total", documentation="Exceptions in the router's "
                                      "background loops (each loop logs them and goes on)", labelnames=["loop"])
-        self.engine = m.Gauge(name="policy_variant_engine", documentation="1 for the engine each variant runs "
+        self.engine = m.Gauge(name="policy_variant_engine_info", documentation="1 for the engine each variant runs "
                               "(its health's engine)", labelnames=["variant", "engine"], multiprocess_mode="livemostrecent")
         self.fp16_fallback = m.Gauge(name="policy_fp16_fallback", documentation="1 when FP16 runs without vLLM",
                                       multiprocess_mode="livemostrecent")
+
+    def set_rollout(self, state) -> None:
+        """The rollout's traffic share and status (``RolloutState``)."""
+        self.weight.set(state.weight / 100.0)
+        for status in ROLLOUT_STATUSES:
+            self.rollout.labels(status=status).set(1.0 if state.status == status else 0.0)
+
+    def set_variant(self, name: str, up: bool, batch: dict) -> None:
+        """What a health probe found: up or not, and the torch engine's batch, queue and KV cache."""
+        self.up.labels(variant=name).set(1.0 if up else 0.0)
+        if not batch:
+            return
+        self.batch.labels(variant=name).set(batch.get("active", 0))
+        self.pending.labels(variant=name).set(batch.get("pending", 0))
+        for q in ("0.5", "0.99"):
+            wait = (batch.get("queue_wait_s") or {}).get(q)
+            if wait is not None:
+                self.queue_wait.labels(variant=name, quantile=q).set(wait)
+        for kind in ("budget", "held", "allocated"):
+            value = batch.get(f"kv_{kind}_bytes")
+            if value is not None:
+                self.kv.labels(variant=name, kind=kind).set(value)
 
     def set_inflight(self, now: int, peak: int) -> None:
         self.inflight.set(now)

@@ -153,6 +153,8 @@ class VariantPool:
             if name in self.down and health.get("timed_out"):
                 self.down_events.setdefault(name, asyncio.Event()).set()  # fail waiting requests over now
         self.health = results
+        for name, health in results.items():
+            self.metrics.set_variant(name, bool(health.get("ready")) and name not in self.down, health.get("batch"))
         self.was_fully_ready = self.was_fully_ready or self.fully_ready()
         self.metrics.fp16_fallback.set(1.0 if results["fp16"].get("fallback") else 0.0)
         self._report_engines(results)

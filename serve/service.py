@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.info import BundleInfo, load_tokenizer
 from policy_bundle.bundle.layout import INT8_DIR
-from policy_bundle.serve import admin
+from policy_bundle.serve import admin, logs
 from policy_bundle.serve.canary import LiveCanary
 from policy_bundle.serve.http import (ApiKeyGuard, ReleasingStream, error_response, read_json, require_admin,
                                       require_api_key)
@@ -43,6 +43,7 @@ log = logging.getLogger("policy_bundle.router")
 # The spec is BentoML's /docs.json (it merges these routes); FastAPI's own copy would be a second one.
 app = FastAPI(title="policy-bundle router", openapi_url=None, docs_url=None, redoc_url=None)
 SETTINGS = settings_or_exit()  # a bad POLICY_ROUTER_CONFIG stops start-up with one line, before anything loads
+logs.configure(SETTINGS.log_format)
 
 
 @app.exception_handler(405)
@@ -97,7 +98,7 @@ class PolicyRouter:
                       "analysis": (r.analysis_interval_s, self._faulty(self.canary.analysis_tick, "analysis")),
                       "sync": (r.sync_interval_s, self.canary.sync_tick),
                       "golden": (r.golden_interval_s, self.canary.golden_tick)}
-        self.metrics.weight.set(self.controller.state.weight)
+        self.metrics.set_rollout(self.controller.state)
         if not self.settings.api_keys:
             log.warning("serving without API keys: every route, /status and /metrics included, is open to whoever "
                         "can reach this port; set POLICY_BUNDLE_API_KEYS (or api_keys in POLICY_ROUTER_CONFIG)")
@@ -134,6 +135,17 @@ class PolicyRouter:
     async def handle(self, request: Request, adapter: Adapter):
         self.ensure_loops()
         t0 = time.perf_counter()
+        rid = logs.request_id(request.headers.get("x-request-id"))
+        logs.REQUEST_ID.set(rid)  # this request's task: its log lines carry it
+        response = await self._handle(request, adapter, t0, rid)
+        response.headers["x-request-id"] = rid
+        if not isinstance(response, ReleasingStream):  # a stream logs itself when it ends (_stream)
+            log.info("request", extra={"endpoint": adapter.endpoint, "status": response.status_code,
+                                       "variant": response.headers.get("x-policy-variant"),
+                                       "seconds": round(time.perf_counter() - t0, 4)})
+        return response
+
+    async def _handle(self, request: Request, adapter: Adapter, t0: float, rid: str):
         try:
             require_api_key(request, self.settings.api_keys)
             data = await read_json(request, self.settings.max_body_bytes)  # before a slot: slow uploads hold none
@@ -154,9 +166,10 @@ class PolicyRouter:
             variant = forced or matched_variant(request, self.settings.rollout.match, self.controller.stopped()) \
                 or choose(self.controller.state.weight, self.settings.sticky_salt,
                                        req.user or request.headers.get("x-policy-user"))
-            choices = p.sampling(self.tok.eos_token_id)
+            choices = [{**c, "request_id": rid} for c in p.sampling(self.tok.eos_token_id)]
             if req.stream:
                 served, opened = await self.pool.open_stream(variant, forced is not None, choices)
+                self.metrics.ttft.labels(variant=served).observe(time.perf_counter() - t0)
                 streaming = True  # from here the response releases the slots, however the stream ends
                 body = self._stream(adapter, p, served, opened, t0, forced is None)
                 steps = [s for _, s in opened]
@@ -213,13 +226,16 @@ class PolicyRouter:
         finally:  # the variants' streams are closed by _stream_ended, which also runs if this never starts
             if ok:
                 self.canary.record(served, time.perf_counter() - t0, total, evidence)
+            log.info("request", extra={"endpoint": adapter.endpoint, "status": 200 if ok else "incomplete",
+                                       "variant": served, "tokens": total, "choices": len(opened),
+                                       "seconds": round(time.perf_counter() - t0, 4)})
 
     async def _choice_chunks(self, adapter: Adapter, p, served: str, index: int, first: Optional[dict], steps):
         """One choice's chunks, each with the tokens it adds (a chunk is None while text is held back); asked for, a
         chunk carries the logprobs of the tokens its text came from (held-back tokens with the text that frees them,
         tokens that add no text with the last chunk), so they add up to the plain answer's."""
         text, n, step, unsent = adapter.text_stream(p), 0, first, []
-        wanted = adapter.wants_logprobs(p)
+        wanted, itl, last = adapter.wants_logprobs(p), self.metrics.itl.labels(variant=served), time.perf_counter()
         while step is not None:
             n += 1
             unsent += [step] if wanted else []
@@ -232,6 +248,10 @@ class PolicyRouter:
             if text.stopped or n >= p.max_tokens:
                 break
             step = await self.pool.next_step(served, steps)
+            if step is not None:
+                now = time.perf_counter()
+                itl.observe(now - last)
+                last = now
         tail = text.finish()
         if tail:
             yield adapter.chunk(p, served, tail, index=index, logprobs=adapter.step_logprobs(p, unsent)), 0

@@ -84,6 +84,8 @@ class RouterSettings:
     require_vllm: bool = False  # the FP16 variant refuses to start on the fallback engine
     # POLICY_BUNDLE_INT8_ENGINE; "vllm" serves the bundle's int8-vllm/ W8A8 dir
     int8_engine: str = choice("torchscript", INT8_ENGINES)
+    # the service's own log lines: one JSON object each, with the request id (serve/logs.py), or text
+    log_format: str = choice("json", ("json", "text"))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:

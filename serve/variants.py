@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from contextlib import aclosing
 from http import HTTPStatus
 from pathlib import Path
@@ -24,6 +25,7 @@ from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_TORCHSCRIPT, INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.store import pair_version
 from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
+from policy_bundle.serve import logs
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import CapacityError, SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import patch_bentoml_timeout
@@ -31,6 +33,7 @@ from policy_bundle.serve.settings import settings_or_exit
 from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact, verified_bytes, verified_copy
 
 log = logging.getLogger("policy_bundle.serve")
+logs.configure(settings_or_exit().log_format)
 VERSION = pair_version(os.environ.get("POLICY_BUNDLE_VERSION", "latest"), log.warning)
 
 
@@ -234,24 +237,33 @@ def generation_apis():
     async def generate(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0,
                        top_p: float = 1.0, seed: Optional[int] = None, stop_token_id: Optional[int] = None,
                        deadline_s: Optional[float] = None, logit_bias: Optional[Dict[int, float]] = None,
-                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0, top_logprobs: int = 0) -> dict:
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0, top_logprobs: int = 0,
+                       request_id: Optional[str] = None) -> dict:
+        logs.REQUEST_ID.set(logs.request_id(request_id))  # the router's id: this call's log lines carry it
+        t0 = time.perf_counter()
         check_input(self, prompt_ids, max_tokens, temperature, top_p)
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidArgument(f"deadline_s: {deadline_s} must be > 0 seconds")
         params = _params(self, max_tokens, temperature, top_p, seed, stop_token_id, logit_bias, presence_penalty,
                          frequency_penalty, top_logprobs)
         try:
-            return await _collect(self.variant, self.engine, prompt_ids, params, deadline_s)
+            out = await _collect(self.variant, self.engine, prompt_ids, params, deadline_s)
         except CapacityError as exc:
             raise as_http_error(exc) from None
+        log.info("generated", extra={"variant": self.variant, "tokens": len(out["token_ids"]),
+                                     "seconds": round(time.perf_counter() - t0, 4)})
+        return out
 
     @bentoml.api
     async def stream(self, prompt_ids: List[int], max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                      seed: Optional[int] = None, stop_token_id: Optional[int] = None,
                      logit_bias: Optional[Dict[int, float]] = None, presence_penalty: float = 0.0,
-                     frequency_penalty: float = 0.0, top_logprobs: int = 0) -> AsyncGenerator[str, None]:
+                     frequency_penalty: float = 0.0, top_logprobs: int = 0,
+                     request_id: Optional[str] = None) -> AsyncGenerator[str, None]:
         # A stream's status line is sent before its body runs, so every outcome is a line: steps, then
         # {"done": true}, or {"error", "status"}; a stream that ends without either was cut off.
+        logs.REQUEST_ID.set(logs.request_id(request_id))
+        t0, n = time.perf_counter(), 0
         try:
             check_input(self, prompt_ids, max_tokens, temperature, top_p)
             params = _params(self, max_tokens, temperature, top_p, seed, stop_token_id, logit_bias, presence_penalty,
@@ -261,6 +273,7 @@ def generation_apis():
             return
         try:
             async for s in _steps(self.variant, self.engine, prompt_ids, params):
+                n += 1
                 yield json.dumps({"token_id": s.token_id, "logprob": s.logprob,
                                   **({"top": [list(t) for t in s.top]} if s.top else {})}) + "\n"
         except CapacityError as exc:  # a request this engine cannot take now (429) or ever (400)
@@ -270,6 +283,7 @@ def generation_apis():
             log.warning("%s stream failed: %s: %s", self.variant, type(exc).__name__, exc)
             yield json.dumps({"error": f"{type(exc).__name__}: {exc}"[:300], "status": 500}) + "\n"
             return
+        log.info("streamed", extra={"variant": self.variant, "tokens": n, "seconds": round(time.perf_counter() - t0, 4)})
         yield json.dumps({"done": True}) + "\n"
 
     return generate, stream

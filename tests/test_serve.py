@@ -3,6 +3,7 @@
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -126,7 +127,7 @@ def test_shadow_comparisons_appear_in_metrics(good):
         asyncio.run(asyncio.sleep(0.5))
     assert m and float(m[0]) >= 1
     assert re.search(r'^policy_requests_total\{[^}]*variant="(int8|fp16)"', metrics, re.M)
-    assert "policy_int8_weight_percent" in metrics
+    assert "policy_int8_traffic_ratio" in metrics
 
 
 def test_rollout_promotes_through_every_step_with_a_good_bundle(good):
@@ -320,6 +321,20 @@ def test_streamed_logprobs_add_up_to_the_plain_answers(good, variant):
             got += read(lp) if lp else []
         assert [(t, top) for t, _, top in got] == [(t, top) for t, _, top in want] and len(want) >= 2, (got, want)
         assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp16"])
+def test_penalties_steer_a_repetitive_greedy_answer_in_both_variants(good, variant):
+    """A greedy answer that repeats its tokens changes under frequency and presence penalties (the control: both at
+    0 answer exactly the plain text) and repeats itself less."""
+    forced = {"x-policy-variant": variant, "x-admin-token": "test-admin-token"}
+    body = dict(prompt="99+99=", max_tokens=16, ignore_eos=True)
+    plain = complete(good, headers=forced, **body).json()["choices"][0]["text"]
+    off = complete(good, headers=forced, **body, presence_penalty=0, frequency_penalty=0).json()
+    assert off["choices"][0]["text"] == plain
+    steered = complete(good, headers=forced, **body, presence_penalty=2, frequency_penalty=2).json()
+    text = steered["choices"][0]["text"]
+    assert text != plain and max(map(text.count, set(text))) < max(map(plain.count, set(plain))), (plain, text)
 
 
 def test_fields_at_their_off_value_are_accepted(good):
@@ -527,6 +542,44 @@ def test_golden_canary_calls_count_against_the_cap(good):
     assert httpx.get(f"{good.url}/status", timeout=10).json()["background_inflight_peak"] == 2
 
 
+def test_a_request_id_is_returned_and_logged_as_json_by_the_router_and_the_variant(good):
+    r = complete(good, headers={**FORCE_INT8, "x-request-id": "req-abc.123"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "req-abc.123"
+    made = complete(good).headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", made)  # none given: one is made
+    odd = complete(good, headers={"x-request-id": "<script>"}).headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", odd)  # not a plain token: replaced, never echoed
+    refused = httpx.post(f"{good.url}/v1/completions", json={"model": "policy"}, timeout=30,
+                         headers={"x-request-id": "req-refused"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "req-refused"
+    with httpx.stream("POST", f"{good.url}/v1/completions", headers={"x-request-id": "req-stream"}, timeout=60,
+                      json={"model": "policy", "prompt": "12+34=", "max_tokens": 4, "temperature": 0,
+                            "stream": True}) as s:
+        sse_events(s)
+    assert s.headers["x-request-id"] == "req-stream"
+    time.sleep(0.5)
+    lines = [json.loads(line) for line in good.log.read_text().splitlines() if line.startswith('{"ts"')]
+    mine = {(x["logger"], x["msg"]) for x in lines if x.get("request_id") == "req-abc.123"}
+    assert ("policy_bundle.router", "request") in mine and ("policy_bundle.serve", "generated") in mine, mine
+    stream = [x for x in lines if x.get("request_id") == "req-stream"]
+    assert {x["msg"] for x in stream} >= {"request", "streamed"} and all(x["level"] == "info" for x in stream)
+
+
+def test_every_metric_the_dashboard_and_alert_rules_name_is_exported(good):
+    """deploy/'s dashboard and alert rules read only what the router exports (after streamed traffic: the
+    time-to-first-token and inter-token histograms have series)."""
+    from test_observability import metric_names_in_deploy
+
+    for _ in range(2):
+        httpx.post(f"{good.url}/v1/completions", timeout=60, json={"model": "policy", "prompt": "12+34=",
+                                                                    "max_tokens": 4, "temperature": 0, "stream": True})
+    time.sleep(2.5)  # a health probe after them: the engines' gauges
+    text = httpx.get(f"{good.url}/metrics", timeout=30).text
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("policy_")}
+    exported |= {n[: -len(s)] for n in exported for s in ("_bucket", "_count", "_sum") if n.endswith(s)}
+    assert metric_names_in_deploy() <= exported, sorted(metric_names_in_deploy() - exported)
+
+
 def test_restart_resumes_the_rollout_with_its_history(good, small_bundle, state):
     admin(good, "restart")
     admin(good, "promote")
@@ -552,7 +605,7 @@ def test_int8_served_by_vllm_on_the_w8a8_dir_reports_its_engine(small_bundle, st
         assert status["variants"]["int8"]["engine"] == "vllm-w8a8" and status["variants"]["fp16"]["engine"] == "vllm"
         r = complete(server, headers=FORCE_INT8, max_tokens=6)
         assert r.status_code == 200 and r.json()["policy_variant"] == "int8" and r.json()["choices"][0]["text"] == "998"
-        assert re.search(r'^policy_variant_engine\{(?=[^}]*engine="vllm-w8a8")(?=[^}]*variant="int8")[^}]*\} 1\.0',
+        assert re.search(r'^policy_variant_engine_info\{(?=[^}]*engine="vllm-w8a8")(?=[^}]*variant="int8")[^}]*\} 1\.0',
                          httpx.get(f"{server.url}/metrics", timeout=30).text, re.M)
     finally:
         server.stop()

@@ -1,0 +1,136 @@
+"""Decode speed deep in the context: batch-1 decode tok/s at context positions 128, 2048 and 7000, the bundle's INT8
+TorchScript (as the server runs it: ``load_torchscript``, a KV cache grown by blocks) against its FP16 weights in vLLM
+(float16 and bfloat16, the model's own context), each engine in a fresh process, side by side in one run; and the KV
+bytes a token costs in each.
+
+    .venv/bin/python -m policy_bundle.loadtest.bench_context --bundle BUNDLE [--positions 128,2048,7000] [--tokens 32]
+
+A position's figure: a prompt of that many tokens prefilled (untimed), then ``--tokens`` decode steps timed (vLLM:
+the time of a ``tokens``-token generation less a one-token one), median of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KV_BLOCK = 256  # serve.batching.KV_BLOCK: the served cache grows by these (loadtest does not import serve/)
+
+
+def _prompt(n: int, vocab: int) -> list:
+    import torch
+
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int) -> dict:
+    import torch
+
+    from policy_bundle.bundle.info import BundleInfo
+    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.slots import SlotBatch
+
+    torch.set_num_threads(1)  # the served engine's decode thread (engine_threads: 1)
+    module = load_torchscript(bundle / "int8" / "policy.ts")
+    ctx = BundleInfo.read(bundle).max_seq_len
+    vocab = int(json.loads((bundle / "int8" / "config.json").read_text())["vocab_size"])
+    out = {}
+    for pos in positions:
+        times = []
+        for _ in range(repeats + 1):
+            batch = SlotBatch(module, min(ctx, pos + tokens + 1), 1, KV_BLOCK)
+            batch.grow(1)
+            prompt = _prompt(pos, vocab)
+            for start in range(0, pos, 512):  # the server's long-prompt chunks
+                logits = batch.prefill(prompt[start:start + 512], start)
+            batch.join(0)
+            nxt = int(logits.argmax())
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for _ in range(tokens):
+                    nxt = int(batch.step([nxt])[0].argmax())
+            times.append(time.perf_counter() - t0)
+        out[str(pos)] = tokens / statistics.median(times[1:])
+    out["kv_bytes_per_token"] = SlotBatch(module, 32, 1, KV_BLOCK).bytes_per_position()
+    return out
+
+
+def vllm_worker(bundle: Path, dtype: str, positions: list, tokens: int, repeats: int) -> dict:
+    from policy_bundle.quantize.hf_weights import load_hf_config
+    from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm
+
+    apply_vllm_env_defaults()
+    from vllm import SamplingParams
+
+    cfg = load_hf_config(bundle / "fp16")
+    llm = offline_llm(bundle / "fp16", dtype, max(positions) + tokens + 32, skip_tokenizer_init=True)
+    out = {}
+    for pos in positions:
+        prompt = {"prompt_token_ids": _prompt(pos, cfg.vocab_size)}
+
+        def gen(n):
+            t0 = time.perf_counter()
+            llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False),
+                         use_tqdm=False)
+            return time.perf_counter() - t0
+        gen(tokens)  # warm-up
+        full = statistics.median(gen(tokens) for _ in range(repeats))
+        one = statistics.median(gen(1) for _ in range(repeats))
+        out[str(pos)] = (tokens - 1) / max(full - one, 1e-9)
+    out["kv_bytes_per_token"] = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2  # keys and values, 16-bit
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", type=Path, required=True)
+    ap.add_argument("--positions", default="128,2048,7000")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    positions = [int(p) for p in args.positions.split(",")]
+    if args.worker:
+        fig = (int8_worker(args.bundle, positions, args.tokens, args.repeats) if args.worker == "int8" else
+               vllm_worker(args.bundle, args.worker, positions, args.tokens, args.repeats))
+        print(json.dumps(fig))
+        return 0
+    engines = ["int8"] + ([] if args.no_vllm else ["float16", "bfloat16"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    figures = {}
+    for engine in engines:
+        res = subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.bench_context", "--bundle", str(args.bundle),
+                              "--positions", args.positions, "--tokens", str(args.tokens), "--repeats",
+                              str(args.repeats), "--worker", engine], capture_output=True, text=True, env=env,
+                             timeout=3600)
+        if res.returncode != 0:
+            print(f"{engine}: failed: {res.stderr[-2000:]}", file=sys.stderr)
+            continue
+        figures[engine] = json.loads(res.stdout.strip().splitlines()[-1])
+    names = {"int8": "INT8 TorchScript (1 thread)", "float16": "vLLM FP16", "bfloat16": "vLLM BF16"}
+    print(f"decode tok/s at batch 1 by context position ({args.bundle}; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores)")
+    print("| engine | " + " | ".join(f"pos {p}" for p in positions) + f" | pos {positions[-1]} vs {positions[0]} | "
+          "KV bytes/token |")
+    print("|---|" + "---|" * (len(positions) + 2))
+    for engine, fig in figures.items():
+        cells = " | ".join(f"{fig[str(p)]:.1f}" for p in positions)
+        print(f"| {names[engine]} | {cells} | {fig[str(positions[-1])] / fig[str(positions[0])]:.2f}x | "
+              f"{fig['kv_bytes_per_token']} |")
+    if "int8" in figures and "float16" in figures:
+        print("INT8 / vLLM FP16: " + ", ".join(f"pos {p} {figures['int8'][str(p)] / figures['float16'][str(p)]:.2f}x"
+                                               for p in positions))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
