@@ -149,6 +149,25 @@ def cmd_watch(args: argparse.Namespace) -> int:
                               max_retries=args.max_retries, keep=args.keep))
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``bentoml serve`` of the router (its variants start with it), in this process: signals reach it as they would."""
+    import os
+
+    env = dict(os.environ)
+    if args.bundle_version:
+        env["POLICY_BUNDLE_VERSION"] = args.bundle_version
+    if args.config:
+        config = Path(args.config)
+        if not config.is_file():
+            raise FileNotFoundError(f"--config: {config} is not a file")
+        env["POLICY_ROUTER_CONFIG"] = str(config.resolve())
+    cmd = [sys.executable, "-m", "bentoml", "serve", "policy_bundle.serve.service:PolicyRouter", "--host", args.host,
+           "--port", str(args.port)]
+    sys.stdout.flush()
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached: the server replaces this process
+
+
 def cmd_containerize(args: argparse.Namespace) -> int:
     from policy_bundle.build.containerize.bentofile import default_torch_wheel
     from policy_bundle.build.containerize.image import ContainerizeOptions, containerize
@@ -164,11 +183,14 @@ def cmd_containerize(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="policy-bundle", description="Turn a trained policy into a verified INT8 + FP16 bundle.")
+    p = argparse.ArgumentParser(prog="policy-bundle", description="Turn a trained policy into a verified INT8 + FP16 "
+                                "bundle, and operate its served rollout.", epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = _Subcommands(p.add_subparsers(dest="command", required=True))
 
     b = sub.add_parser("build", parents=[common], help="build a bundle from a config")
     b.add_argument("--config", help="build config YAML (e.g. build/configs/reference.yaml)")
@@ -209,26 +231,35 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_sign)
 
     c = sub.add_parser("canary", parents=[common], help="re-run the accuracy canary on a bundle (exit 0 pass, 1 fail)")
-    c.add_argument("--bundle", required=True)
+    _bundle_argument(c, "the bundle directory")
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a threshold, e.g. canary.max_kl_mean=0.01")
     c.set_defaults(func=cmd_canary)
 
     w = sub.add_parser("watch", parents=[common],
                        help="rebuild the bundle when a newer training checkpoint's calibration drifts")
-    w.add_argument("--bundle", required=True, help="the deployed bundle directory")
+    _bundle_argument(w, "the deployed bundle directory")
     w.add_argument("--checkpoints", required=True, help="directory the trainer writes step-N checkpoints into")
-    w.add_argument("--out-root", help="where new bundles and watch-state.json go (default: beside --bundle)")
+    w.add_argument("--out-root", help="where new bundles and watch-state.json go (default: beside BUNDLE)")
     w.add_argument("--every-steps", type=int, default=1000, help="check a checkpoint this many steps after the last")
     w.add_argument("--threshold", type=float, default=0.05, help="rebuild when a layer drifts by more than this")
     w.add_argument("--poll-s", type=float, default=30.0, help="seconds between looks at --checkpoints")
     w.add_argument("--once", action="store_true", help="one pass, then exit")
-    w.add_argument("--reset", action="store_true", help="forget --out-root's watch-state.json, start from --bundle")
+    w.add_argument("--reset", action="store_true", help="forget --out-root's watch-state.json, start from BUNDLE")
     w.add_argument("--max-retries", type=int, default=5,
                    help="failed checks (or builds that may pass) of one checkpoint before it is given up (default 5)")
     w.add_argument("--keep", type=int, default=0,
                    help="bundles the monitor built to keep, on disk and in the model store (default 0: all)")
     w.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a build field for checks and rebuilds")
     w.set_defaults(func=cmd_watch)
+
+    sv = sub.add_parser("serve", parents=[common], help="serve the registered bundle pair: the router and both variants "
+                        "(bentoml serve policy_bundle.serve.service:PolicyRouter)")
+    sv.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    sv.add_argument("--port", type=int, default=3000, help="port to listen on")
+    sv.add_argument("--bundle-version", help="the store version to serve (POLICY_BUNDLE_VERSION; default: the newest "
+                    "whole pair)")
+    sv.add_argument("--config", help="router settings YAML (POLICY_ROUTER_CONFIG)")
+    sv.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("containerize", parents=[common],
                        help="`bentoml build` + `bentoml containerize --backend podman` on a local Debian base image")
@@ -247,8 +278,56 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+EXIT_CODES = """exit codes: 0 done (a canary or build that passed its gate); 1 the accuracy gate failed (canary), or an
+unexpected error (with its type; --debug for the traceback); 2 a usage error, or an input refused with one line
+naming it (a config field, a file, a key, a failed build gate)"""
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Every option's default in its help, where it has one (not None, not a flag's False, not already said)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Subcommands:
+    """``add_parser`` with the subcommand's help as its description and every default shown in its ``--help``."""
+
+    def __init__(self, action):
+        self.action = action
+
+    def add_parser(self, name: str, **kwargs):
+        kwargs.setdefault("description", kwargs.get("help"))
+        return self.action.add_parser(name, formatter_class=_DefaultsShown, **kwargs)
+
+
+def _bundle_argument(p: argparse.ArgumentParser, help_text: str) -> None:
+    """BUNDLE as a positional, as every subcommand takes it; ``--bundle`` still read (earlier scripts)."""
+    p.add_argument("bundle", nargs="?", help=help_text)
+    p.add_argument("--bundle", dest="bundle_option", help=argparse.SUPPRESS)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("policy-bundle")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if hasattr(args, "bundle_option"):
+        if args.bundle and args.bundle_option and args.bundle != args.bundle_option:
+            p.error(f"BUNDLE given twice ({args.bundle} and --bundle {args.bundle_option})")
+        args.bundle = args.bundle or args.bundle_option
+        if not args.bundle:
+            p.error(f"{args.command}: BUNDLE is required")
     _quiet_runtime()
     try:
         return args.func(args)

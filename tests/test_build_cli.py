@@ -190,3 +190,15 @@ def test_torchforge_example_calibrates_on_its_own_mesh_and_its_jsonl_builds(tmp_
                   "--set", "register.bentoml=false", "--set", "export.onnx=false")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "64 calibration sequences from jsonl" in res.stderr
+
+
+def test_the_cli_has_a_version_shown_defaults_and_one_bundle_argument():
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("policy-bundle ")
+    watch = run_cli("watch", "--help").stdout
+    assert "(default: 1000)" in watch and "(default: 30.0)" in watch and "--bundle" not in watch.split("options:")[1]
+    assert run_cli("serve", "--help").stdout.count("(default: 3000)") == 1
+    twice = run_cli("canary", "a", "--bundle", "b")
+    assert twice.returncode == 2 and "BUNDLE given twice" in twice.stderr
+    none = run_cli("canary")
+    assert none.returncode == 2 and "canary: BUNDLE is required" in none.stderr

@@ -110,7 +110,7 @@ def manifest_linears(bundle):
 
 
 def test_canary_cli_exit_status_follows_the_verdict(small_bundle):
-    ok = run_cli("canary", "--bundle", str(small_bundle))
+    ok = run_cli("canary", str(small_bundle))  # BUNDLE positional, as every subcommand takes it
     assert ok.returncode == 0 and "verdict: PASS" in ok.stdout and "| kl_mean |" in ok.stdout
     strict = run_cli("canary", "--bundle", str(small_bundle), "--set", "canary.max_kl_mean=1e-9")
     assert strict.returncode == 1 and "verdict: FAIL (kl_mean" in strict.stdout

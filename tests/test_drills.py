@@ -17,3 +17,12 @@ def test_drill_command_passes_and_writes_its_report(drill, seconds, tmp_path, re
     figures = passed_report(run_drill(drill, tmp_path, "--seconds", str(seconds), "--fp16-engine", "fallback"),
                             tmp_path / drill)
     assert figures["figures"]["fp16_engine"] == "policy-module-fp32"
+
+
+def test_replicas_drill_two_routers_on_one_postgresql_promote_and_roll_back(tmp_path, reference_dir, postgres):
+    """Two routers sharing a PostgreSQL state database serve a good pair to 100 % and a broken pair back to 0 %,
+    with one transition per state version and both replicas at the same version (the drill's own PostgreSQL; the
+    fixture only makes a missing PostgreSQL a failure under CI)."""
+    figures = passed_report(run_drill("replicas", tmp_path, "--requests", "300", "--seconds", "300",
+                                      "--fp16-engine", "fallback"), tmp_path / "replicas")
+    assert figures["figures"]["state_url"].startswith("postgresql")

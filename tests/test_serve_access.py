@@ -1,5 +1,5 @@
-"""A router server with API keys, no admin token, a concurrency cap of 1 and no vLLM: who may call what,
-the FP16 fallback reported, 429 at the cap."""
+"""A router server with API keys, no admin token, a concurrency cap of 1 and no vLLM, started with
+``policy-bundle serve``: who may call what, the FP16 fallback reported, 429 at the cap."""
 
 import asyncio
 import re
@@ -7,14 +7,22 @@ import re
 import httpx
 import pytest
 
+from cli_helpers import CLI
 from serve_helpers import FORCE_INT8, Server, bundle_version, burst, complete, env_for
+
+
+class CliServer(Server):
+    """The router started by ``policy-bundle serve`` (the CLI's own command), not ``bentoml serve`` itself."""
+
+    def command(self, target: str) -> list:
+        return [*CLI, "serve", "--host", "127.0.0.1", "--port", str(self.port)]
 
 
 @pytest.fixture(scope="module")
 def locked(small_bundle, state):
     env = env_for(state, "locked", bundle_version(small_bundle), admin=False, vllm=False, max_inflight=1)
     env["POLICY_BUNDLE_API_KEYS"] = "key-one,key-two"
-    server = Server(env, state / "locked.log").wait_ready()
+    server = CliServer(env, state / "locked.log").wait_ready()
     yield server
     server.stop()
 

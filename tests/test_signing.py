@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from cli_helpers import run_cli
+from cli_helpers import SMALL, run_cli
 from policy_bundle.bundle.manifest import BundleVerificationError, manifest_hash, sha256_file
 from policy_bundle.bundle.signing import generate_key, sign_bundle, verify_signature
 from policy_bundle.bundle.store import verify_entry
@@ -156,3 +156,32 @@ def test_an_engine_that_opens_files_by_path_gets_the_bytes_that_were_hashed(smal
     config.write_text(config.read_text().replace("}", ', "swapped": true}', 1))
     with pytest.raises(SystemExit, match="config.json: changed after it was verified"):
         verified_copy(bundle, FP16_DIR)
+
+
+def test_a_build_with_a_signing_key_signs_its_bundle_and_a_bad_key_stops_it_before_its_first_stage(tmp_path):
+    pub = generate_key(tmp_path / "build.key")
+    (tmp_path / "bad.key").write_text("not a key\n")
+    args = ("build", "--config", "build/configs/reference.yaml", *SMALL, "--set", "canary.enabled=false",
+            "--set", "export.onnx=false", "--set", "calibration.procs=0", "--set", "name=signed")
+    bad = run_cli(*args, "--out", str(tmp_path / "refused"), env={"POLICY_BUNDLE_SIGNING_KEY": str(tmp_path / "bad.key")})
+    assert bad.returncode != 0 and "POLICY_BUNDLE_SIGNING_KEY" in bad.stderr and "Traceback" not in bad.stderr
+    assert "load policy" not in bad.stdout + bad.stderr and not (tmp_path / "refused").exists()  # no stage ran
+    built = run_cli(*args, "--out", str(tmp_path / "bundle"), env={"POLICY_BUNDLE_SIGNING_KEY": str(tmp_path / "build.key")})
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert (tmp_path / "bundle" / "bundle.json.sig").is_file()
+    ok = run_cli("verify", str(tmp_path / "bundle"), "--key", str(pub))
+    assert ok.returncode == 0 and "signed by trusted key" in ok.stdout, ok.stderr
+
+
+def test_a_torchscript_changed_after_verification_is_refused_not_loaded(small_bundle, tmp_path):
+    """The INT8 TorchScript is loaded from the bytes that were hashed: a file swapped after the entry's check is
+    refused (the control: the file as verified loads)."""
+    from policy_bundle.bundle.layout import INT8_TORCHSCRIPT
+    from policy_bundle.serve.store_entries import verified_bytes
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(small_bundle, bundle)
+    assert verified_bytes(bundle, INT8_TORCHSCRIPT) == (bundle / INT8_TORCHSCRIPT).read_bytes()
+    (bundle / INT8_TORCHSCRIPT).write_bytes((bundle / INT8_TORCHSCRIPT).read_bytes() + b"\0")
+    with pytest.raises(SystemExit, match="changed after it was verified"):
+        verified_bytes(bundle, INT8_TORCHSCRIPT)

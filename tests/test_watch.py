@@ -95,6 +95,16 @@ def test_unmoved_checkpoint_builds_nothing_and_a_moved_one_builds_a_new_version(
     assert state["deployed"] == str(new.resolve()) and state["deployed_step"] == 2000
     assert [c["decision"] for c in state["checks"]] == ["no drift", "drift, rebuilt"]
 
+    # --keep 1: the next rebuild removes the bundle built before it, from disk and from the model store
+    checkpoint(reference_dir, ckpts / "step-3000", norm_scale=1.8)
+    res = watch_once(root, ckpts, bundle, "--keep", "1")
+    assert res.returncode == 0 and "(--keep 1)" in res.stderr, res.stderr[-3000:]
+    assert (root / "bundles" / "reference-step-3000" / "bundle.json").is_file() and not new.exists()
+    final = store_versions(bentoml_home, "policy-int8")
+    step_2000 = set(after) - set(before)
+    assert len(final) == len(after) and not step_2000 & set(final)  # step 3000's entry in, step 2000's deleted
+    assert bundle.is_dir()  # the first deployed bundle is not the monitor's to remove
+
 
 def test_a_broken_checkpoint_is_a_recorded_failed_check_and_another_bundles_state_is_not_overwritten(
         deployed, reference_dir, tmp_path):
