@@ -67,6 +67,21 @@ class Metrics:
         self.fp16_fallback = m.Gauge(name="policy_fp16_fallback", documentation="1 when FP16 runs without vLLM",
                                       multiprocess_mode="livemostrecent")
 
+    def declare(self, variants) -> None:
+        """Every per-variant series at 0 from the start (a counter with labels has none until it first counts, and
+        an alert or a panel on a series that does not exist says nothing); the shadow agreement NaN until measured."""
+        for v in variants:
+            for metric in (self.requests, self.errors, self.tokens, self.rerouted):
+                metric.labels(variant=v).inc(0)
+        for outcome in ("same", "different"):
+            self.shadow.labels(outcome=outcome).inc(0)
+        for verdict in ("pass", "fail", "inconclusive", "idle"):
+            self.verdicts.labels(verdict=verdict).inc(0)
+        for endpoint in ("completions", "chat"):
+            for status in ("400", "429"):
+                self.rejected.labels(endpoint=endpoint, status=status).inc(0)
+        self.shadow_agreement.set(float("nan"))
+
     def set_rollout(self, state) -> None:
         """The rollout's traffic share and status (``RolloutState``)."""
         self.weight.set(state.weight / 100.0)

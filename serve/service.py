@@ -74,6 +74,7 @@ class PolicyRouter:
         self.info = BundleInfo.read(artifact.parent)
         self.tok = load_tokenizer(artifact)
         self.metrics = Metrics()
+        self.metrics.declare(VARIANTS)
         self.pair = bundle_pair(self.int8_model, self.fp16_model)
         url = self.settings.state_url or default_url(self.settings.state_dir)
         replica = f"{socket.gethostname()}:{os.getpid()}"

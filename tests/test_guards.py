@@ -78,7 +78,7 @@ def test_a_variant_serving_another_builds_manifest_is_not_ready():
 
         return SimpleNamespace(to_async=SimpleNamespace(health=health))
 
-    metrics = SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge())
+    metrics = SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge(), set_variant=lambda *a: None)
     pool = VariantPool({"int8": service("a" * 64), "fp16": service("b" * 64)}, SimpleNamespace(health_timeout_s=3.0),
                        note=lambda *a: None, on_error=lambda *a: None, metrics=metrics, expected_manifest="a" * 64)
     health = asyncio.run(pool.refresh())
@@ -105,7 +105,7 @@ def test_the_router_stays_ready_while_one_variant_restarts_once_both_came_up():
     notes = []
     pool = VariantPool({n: service(n) for n in up}, SimpleNamespace(health_timeout_s=3.0),
                        note=lambda *a: notes.append(a[0]), on_error=lambda *a: None,
-                       metrics=SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge()))
+                       metrics=SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge(), set_variant=lambda *a: None))
     asyncio.run(pool.refresh())
     assert not pool.ready() and pool.degraded() == ["int8"]  # never came up whole: not ready
     up["int8"] = True
@@ -138,7 +138,7 @@ def test_a_variant_whose_probe_answers_but_whose_engine_cannot_serve_is_not_read
 
     pool = VariantPool({n: SimpleNamespace(to_async=SimpleNamespace(health=probe)) for n in ("int8", "fp16")},
                        SimpleNamespace(health_timeout_s=3.0), note=lambda *a: None, on_error=lambda *a: None,
-                       metrics=SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge()))
+                       metrics=SimpleNamespace(fp16_fallback=_Gauge(), engine=_Gauge(), set_variant=lambda *a: None))
     got = asyncio.run(pool.refresh())["int8"]
     if why is None:
         assert got["ready"] and not got.get("stalled")

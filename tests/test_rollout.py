@@ -311,7 +311,7 @@ def test_an_inconclusive_window_keeps_collecting_until_its_pairs_bound_the_flip_
 
     cfg = RolloutConfig(min_samples=8, inconclusive_limit=5)
     ctl = controller(tmp_path, min_samples=8, inconclusive_limit=5)
-    metrics = SimpleNamespace(verdicts=_Counter(), weight=_Counter(), shadow_agreement=_Counter())
+    metrics = SimpleNamespace(verdicts=_Counter(), weight=_Counter(), shadow_agreement=_Counter(), set_rollout=lambda state: None)
     info = SimpleNamespace(golden=lambda: [], thresholds=GateThresholds(min_greedy_agreement=0.9))
     live = LiveCanary(None, None, ctl, info, None, SimpleNamespace(rollout=cfg), metrics)
     verdicts = []

@@ -95,19 +95,9 @@ def test_unmoved_checkpoint_builds_nothing_and_a_moved_one_builds_a_new_version(
     assert state["deployed"] == str(new.resolve()) and state["deployed_step"] == 2000
     assert [c["decision"] for c in state["checks"]] == ["no drift", "drift, rebuilt"]
 
-    # --keep 1: the next rebuild removes the bundle built before it, from disk and from the model store
-    checkpoint(reference_dir, ckpts / "step-3000", norm_scale=1.8)
-    res = watch_once(root, ckpts, bundle, "--keep", "1")
-    assert res.returncode == 0 and "(--keep 1)" in res.stderr, res.stderr[-3000:]
-    assert (root / "bundles" / "reference-step-3000" / "bundle.json").is_file() and not new.exists()
-    final = store_versions(bentoml_home, "policy-int8")
-    step_2000 = set(after) - set(before)
-    assert len(final) == len(after) and not step_2000 & set(final)  # step 3000's entry in, step 2000's deleted
-    assert bundle.is_dir()  # the first deployed bundle is not the monitor's to remove
-
 
 def test_a_broken_checkpoint_is_a_recorded_failed_check_and_another_bundles_state_is_not_overwritten(
-        deployed, reference_dir, tmp_path):
+        deployed, reference_dir, tmp_path, bentoml_home):
     root, ckpts, bundle = deployed
     state_file = root / "bundles" / "watch-state.json"
     rebuilt = Path(json.loads(state_file.read_text())["deployed"])  # the previous test's step-2000 rebuild
@@ -135,6 +125,17 @@ def test_a_broken_checkpoint_is_a_recorded_failed_check_and_another_bundles_stat
     state_file.write_text("{not json")
     res = watch_once(root, ckpts, rebuilt)
     assert res.returncode == 2 and "not a watch state file" in res.stderr and "--reset" in res.stderr, res.stderr
+
+    # --keep 1: the next rebuild removes the bundle the monitor built before it, from disk and from the model store
+    state_file.write_text(kept)
+    before = store_versions(bentoml_home, "policy-int8")
+    checkpoint(reference_dir, ckpts / "step-4000", norm_scale=1.8)
+    res = watch_once(root, ckpts, rebuilt, "--keep", "1")
+    assert res.returncode == 0 and "(--keep 1)" in res.stderr, res.stderr[-3000:]
+    assert (root / "bundles" / "reference-step-4000" / "bundle.json").is_file() and not rebuilt.exists()
+    after = store_versions(bentoml_home, "policy-int8")
+    assert len(after) == len(before) and len(set(before) - set(after)) == 1  # step 4000's entry in, step 2000's out
+    assert bundle.is_dir()  # the first deployed bundle is not the monitor's to remove
 
 
 @pytest.mark.parametrize("args, message", [
