@@ -100,9 +100,11 @@ class SlotBatch(Generic[R]):
                 grown = max(self.positions_for(needed), min(grown, self.ceiling))
             self._reshape(self.capacity, grown)
 
-    def trim(self, n: int, needed: int) -> bool:
-        """With ``block``: give memory back when the cache holds more slots than ``n`` sequences take or more positions
-        than ``ceiling`` (none left: free it); it keeps ``needed`` positions. True when it reallocated."""
+    def trim(self, n: int, needed: int, slack: int = 2) -> bool:
+        """With ``block``: give memory back when the cache holds more positions than ``ceiling``, or more than ``slack``
+        times the slots ``n`` sequences take (none left: free it); it keeps ``needed`` positions. The slack keeps a
+        batch whose size goes back and forth across a power of two from copying its cache at every turn. True when it
+        reallocated."""
         if not self.block or self.k is None:
             return False
         if n == 0:
@@ -111,11 +113,16 @@ class SlotBatch(Generic[R]):
             return True
         slots = self.slots_for(n)
         over = self.ceiling and self.length > self.ceiling
-        if self.capacity <= slots and not over:
+        if self.capacity <= slack * slots and not over:
             return False
         length = max(self.positions_for(needed), min(self.length, self.ceiling)) if over else self.length
-        self._reshape(min(self.capacity, slots), length)
+        self._reshape(min(self.capacity, slots) if self.capacity > slack * slots else self.capacity, length)
         return True
+
+    def held_footprint(self, n: int, positions: int) -> int:
+        """What a cache for ``n`` sequences of up to ``positions`` positions may come to from this one: the slots it
+        holds (``trim``'s slack) or ``n`` need, whichever is more, each of ``positions_for(positions)`` positions."""
+        return max(self.capacity, self.slots_for(n)) * self.positions_for(positions) * self.bytes_per_position()
 
     def _reshape(self, cap: int, length: int) -> None:
         """Reallocate to ``cap`` slots of ``length`` positions, keeping what fits of the cache's contents."""

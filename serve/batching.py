@@ -354,7 +354,11 @@ class BatchedEngine:
             return True
         with_it = self._admitted() + [t[0] for t in taken] + [r]
         longest = max(q.total for q in with_it)
-        if self.kv.hold(self.name, self.slots.footprint(len(with_it), longest)):
+        held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest))
+        if not held and self.slots.capacity > self.slots.slots_for(len(with_it)):  # give back the slack, then retry
+            self.slots.trim(len(self.slots.rows) + (self._filling is not None), 0, slack=1)
+            held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest))
+        if held:
             self.slots.ceiling = self.slots.positions_for(longest)  # the cache grows no further than what is held
             return True
         if time.monotonic() - r.queued_at >= self.kv_wait_s:
@@ -374,11 +378,12 @@ class BatchedEngine:
             return
         admitted = self._admitted()
         longest = max((q.total for q in admitted), default=0)
-        self.kv.hold(self.name, self.slots.footprint(len(admitted), longest) if admitted else 0)
         self.slots.ceiling = self.slots.positions_for(longest)
         needed = max([p + 1 for p in self.slots.pos] + ([self.slots.filling] if self._filling is not None else [0]))
         if self.slots.trim(len(admitted), needed):
             log.debug("%s: KV cache now %d slots of %d positions", self.name, self.slots.capacity, self.slots.length)
+        # what the lane holds: its sequences' worst case on the slots it keeps (never less than what it allocated)
+        self.kv.hold(self.name, self.slots.held_footprint(len(admitted), longest) if admitted else 0)
 
     def _grow(self, n: int) -> None:
         if self.slots.grow(n):

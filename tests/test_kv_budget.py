@@ -122,3 +122,15 @@ def test_a_request_that_waits_past_kv_wait_s_gets_a_429_and_the_one_holding_the_
     done, waited, err = asyncio.run(run())
     assert err.status == 429 and str(err).startswith("kv_cache: no KV memory came free") and 0.25 < waited < 1.5
     assert len(done) == 400 and settled(engine)["kv_refused"] == 1 and engine.kv.held() == 0
+
+
+def test_a_batch_going_back_and_forth_across_a_power_of_two_keeps_its_slots(policy):
+    """Rows leaving give slots back only past twice what the rest take (each reshape copies the cache); the budget
+    still counts what the cache keeps (``held_footprint``), never less than it allocated."""
+    batch = SlotBatch(policy, CFG.max_seq_len, 8, KV_BLOCK)
+    batch.grow(3)
+    batch.ceiling = batch.positions_for(300)
+    assert batch.capacity == 4 and not batch.trim(2, 10)  # 4 slots for 2 rows: kept
+    assert batch.held_footprint(2, 300) == 4 * 512 * batch.bytes_per_position() >= batch.allocated_bytes()
+    assert batch.trim(1, 10) and batch.capacity == 1  # 4 slots for 1 row: given back
+    assert batch.trim(0, 0) and batch.allocated_bytes() == 0
