@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-KV_BLOCK = 256  # serve.batching.KV_BLOCK: the served cache grows by these (loadtest does not import serve/)
-
 
 def _prompt(n: int, vocab: int) -> list:
     import torch
@@ -35,7 +33,7 @@ def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int) -> dic
 
     from policy_bundle.bundle.info import BundleInfo
     from policy_bundle.quantize.script_runner import load_torchscript
-    from policy_bundle.quantize.slots import SlotBatch
+    from policy_bundle.quantize.slots import KV_BLOCK, LONG_PROMPT_CHUNK, SlotBatch
 
     torch.set_num_threads(1)  # the served engine's decode thread (engine_threads: 1)
     module = load_torchscript(bundle / "int8" / "policy.ts")
@@ -48,8 +46,8 @@ def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int) -> dic
             batch = SlotBatch(module, min(ctx, pos + tokens + 1), 1, KV_BLOCK)
             batch.grow(1)
             prompt = _prompt(pos, vocab)
-            for start in range(0, pos, 512):  # the server's long-prompt chunks
-                logits = batch.prefill(prompt[start:start + 512], start)
+            for start in range(0, pos, LONG_PROMPT_CHUNK):  # the server's long-prompt chunks
+                logits = batch.prefill(prompt[start:start + LONG_PROMPT_CHUNK], start)
             batch.join(0)
             nxt = int(logits.argmax())
             t0 = time.perf_counter()

@@ -24,6 +24,10 @@ from torch import Tensor
 from policy_bundle.quantize.blocks import attention_len, cache_len_for
 
 R = TypeVar("R")
+KV_BLOCK = 256  # positions a served cache grows by (``block``; a multiple of attention's 32)
+# An idle server prefills a prompt whole up to this many tokens, a longer one in chunks of it: attention over a chunk
+# makes a [chunk x heads, context] mask and scores, not [prompt, prompt] (a 6000-token prompt: 12 MB a head, not 144)
+LONG_PROMPT_CHUNK = 512
 
 
 class SlotBatch(Generic[R]):
@@ -107,6 +111,9 @@ class SlotBatch(Generic[R]):
         reallocated."""
         if not self.block or self.k is None:
             return False
+        # never below what is in use: the rows, a part-prefilled prompt and prompts prefilled but not joined yet
+        n = max(n, len(self.rows) + bool(self.filling) + len(self._queued))
+        needed = max([needed, self.filling, *self._queued] + [p + 1 for p in self.pos])
         if n == 0:
             self.k = self.v = None
             self.capacity = 0

@@ -33,16 +33,13 @@ from typing import AsyncIterator, Deque, List, Optional, Tuple
 
 import torch
 
-from policy_bundle.quantize.slots import SlotBatch
+from policy_bundle.quantize.percentile import percentile
+from policy_bundle.quantize.slots import KV_BLOCK, LONG_PROMPT_CHUNK, SlotBatch
 from policy_bundle.serve.engines import (CapacityError, SamplingParams, Step, check_threads, decode_thread_setup,
                                          greedy_picks, last_position_logits, pick_token)
 from policy_bundle.serve.lanes import Lanes, lane_count
 
 log = logging.getLogger("policy_bundle.serve")
-KV_BLOCK = 256  # positions the served KV cache grows by (a multiple of attention's 32)
-# An idle engine prefills a prompt whole up to this many tokens, a longer one in chunks of it: attention over a chunk
-# makes a [chunk x heads, context] mask and scores, not [prompt, prompt] (a 6000-token prompt: 12 MB a head, not 144)
-LONG_PROMPT_CHUNK = 512
 MiB = 2**20
 
 
@@ -148,8 +145,8 @@ class BatchedEngine:
         total = min(len(prompt_ids) + params.max_tokens, self.max_seq_len)
         if total <= len(prompt_ids):
             return
-        if self.kv is not None and self.slots.footprint(1, total) > self.kv.limit:
-            need = self.slots.footprint(1, total)
+        need = self.slots.footprint(1, total) if self.kv is not None else 0
+        if self.kv is not None and need > self.kv.limit:
             raise CapacityError(f"max_tokens: {len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} need "
                                 f"{need / MiB:.0f} MiB of KV cache, more than the engine's whole budget "
                                 f"({self.kv.limit / MiB:.0f} MiB, kv_cache_bytes); ask for fewer tokens", 400)
@@ -356,7 +353,7 @@ class BatchedEngine:
         longest = max(q.total for q in with_it)
         held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest))
         if not held and self.slots.capacity > self.slots.slots_for(len(with_it)):  # give back the slack, then retry
-            self.slots.trim(len(self.slots.rows) + (self._filling is not None), 0, slack=1)
+            self.slots.trim(0, 0, slack=1)  # (never below the slots and positions in use: ``trim``)
             held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest))
         if held:
             self.slots.ceiling = self.slots.positions_for(longest)  # the cache grows no further than what is held
@@ -399,10 +396,7 @@ class BatchedEngine:
 
 def _quantiles(values: List[float]) -> dict:
     """The median and 99th percentile of ``values`` (nearest rank), rounded; empty when there are none."""
-    if not values:
-        return {}
-    ordered = sorted(values)
-    return {q: round(ordered[min(len(ordered) - 1, int(float(q) * len(ordered)))], 4) for q in ("0.5", "0.99")}
+    return {q: round(percentile(values, float(q)), 4) for q in ("0.5", "0.99")} if values else {}
 
 
 def _prefill_failed(capacity: int, exc: BaseException) -> RuntimeError:

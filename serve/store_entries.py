@@ -59,7 +59,8 @@ def verified_copy(root: Path, sub: str) -> Path:
     from policy_bundle.bundle.manifest import read_manifest
 
     files = {rel: e for rel, e in read_manifest(root).get("files", {}).items() if rel.startswith(f"{sub}/")}
-    dest = Path(tempfile.mkdtemp(prefix=f"policy-bundle-{sub.replace('/', '-')}-"))
+    _remove_stale_copies(Path(tempfile.gettempdir()))
+    dest = Path(tempfile.mkdtemp(prefix=f"policy-bundle-copy-{os.getpid()}-"))
     atexit.register(shutil.rmtree, dest, True)
     for rel, entry in sorted(files.items()):
         target = dest / rel[len(sub) + 1:]
@@ -76,6 +77,26 @@ def verified_copy(root: Path, sub: str) -> Path:
             refuse(f"{rel}: changed after it was verified (its bytes no longer match the manifest)")
     log.info("%s/ loaded from a private copy of its verified bytes (%s)", sub, dest)
     return dest
+
+
+def _remove_stale_copies(tmp: Path) -> None:
+    """Remove the verified copies of processes that are gone (killed: their ``atexit`` never ran), so restarts do not
+    fill the temporary disk with model copies."""
+    import os
+    import re
+    import shutil
+
+    for d in tmp.glob("policy-bundle-copy-*"):
+        m = re.fullmatch(r"policy-bundle-copy-(\d+)-.*", d.name)
+        if not m or not d.is_dir():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:  # gone: its copy is nobody's
+            shutil.rmtree(d, ignore_errors=True)
+            log.info("removed %s, the verified copy of a process that is gone", d)
+        except PermissionError:  # alive, another user's
+            continue
 
 
 def manifest_sha(model: bentoml.models.BentoModel) -> Optional[str]:

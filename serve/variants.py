@@ -136,7 +136,9 @@ def variant_health(variant, **extra) -> dict:
 def batching_settings() -> dict:
     s = settings_or_exit()
     return {"max_batch": s.max_batch, "prefill_chunk": s.prefill_chunk, "threads": s.engine_threads,
-            "lanes": s.engine_lanes, "kv_cache_bytes": s.kv_cache_bytes, "kv_wait_s": s.kv_wait_s}
+            "lanes": s.engine_lanes, "kv_cache_bytes": s.kv_cache_bytes,
+            # a wait the router would give up on first would count as the variant's failure: a 429 comes before it
+            "kv_wait_s": min(s.kv_wait_s, 0.8 * s.request_timeout_s) if s.request_timeout_s else s.kv_wait_s}
 
 
 def engine_stats(engine) -> Optional[dict]:

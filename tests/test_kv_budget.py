@@ -134,3 +134,24 @@ def test_a_batch_going_back_and_forth_across_a_power_of_two_keeps_its_slots(poli
     assert batch.held_footprint(2, 300) == 4 * 512 * batch.bytes_per_position() >= batch.allocated_bytes()
     assert batch.trim(1, 10) and batch.capacity == 1  # 4 slots for 1 row: given back
     assert batch.trim(0, 0) and batch.allocated_bytes() == 0
+
+
+def test_giving_back_slack_never_drops_a_part_prefilled_prompt(policy):
+    """Trimming for a newcomer keeps the slots and positions in use: two rows and a prompt prefilled half-way (its
+    first chunk in the slot after the rows) keep their cache, whatever the caller asks to trim to."""
+    batch = SlotBatch(policy, CFG.max_seq_len, 8, KV_BLOCK)
+    batch.grow(8)
+    batch.ceiling = batch.positions_for(600)
+    for seed in (0, 1):
+        batch.prefill(prompt(20, seed))
+        batch.join(seed)
+    long = prompt(400, 2)
+    batch.prefill(long[:300])  # the first chunk of a long prompt: slot 2, not joined
+    before = batch.k[:, 2, :, :300].clone()
+    assert batch.trim(0, 0, slack=1)  # the caller counts nothing in use: the batch knows better
+    assert batch.capacity >= 3 and batch.length >= 300 and torch.equal(batch.k[:, 2, :, :300], before)
+    rest = batch.prefill(long[300:], 300)
+    whole = SlotBatch(policy, CFG.max_seq_len, 1, KV_BLOCK)  # the same two chunks in a batch that never trimmed
+    whole.grow(1)
+    whole.prefill(long[:300])
+    assert torch.equal(rest, whole.prefill(long[300:], 300))

@@ -185,3 +185,22 @@ def test_a_torchscript_changed_after_verification_is_refused_not_loaded(small_bu
     (bundle / INT8_TORCHSCRIPT).write_bytes((bundle / INT8_TORCHSCRIPT).read_bytes() + b"\0")
     with pytest.raises(SystemExit, match="changed after it was verified"):
         verified_bytes(bundle, INT8_TORCHSCRIPT)
+
+
+def test_a_verified_copy_of_a_process_that_is_gone_is_removed_at_the_next_start(small_bundle, tmp_path, monkeypatch):
+    import subprocess as sp
+    import tempfile
+
+    from policy_bundle.bundle.layout import FP16_DIR
+    from policy_bundle.serve.store_entries import verified_copy
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = sp.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"policy-bundle-copy-{gone.pid}-x"  # a killed worker's copy: its atexit never ran
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"0" * 1024)
+    mine = tmp_path / "policy-bundle-copy-1-y"  # pid 1 is alive: not ours to remove
+    mine.mkdir()
+    copy = verified_copy(small_bundle, FP16_DIR)
+    assert copy.parent == tmp_path and copy.is_dir() and not stale.exists() and mine.exists()
