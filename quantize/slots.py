@@ -198,8 +198,9 @@ class SlotBatch(Generic[R]):
     def step(self, tokens: Sequence[int]) -> Tensor:
         """Feed ``tokens[i]`` to row ``i`` at ``pos[i]``; returns the next logits [n, V]. One row runs the
         single-sequence ``decode`` (the same arithmetic, minus ``decode_batch``'s gathers)."""
-        self.reach(max(self.pos) + 1)
-        n, s = len(self.rows), self.attended(max(self.pos) + 1)
+        needed = max(self.pos) + 1
+        self.reach(needed)
+        n, s = len(self.rows), self.attended(needed)
         k, v = self.k[:, :n, :, :s], self.v[:, :n, :, :s]
         ids = torch.tensor(list(tokens)).view(n, 1)
         if n == 1:
