@@ -9,7 +9,8 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from policy_bundle.build.errors import expected_errors
+from policy_bundle.build.errors import (EXIT_ERROR, EXIT_GATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, CanaryGateError,
+                                         expected_errors)
 
 
 def _quiet_runtime() -> None:
@@ -70,7 +71,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                     args.limit)
     except RouterUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     print("\n".join(lines))
     return 0
 
@@ -101,7 +102,7 @@ def cmd_check_fp16(args: argparse.Namespace) -> int:
     ok = res.greedy_agreement >= args.min_agreement
     print(f"{'ok' if ok else 'FAIL'}: FP16 via {res.engine}: greedy outputs equal FP32 on "
           f"{res.greedy_agreement:.1%} of {res.items} golden prompts (minimum {args.min_agreement:.0%})")
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_GATE
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
@@ -135,7 +136,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
     for note in report.notes:
         print(f"note: {note}")
     print(f"verdict: {verdict.label.upper()}" + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
-    return 0 if verdict.passed else 1
+    return EXIT_OK if verdict.passed else EXIT_GATE
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -210,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
                        help="operate the served rollout over the router's admin API (status, history, promote, ...)",
                        description="Operate a served rollout: the router's URL and admin token from --url/--token or "
                                    "POLICY_BUNDLE_URL / POLICY_BUNDLE_ADMIN_TOKEN. A refused command is one line and "
-                                   "exit 2; a router that cannot be reached, exit 1.")
+                                   "exit 3; a router that cannot be reached, exit 1.")
     from policy_bundle.build.rollout_client import COMMANDS, DEFAULT_URL
 
     r.add_argument("rollout_command", choices=COMMANDS, metavar="COMMAND", help=" | ".join(COMMANDS))
@@ -230,7 +231,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--key", required=True, help="the private key (policy-bundle keygen)")
     s.set_defaults(func=cmd_sign)
 
-    c = sub.add_parser("canary", parents=[common], help="re-run the accuracy canary on a bundle (exit 0 pass, 1 fail)")
+    c = sub.add_parser("canary", parents=[common], help="re-run the accuracy canary on a bundle (exit 0 pass, 4 fail)")
     _bundle_argument(c, "the bundle directory")
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a threshold, e.g. canary.max_kl_mean=0.01")
     c.set_defaults(func=cmd_canary)
@@ -278,9 +279,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-EXIT_CODES = """exit codes: 0 done (a canary or build that passed its gate); 1 the accuracy gate failed (canary), or an
-unexpected error (with its type; --debug for the traceback); 2 a usage error, or an input refused with one line
-naming it (a config field, a file, a key, a failed build gate)"""
+EXIT_CODES = """exit codes: 0 done (a build or canary that passed its gate); 1 an unexpected error (its type; --debug for
+the traceback), or a router that cannot be reached; 2 a usage error (flags, arguments); 3 an input or state refused
+with one line naming it (a config field and its limit, a file, a key, a signature, a router's refusal, a failed mesh
+shard; watch --once: the checkpoint's check or rebuild failed); 4 the accuracy gate failed (the build's gate, the
+exported TorchScript's, canary's verdict, check-fp16 under --min-agreement); 130 interrupted"""
 
 
 class _DefaultsShown(argparse.HelpFormatter):
@@ -333,15 +336,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - the CLI boundary turns errors into one line
         if args.debug:
             raise
+        if isinstance(exc, CanaryGateError):
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_GATE
         if isinstance(exc, expected_errors()):  # the message is the whole story: no traceback
             print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_REFUSED
         print(f"error ({type(exc).__name__}): {exc}\n(run with --debug for the traceback)", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

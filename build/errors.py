@@ -1,12 +1,17 @@
 """The build's exceptions: one base class, so the CLI turns failures into exit codes by class.
 
 A ``BuildError`` is an expected failure whose message is the whole story (the field, the value and
-the limit, or what to do next): the CLI prints it as one line, without a traceback, and exits 2.
+the limit, or what to do next): the CLI prints it as one line, without a traceback, and exits 3
+(``EXIT_REFUSED``; a failed accuracy gate, ``CanaryGateError``, exits 4).
 The libraries below build/ (quantize/, bundle/) cannot derive from it; their expected failures are
 listed in ``expected_errors()`` and treated the same way.
 """
 
 from __future__ import annotations
+
+
+# the CLI's exit codes (``policy-bundle --help`` lists them)
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED, EXIT_GATE, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 
 class BuildError(Exception):

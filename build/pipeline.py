@@ -48,6 +48,7 @@ from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, 
 from policy_bundle.quantize.fidelity import GoldenItem
 from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
 from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.script_runner import release_freed_memory
 
 
 @dataclass
@@ -119,21 +120,25 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
                 drift: Optional[dict]) -> BuildResult:
     loaded = load_stage(cfg, stages)
     cfg = replace(cfg, policy=replace(cfg.policy, max_seq_len=loaded.policy.max_seq_len))  # as resolved
+    candidates = [(name, cfg.recipe_config(name)) for name in cfg.recipe.candidates()]
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
         rollouts = rollouts_stage(cfg, stages, mesh, loaded)
         calibrated = CalibratedModels(cfg, mesh, loaded.policy, rollouts.batches)
-        candidates = [(name, cfg.recipe_config(name)) for name in cfg.recipe.candidates()]
         prepare_stage(cfg, stages, calibrated, [r for _, r in candidates])
         calibrate_stage(cfg, stages, calibrated, [r for _, r in candidates], rollouts)
-        chosen = quantize_and_gate_stage(cfg, stages, loaded, calibrated, candidates, rollouts.golden, tmp, final)
-        export_stage(cfg, stages, loaded, chosen, calibrated, rollouts, tmp, int8_vllm)
-        fidelity, onnx_skipped = fidelity_stage(cfg, stages, loaded, rollouts.golden.gate, tmp, int8_vllm)
-        summary = handler(chosen.recipe).calibration_summary(calibrated, chosen.recipe)
-        calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches, {**summary, "odd_samples": rollouts.odd})
-        body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm, onnx_skipped)
-        if drift is not None:
-            body["drift"] = write_drift_report(tmp, drift)
-        sha = manifest_stage(stages, body, tmp)
+        # The actors stop here: from now on their processes would only hold memory. A later candidate that needs a
+        # calibration of its own runs it in this process (bitwise what the mesh computes, tests/test_mesh.py).
+        calibrated.mesh = None
+    chosen = quantize_and_gate_stage(cfg, stages, loaded, calibrated, candidates, rollouts.golden, tmp, final)
+    export_stage(cfg, stages, loaded, chosen, calibrated, rollouts, tmp, int8_vllm)
+    fidelity, onnx_skipped = fidelity_stage(cfg, stages, loaded, rollouts.golden.gate, tmp, int8_vllm,
+                                            chosen.gate_reference, chosen.outcome.report)
+    summary = handler(chosen.recipe).calibration_summary(calibrated, chosen.recipe)
+    calibration = calibration_section(cfg, rollouts.seqs, rollouts.batches, {**summary, "odd_samples": rollouts.odd})
+    body = manifest_body(cfg, loaded.policy_dir, loaded.policy, chosen, calibration, fidelity, int8_vllm, onnx_skipped)
+    if drift is not None:
+        body["drift"] = write_drift_report(tmp, drift)
+    sha = manifest_stage(stages, body, tmp)
     return BuildResult(final, sha, None, None, fidelity)
 
 
@@ -158,17 +163,25 @@ def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golde
         cal_ids = [encode_prompt(tok, p) for p in prompts.calibration]
         gold_ids = [encode_prompt(tok, p) for p in prompts.golden]
         t0 = time.monotonic()
+        gold_out: Optional[List[List[int]]] = None
         if cfg.rollouts.jsonl:
             seqs = read_rollouts_jsonl(Path(cfg.rollouts.jsonl), tok)[: cfg.calibration.samples]
             source = f"jsonl {cfg.rollouts.jsonl}"
         else:
-            completions = make_rollouts(cfg, mesh, loaded.policy_dir, loaded.policy, tok, cal_ids)
+            # the golden set's FP32 completions are the local engine's greedy ones: on the mesh in the same call
+            # when the calibration rollouts use that engine there (the actors' greedy equals this process's)
+            golden_too = golden_set and mesh is not None and cfg.rollouts.engine == "local"
+            completions = make_rollouts(cfg, mesh, loaded.policy_dir, loaded.policy, tok,
+                                        cal_ids + (gold_ids if golden_too else []))
+            if golden_too:
+                completions, gold_out = completions[:len(cal_ids)], completions[len(cal_ids):]
             seqs = [p + c for p, c in zip(cal_ids, completions)]
             source = f"{cfg.rollouts.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
-        golden = split_golden(golden_items(prompts, gold_ids, logged_local_rollouts(
-            loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id, "golden rollouts"))
-            if golden_set else [], search_share(cfg))
-        rate = len(seqs) / max(1e-9, time.monotonic() - t0)
+        if golden_set and gold_out is None:
+            gold_out = logged_local_rollouts(loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id,
+                                             "golden rollouts")
+        golden = split_golden(golden_items(prompts, gold_ids, gold_out) if golden_set else [], search_share(cfg))
+        rate = (len(seqs) + len(gold_out or [])) / max(1e-9, time.monotonic() - t0)
         seqs, odd = screen_odd_samples(cfg, loaded.policy, seqs, tok, log=log)
         batches = calibration_batches(seqs, cfg.calibration.batch_size, cfg.policy.max_seq_len)
         s.detail = (f"{len(seqs)} calibration sequences from {source}, golden items: {len(golden.search)} to search "
@@ -251,6 +264,8 @@ def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: Chose
             int8_vllm.recipe = export_int8_vllm(policy, policy_dir, chosen, calibrated, out.int8_vllm_dir)
             start_int8_vllm_check(cfg, policy, rollouts.golden.gate, tmp, int8_vllm)
         export_torchscript(chosen.outcome.int8, out.int8_torchscript)
+        chosen.outcome.int8 = None  # from here the artifact is the file: the gated module's memory goes
+        release_freed_memory()
         shutil.copy(policy_dir / "config.json", out.int8_dir / "config.json")
         copy_tokenizer_files(policy_dir, out.int8_dir)
         if cfg.onnx_export():
@@ -262,11 +277,14 @@ def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: Chose
 
 
 def fidelity_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, golden: List[GoldenItem], tmp: Path,
-                   int8_vllm: Int8Vllm) -> Tuple[dict, Optional[str]]:
-    """Every exported artifact measured and gated; returns the fidelity and why ONNX is left out (or None)."""
+                   int8_vllm: Int8Vllm, ref=None, gate_report=None) -> Tuple[dict, Optional[str]]:
+    """Every exported artifact measured and gated against FP32's teacher-forced logits of ``golden``: ``ref``, the
+    gate's of the same held-out items, else computed here once for every artifact; ``gate_report``, the shipped
+    candidate's held-out report (its greedy metrics stand for the file's when the file's logits match it). Returns the
+    fidelity and why ONNX is left out (or None)."""
     with stages.run("fidelity of the exported artifacts") as s:
-        fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp,  # FP32's logits once for every artifact
-                                  ref := reference_logits_of(loaded.policy, golden, tmp))
+        ref = ref if ref is not None else reference_logits_of(loaded.policy, golden, tmp)
+        fidelity = quick_fidelity(cfg, loaded.policy, loaded.tok, golden, tmp, ref, gate_report)
         onnx_skipped = gate_artifacts(cfg, fidelity, tmp)
         if not int8_vllm.skipped:
             check_int8_vllm(cfg, loaded.policy, loaded.tok, golden, tmp, int8_vllm, ref)

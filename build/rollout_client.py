@@ -3,7 +3,7 @@
 
 The router's URL and admin token come from ``--url`` / ``--token`` or ``POLICY_BUNDLE_URL`` /
 ``POLICY_BUNDLE_ADMIN_TOKEN``. An answer the router refuses (a bad token, a command the state does not allow, the
-database away) is one line and exit 2; a router that cannot be reached, one line and exit 1.
+database away) is one line and exit 3; a router that cannot be reached, one line and exit 1.
 """
 
 from __future__ import annotations

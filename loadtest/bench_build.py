@@ -90,6 +90,7 @@ def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = No
            "--force"]
     t0 = time.monotonic()
     peak = {"rss": 0, "pss": 0, "vllm_rss": 0, "procs": 0, "main_rss": 0}
+    stages: Dict[str, Dict[str, int]] = {}  # the build's stage -> its peaks (RSS, PSS, the CLI alone)
     last = t0
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -108,12 +109,16 @@ def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = No
                     vllm += r
                 else:
                     rss, pss = rss + r, pss + s
-            peak["main_rss"] = max(peak["main_rss"], resident(proc.pid)[0])
+            main = resident(proc.pid)[0]
+            peak["main_rss"] = max(peak["main_rss"], main)
+            st = stages.setdefault(current_stage(log), {"rss": 0, "pss": 0, "main_rss": 0})
+            st["rss"], st["pss"], st["main_rss"] = max(st["rss"], rss), max(st["pss"], pss), max(st["main_rss"], main)
             if rss > peak["rss"]:
                 peak["procs"] = len(pids)
             peak["rss"], peak["pss"], peak["vllm_rss"] = max(peak["rss"], rss), max(peak["pss"], pss), max(peak["vllm_rss"], vllm)
             time.sleep(1.0)
     peak["seconds"] = time.monotonic() - t0
+    peak["stages"] = stages
     peak["rc"] = proc.returncode
     manifest = out / "bundle.json"
     if manifest.is_file():
@@ -124,6 +129,13 @@ def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = No
         lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
         peak["verdict"] = lines[-1][:300] if lines else "no output"
     return peak
+
+
+def current_stage(log: Path) -> str:
+    """The stage the build's log last started ("[4/9] calibrate ..."), or "start"."""
+    started = [ln for ln in log.read_text(errors="replace").splitlines()
+               if ln.startswith("[") and ln.rstrip().endswith(" ...") and "/" in ln.split("]")[0]]
+    return started[-1].split("] ", 1)[1].rstrip(" .") if started else "start"
 
 
 def write_config(path: Path, source: Path, procs: Optional[int]) -> Path:
@@ -163,6 +175,9 @@ def main() -> None:
           f"| {r['seconds'] / 60:.1f} min | {r['rss'] / 1e9:.2f} GB ({r['rss'] / weights:.2f}x weights, "
           f"{r['procs']} processes) | {r['pss'] / 1e9:.2f} GB | {r['main_rss'] / 1e9:.2f} GB | "
           f"{r['vllm_rss'] / 1e9:.2f} GB | {r['verdict']} (rc {r['rc']}) |")
+    print("\n| stage | peak RSS, all build processes | peak PSS | CLI alone |\n|---|---|---|---|")
+    for name, st in r["stages"].items():
+        print(f"| {name} | {st['rss'] / 1e9:.2f} GB | {st['pss'] / 1e9:.2f} GB | {st['main_rss'] / 1e9:.2f} GB |")
     print(f"CPU: {cpu}, {os.cpu_count()} cores; log: {args.work / (tag + '.log')}")
 
 

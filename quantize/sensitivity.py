@@ -9,17 +9,23 @@ SmolLM2-135M it ranked the one linear that mattered most 17th); one forward per 
 little (a golden-set pass per linear took 29 minutes per candidate there).
 
 The torch.ao recipes swap in the linear's converted module (``recipes.convert``), the w8a8 ones the plan's
-``quantized_module``; the mesh spreads the same ``SwapSensitivity.score`` calls over its actors.
+``quantized_module``.
+
+Nothing below a swapped linear changes, so the probe's float input of every decoder layer is computed once and a
+linear of layer i runs only layers i.. and the head (``layer_stream.run_layer``, bitwise what the whole forward
+computes): on average half a forward per linear, in the process that already holds the float model, so no other
+process maps the model for the ranking.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from policy_bundle.quantize.layer_stream import run_layer
 from policy_bundle.quantize.model import full_logits
 
 Quantized = Callable[[str, nn.Module], nn.Module]  # (linear's name, its float module) -> its quantized module
@@ -32,12 +38,44 @@ def sensitivity_probe(batches: Sequence[Tensor], rows: int = 2, tokens: int = 64
 
 
 class SwapSensitivity:
-    """Scores one linear at a time against the reference logits of ``model`` (the float model) on ``probe``."""
+    """Scores one linear at a time against the reference logits of ``model`` (the float model) on ``probe``.
+
+    A decoder-layer model (``layers``, ``norm``, ``lm_head``) keeps the probe's float input of each layer
+    (``inputs[i]``, and ``inputs[-1]`` the last layer's output: [rows, tokens, dim] each), and a linear of layer i
+    is scored from ``inputs[i]``; another model runs whole for each score."""
 
     @torch.no_grad()
     def __init__(self, model: nn.Module, probe: Tensor):
         self.model, self.probe = model, probe
-        self.ref = F.log_softmax(full_logits(model, probe).double(), dim=-1)
+        self.inputs: Optional[List[Tensor]] = None
+        if all(hasattr(model, a) for a in ("layers", "norm", "lm_head", "embed_tokens", "_chunk_tables")):
+            x = model.embed_tokens(probe)
+            self.inputs = [x]
+            for i in range(len(model.layers)):
+                x = run_layer(model, i, [x])[0]
+                self.inputs.append(x)
+            logits = model.lm_head(model.norm(x))
+        else:
+            logits = full_logits(model, probe)
+        self.ref = F.log_softmax(logits.double(), dim=-1)
+
+    def _start(self, name: str) -> Optional[int]:
+        """The first layer a swap of ``name`` changes (``len(layers)``: only the head), or None (run it whole)."""
+        if self.inputs is None:
+            return None
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+            return int(parts[1])
+        return len(self.inputs) - 1 if parts[0] in ("lm_head", "norm") else None
+
+    @torch.no_grad()
+    def _logits(self, start: Optional[int]) -> Tensor:
+        if start is None:
+            return full_logits(self.model, self.probe)
+        x = self.inputs[start]
+        for i in range(start, len(self.inputs) - 1):
+            x = run_layer(self.model, i, [x])[0]
+        return self.model.lm_head(self.model.norm(x))
 
     @torch.no_grad()
     def score(self, name: str, quantized: Quantized) -> float:
@@ -47,7 +85,7 @@ class SwapSensitivity:
         float_module = getattr(holder, child)
         setattr(holder, child, quantized(name, float_module))
         try:
-            lp = F.log_softmax(full_logits(self.model, self.probe).double(), dim=-1)
+            lp = F.log_softmax(self._logits(self._start(name)).double(), dim=-1)
         finally:
             setattr(holder, child, float_module)
         return float((self.ref.exp() * (self.ref - lp)).sum(-1).mean())

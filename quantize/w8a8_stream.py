@@ -10,7 +10,7 @@ from whole-model statistics (the same statistics, layer by layer).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
@@ -30,13 +30,14 @@ class PlanPart:
 
 
 def plan_layers(policy: nn.Module, layers: Sequence[int], hidden: List[Tensor], recipe: RecipeConfig,
-                seed: int = 0, progress: Callable[[int, str], None] = lambda *_: None) -> PlanPart:
-    """The plan of ``layers`` (and of the LM head when the model's last layer is among them) from ``hidden``, the
-    first layer's input. ``progress(layer, message)`` after each layer (-1: the head)."""
+                seed: int = 0, progress: Callable[[int, str], None] = lambda *_: None,
+                head: Optional[bool] = None) -> PlanPart:
+    """The plan of ``layers`` (and of the LM head when ``head``, by default when the model's last layer is among
+    them) from ``hidden``, the first layer's input. ``progress(layer, message)`` after each layer (-1: the head)."""
     selected = set(selected_linears(policy, recipe))
     part = PlanPart(W8A8Plan({}, {}, {}, {}, rounding=recipe.rounding, head_topk=recipe.lm_head_topk), {}, hidden)
     for index, stats, out in stream.stream_layers(policy, layers, hidden, recipe.outlier_ratio,
-                                                 recipe.rounding == "gptq", seed):
+                                                 recipe.rounding == "gptq", seed, head=head):
         groups = ({HEAD_GROUP: ["lm_head"]} if index < 0 else stream.layer_groups(policy, index))
         names = [c for cs in groups.values() for c in cs if c in selected]
         plan = build_plan(policy, stats, groups, names, smooth=recipe.smooth and index >= 0,
@@ -67,6 +68,18 @@ def _absorb(into: W8A8Plan, part: W8A8Plan) -> None:
     into.thresholds.update(part.thresholds)
     into.rot_blocks.update(part.rot_blocks)
     into.sensitivity.extend(part.sensitivity)
+
+
+def without_head(plan: W8A8Plan) -> W8A8Plan:
+    """The decoder layers' part of ``plan``: the LM head's entries (its linear and its input group) left out."""
+    head = {"lm_head", HEAD_GROUP}
+
+    def keep(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in head}
+
+    return W8A8Plan(keep(plan.scales), keep(plan.alphas), keep(plan.weights), keep(plan.thresholds),
+                    [t for t in plan.sensitivity if t[0] not in head], rounding=plan.rounding,
+                    rot_blocks=keep(plan.rot_blocks))
 
 
 def merge_plans(parts: Sequence[W8A8Plan], recipe: RecipeConfig) -> W8A8Plan:

@@ -89,13 +89,13 @@ def test_the_golden_set_is_exactly_the_size_asked_for(tmp_path):
 def test_a_golden_set_larger_than_the_prompts_allow_is_refused_with_one_line(tmp_path, bentoml_home):
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *FAST,
                   "--set", f"prompts.file={prompts_file(tmp_path / 'p.txt', 9)}", "--set", "calibration.golden=9")
-    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.returncode == 3, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: calibration.golden: 9 exceeds 8, the most") and "9 prompts" in last, last
     assert "Traceback" not in res.stderr and not (tmp_path / "b").exists()
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *FAST,
                   "--set", "calibration.golden=501")
-    assert res.returncode == 2 and "calibration.golden: 501 exceeds 500" in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 3 and "calibration.golden: 501 exceeds 500" in res.stderr, res.stderr[-2000:]
 
 
 def test_the_artifact_checks_say_which_artifact_they_measure_for_the_heartbeat():
@@ -114,3 +114,36 @@ def test_the_artifact_checks_say_which_artifact_they_measure_for_the_heartbeat()
     logits = reference_logits_of(init_random_policy(CFG, seed=0), golden).all()
     assert len(logits) == 3 and all(x.shape[0] == 2 and torch.isfinite(x).all() for x in logits)
     assert "the FP32 reference logits: 3 golden items teacher-forced" in heartbeat_line()
+
+
+def test_the_loaded_files_greedy_metrics_are_the_gates_only_where_its_logits_match_on_every_token():
+    """The exported TorchScript's greedy decode is skipped only when its teacher-forced KL equals the gated module's
+    on every token (then the decode is the same); a report that differs anywhere decodes again (negative control)."""
+    from dataclasses import replace
+
+    from policy_bundle.build.artifacts.artifact_fidelity import GREEDY_REUSED_NOTE, torchscript_fidelity
+    from policy_bundle.quantize.fidelity import GoldenItem, greedy_completions, measure_fidelity
+    from policy_bundle.quantize.hf_weights import init_random_policy
+    from policy_bundle.quantize.reference_logits import ReferenceLogits
+    from policy_bundle.quantize.fidelity import policy_logits_fn
+
+    from test_int8_embedding import CFG
+
+    fp32, other = init_random_policy(CFG, seed=0), init_random_policy(CFG, seed=1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    outs = greedy_completions(fp32, [GoldenItem(prompt="p", prompt_ids=p, completion_ids=[]) for p in prompts], 6, None)
+    golden = [GoldenItem(prompt="p", prompt_ids=p, completion_ids=o) for p, o in zip(prompts, outs)]
+    kw = dict(max_new_tokens=6, eos_token_id=None, decode=lambda ids: " ".join(map(str, ids)), reward=None)
+    ref = ReferenceLogits.compute(policy_logits_fn(fp32), golden)
+    gated = measure_fidelity(fp32, other, golden, reference_outputs=outs, reference_logits=ref, **kw)
+    assert gated.greedy_agreement is not None and gated.kl_mean > 0
+
+    reused = torchscript_fidelity(fp32, other, golden, ref, kw, gated)
+    assert GREEDY_REUSED_NOTE in reused.notes and reused.greedy_agreement == gated.greedy_agreement
+
+    fake = replace(gated, greedy_agreement=0.123456)  # the same logits: its (fake) greedy figure is taken as is
+    assert torchscript_fidelity(fp32, other, golden, ref, kw, fake).greedy_agreement == 0.123456
+    moved = replace(fake, kl_per_token=[*fake.kl_per_token[:-1], fake.kl_per_token[-1] * 1.0000001])
+    decoded = torchscript_fidelity(fp32, other, golden, ref, kw, moved)  # one token differs: decoded again
+    assert GREEDY_REUSED_NOTE not in decoded.notes and decoded.greedy_agreement == gated.greedy_agreement != 0.123456
+    assert torchscript_fidelity(fp32, other, golden, ref, kw, None).greedy_agreement == gated.greedy_agreement

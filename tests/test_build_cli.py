@@ -44,6 +44,10 @@ def test_manifest_records_versions_config_calibration_and_fidelity(small_bundle)
     assert len(cal["activation_ranges"]) == 28 and all(lo <= hi for lo, hi in cal["activation_ranges"].values())
     fid = m["fidelity"]["int8_torchscript"]
     assert fid["top1_agreement"] >= 0.95 and fid["reward_candidate"] >= 0.9
+    # the file as loaded back gave the gated module's logits on every held-out token: the gate's greedy run stands
+    assert any(n.startswith("greedy completions: the gate's") for n in fid["notes"]) and fid["greedy_agreement"] > 0.5
+    gate = json.loads((small_bundle / "canary_report.json").read_text())
+    assert fid["greedy_agreement"] == gate["metrics"]["greedy_agreement"]
 
 
 def test_torchscript_generates_in_a_fresh_process_like_eager_int8(small_bundle, tmp_path):
@@ -138,7 +142,7 @@ def test_store_refuses_an_entry_whose_file_changed(small_bundle):
 def test_bad_input_gets_one_clear_line_and_no_output(args, message, tmp_path, bentoml_home):
     out = tmp_path / "out"
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *args)
-    assert res.returncode == 2
+    assert res.returncode == 3
     assert message in res.stderr and "Traceback" not in res.stderr
     assert not out.exists() and not list(tmp_path.glob(".*partial*"))
 
@@ -148,14 +152,14 @@ def test_gpt2_directory_is_refused_by_name(tmp_path, bentoml_home):
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
     res = run_cli("build", "--out", str(tmp_path / "out"), "--set", f"policy.source={tmp_path / 'gpt2'}")
-    assert res.returncode == 2 and "architecture 'GPT2LMHeadModel' is not supported" in res.stderr
+    assert res.returncode == 3 and "architecture 'GPT2LMHeadModel' is not supported" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
 
 
 def test_existing_output_directory_needs_force(small_bundle):
     before = (small_bundle / "bundle.json").read_bytes()
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(small_bundle))
-    assert res.returncode == 2 and "already exists (use --force" in res.stderr
+    assert res.returncode == 3 and "already exists (use --force" in res.stderr
     assert (small_bundle / "bundle.json").read_bytes() == before
 
 
@@ -175,7 +179,7 @@ def test_failing_build_leaves_nothing_behind(tmp_path, bentoml_home):
     out = tmp_path / "failed"
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
                   env={"POLICY_BUNDLE_TEST_FAULT": "raise:shard=0"})
-    assert res.returncode == 2 and "shard 0" in res.stderr and "injected fault" in res.stderr
+    assert res.returncode == 3 and "shard 0" in res.stderr and "injected fault" in res.stderr
     assert not out.exists() and not list(tmp_path.glob(".*partial*"))
 
 
@@ -202,3 +206,16 @@ def test_the_cli_has_a_version_shown_defaults_and_one_bundle_argument():
     assert twice.returncode == 2 and "BUNDLE given twice" in twice.stderr
     none = run_cli("canary")
     assert none.returncode == 2 and "canary: BUNDLE is required" in none.stderr
+
+
+def test_each_kind_of_failure_has_its_own_exit_code_and_help_lists_them(tmp_path):
+    """2 usage, 3 a refused input, 4 a failed gate (tests/test_w8a8_build.py, test_canary.py), 1 unexpected: each
+    kind distinct, as ``policy-bundle --help`` documents them."""
+    helptext = " ".join(run_cli("--help").stdout.split())
+    for code in ("2 a usage error", "3 an input or state refused", "4 the accuracy gate failed", "1 an unexpected error"):
+        assert code in helptext, helptext
+    assert run_cli("build", "--no-such-flag").returncode == 2  # usage
+    refused = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "o"),
+                      "--set", "calibration.samples=0")
+    assert refused.returncode == 3 and "calibration.samples: 0 is out of range" in refused.stderr
+    assert run_cli("verify", str(tmp_path / "nowhere")).returncode == 3  # a bundle that is not there: refused

@@ -38,7 +38,7 @@ def test_force_never_deletes_what_is_not_a_bundle(kind, tmp_path, bentoml_home):
     keep = not_a_bundle(kind, out)
     before = keep.read_bytes()
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), "--force", *FAST)
-    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.returncode == 3, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --out:") and "not a bundle" in lines[0], res.stderr
     assert keep.read_bytes() == before and not list(tmp_path.glob(".*partial*"))
@@ -116,7 +116,7 @@ def test_a_killed_builds_partial_dir_is_removed_and_a_running_ones_kept(built_wi
 
 def test_registration_happens_once_the_bundle_is_in_place_and_its_failure_leaves_it_whole(built_with_a_broken_store):
     res, out, _, _ = built_with_a_broken_store
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 3 and "Traceback" not in res.stderr, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: register.bentoml: the bundle at") and "is complete" in last, last
     check = run_cli("verify", str(out))

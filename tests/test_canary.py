@@ -54,7 +54,7 @@ def test_broken_layer_fails_the_gate_and_is_named_most_sensitive(tmp_path, refer
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST,
                   "--set", "canary.max_fp_layers=0",
                   env={"POLICY_BUNDLE_TEST_FAULT": "scale:layer=layers.0.mlp.down_proj:factor=50"})
-    assert res.returncode == 2 and "accuracy gate failed" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 4 and "accuracy gate failed" in res.stderr and "Traceback" not in res.stderr
     assert "most sensitive layer: layers.0.mlp.down_proj" in res.stderr
     assert not out.exists()
     report = json.loads((tmp_path / "broken.canary-rejected" / "canary_report.json").read_text())
@@ -89,7 +89,7 @@ def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones
     out = tmp_path / "strict"
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST,
                   "--set", f"canary.max_kl_mean={plain * 0.5}", "--set", "canary.max_fp_layers=4")
-    assert res.returncode == 2 and "Traceback" not in res.stderr and not out.exists(), res.stderr[-2000:]
+    assert res.returncode == 4 and "Traceback" not in res.stderr and not out.exists(), res.stderr[-2000:]
     found = re.search(r"passes on the search prompts but fails on the held-out gate prompts: .* \((\d+) layer\(s\) in "
                       r"float\)$", res.stderr, re.M)
     assert found and 0 < int(found[1]) < 4, res.stderr[-3000:]  # the search's count, below the budget
@@ -113,7 +113,7 @@ def test_canary_cli_exit_status_follows_the_verdict(small_bundle):
     ok = run_cli("canary", str(small_bundle))  # BUNDLE positional, as every subcommand takes it
     assert ok.returncode == 0 and "verdict: PASS" in ok.stdout and "| kl_mean |" in ok.stdout
     strict = run_cli("canary", "--bundle", str(small_bundle), "--set", "canary.max_kl_mean=1e-9")
-    assert strict.returncode == 1 and "verdict: FAIL (kl_mean" in strict.stdout
+    assert strict.returncode == 4 and "verdict: FAIL (kl_mean" in strict.stdout
 
 
 def crafted_bundle(root, reference_dir, artifact: str):
@@ -145,7 +145,7 @@ def test_canary_cli_loads_only_an_artifact_the_manifest_lists_inside_the_bundle(
                                                                                  reference_dir):
     bundle = crafted_bundle(tmp_path, reference_dir, artifact)
     res = run_cli("canary", "--bundle", str(bundle))
-    assert res.returncode == 2 and res.stdout == "", res.stdout + res.stderr[-2000:]
+    assert res.returncode == 3 and res.stdout == "", res.stdout + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: artifacts.int8_torchscript:") and message in lines[0], \
         res.stderr[-2000:]
@@ -167,7 +167,7 @@ def test_the_held_out_greedy_confirmation_completes_the_teacher_forced_report_as
 
     cfg, golden = resolve_defaults(load_config(None)), read_golden_jsonl(small_bundle / "golden.jsonl")[:12]
     kw = fidelity_kwargs(cfg, load_tokenizer(reference_dir))
-    whole, logits_only = gate_measures(load_policy(reference_dir), golden, kw)
+    whole, logits_only, _ = gate_measures(load_policy(reference_dir), golden, kw)
     int8 = load_torchscript(small_bundle / "int8" / "policy.ts")
     first = logits_only(int8)
     assert first.greedy_agreement is None and LOGITS_ONLY_NOTE in first.notes

@@ -113,7 +113,7 @@ def test_containerize_without_podman_is_one_line(tmp_path):
     empty.mkdir()
     res = subprocess.run([*CLI, "containerize"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PATH": str(empty), "BENTOML_HOME": str(tmp_path)})
-    assert res.returncode == 2
+    assert res.returncode == 3
     assert res.stderr.strip().splitlines() == [res.stderr.strip()]
     assert res.stderr.startswith("error: podman: not found on PATH") and "apt-get install -y podman" in res.stderr
 
@@ -121,7 +121,7 @@ def test_containerize_without_podman_is_one_line(tmp_path):
 @needs_podman
 def test_containerize_an_unknown_bento_is_one_line(home):
     res, _ = containerize(home, "--bento", "policy-bundle:nosuchversion")
-    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.returncode == 3, res.stderr[-3000:]
     assert res.stderr.strip().splitlines()[-1] == ("error: --bento: policy-bundle:nosuchversion is not in the "
                                                    f"BentoML store (BENTOML_HOME={home})")
 

@@ -89,9 +89,9 @@ def test_int16_and_int12_rows_candidates_reuse_the_float_rows_plan(monkeypatch):
     from policy_bundle.quantize.w8a8_plan import W8A8Plan
 
     made = []
-    monkeypatch.setattr(w8a8_statistics, "stream_plan", lambda *a: made.append(a) or (W8A8Plan({}, {}, {}, {}), None))
+    monkeypatch.setattr(w8a8_statistics, "stream_plan", lambda *a: made.append(a) or (W8A8Plan({}, {}, {}, {}), None, None))
     models = cal.CalibratedModels.__new__(cal.CalibratedModels)
-    models.plans, models.stats = {}, {}
+    models.plans, models.stats, models.layer_plans = {}, {}, {}
     models.mesh = models.policy = models.batches = None
     float_rows = models.plan(RecipeConfig(scheme="smooth-w8a8", vocab_rows="float32"))
     int16 = models.plan(RecipeConfig(scheme="smooth-w8a8", vocab_rows="int16"))

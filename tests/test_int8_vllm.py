@@ -40,7 +40,7 @@ def test_the_int8_store_entry_holds_the_w8a8_dir_verified(small_bundle):
 def test_int8_vllm_true_without_vllm_is_one_line_before_any_work(tmp_path):
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *SMALL,
                   "--set", "export.int8_vllm=true", env={"POLICY_BUNDLE_DISABLE_VLLM": "1"}, timeout=120)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.returncode == 3 and "Traceback" not in res.stderr
     assert "export.int8_vllm: true, but vLLM is not installed here" in res.stderr
     assert not (tmp_path / "b").exists()
 
@@ -112,7 +112,7 @@ def test_a_build_that_fails_stops_the_vllm_process_it_started(tmp_path, bentoml_
     try:
         assert _wait_until(lambda: _golden_processes(marker), build), "the build started no vLLM process"
         _, err = build.communicate(timeout=600)
-        assert build.returncode == 2 and "injected fault" in err
+        assert build.returncode == 3 and "injected fault" in err
         assert _gone_within(marker, 5), "a vllm_golden process outlived its failed build"
         assert not list(marker.glob("vllm-golden-*")), "its work folder was left behind"
     finally:

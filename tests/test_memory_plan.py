@@ -1,6 +1,6 @@
 """The memory plan counts what each process holds: a float32 source is mapped once (its pages shared by every process
 that maps it), a 16-bit source is widened to float32 in the controller and in every actor that loads the whole
-model (for rollouts and the sensitivity ranking), so its actors are planned at a float32 copy each."""
+model (for rollouts), so its actors are planned at a float32 copy each."""
 
 import pytest
 

@@ -104,7 +104,7 @@ def test_negative_control_static_without_fallback_fails_the_same_gate(smollm2_so
     cfg = default_config(tmp_path / "c.yaml", smollm2_source, auto_candidates="[static]")
     res = run_cli("build", "--config", cfg, "--out", str(tmp_path / "static"), "--set", "canary.max_fp_layers=0",
                   timeout=3600)
-    assert res.returncode == 2 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 4 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
 
 
 @pytest.mark.real_lm

@@ -107,7 +107,7 @@ def test_a_build_that_cannot_fit_is_refused_before_it_starts_in_one_line(policy_
         res = build_in(cgroup, write_config(tmp_path / "c.yaml", policy_0_3b), tmp_path / "bundle")
     finally:
         cgroup.rmdir()
-    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    assert res.returncode == 3, (res.returncode, res.stderr[-3000:])
     last = res.stderr.strip().splitlines()[-1]
     assert "memory: this build would need about" in last and "cgroup" in last, last
     assert "Traceback" not in res.stderr

@@ -38,6 +38,40 @@ def test_a_broken_linear_ranks_first_and_an_exact_copy_scores_zero(reference_dir
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items())  # float modules back in place
 
 
+def test_scores_from_each_layers_cached_input_equal_whole_forward_scores(reference_dir):
+    """A linear of layer i is scored from the probe's float input of layer i: the reference logits are bitwise the
+    whole forward's, and every w8a8 linear's score equals the one a whole forward per linear gives."""
+    import torch.nn.functional as F
+
+    from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan
+    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.w8a8_plan import unsmoothed_swap
+
+    policy = load_policy(reference_dir)
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, policy.embed_tokens.num_embeddings, (8, 24), generator=g)]
+    recipe = recipes.RecipeConfig(scheme="w8a8", rounding="nearest", skip=("embed_tokens",))
+    plan = make_plan(policy, collect_stats(None, policy, batches, recipe), recipe)
+    probe = sensitivity_probe(batches)
+    cached = SwapSensitivity(policy, probe)
+    assert cached.inputs is not None and len(cached.inputs) == len(policy.layers) + 1
+    with torch.no_grad():
+        assert torch.equal(cached.ref, F.log_softmax(full_logits(policy, probe).double(), dim=-1))
+
+    class Whole(SwapSensitivity):
+        def _start(self, name):
+            return None
+
+    whole = Whole(policy, probe)
+    swap = unsmoothed_swap(policy, plan)
+    names = recipes.selected_linears(policy, recipe)
+    assert "lm_head" in names and any(n.startswith("layers.0.") for n in names)
+    for name in names:
+        a, b = cached.score(name, swap), whole.score(name, swap)
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-15), name
+        assert a > 0, name  # every int8 linear moves the logits a little: the cached path is not a no-op
+
+
 def test_the_float_module_is_restored_when_a_swapped_forward_fails(reference_dir):
     policy = load_policy(reference_dir)
     scorer = SwapSensitivity(policy, probe_of(policy))

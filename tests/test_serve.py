@@ -500,14 +500,14 @@ def test_the_rollout_cli_operates_the_served_rollout(good):
     res = run_cli("rollout", "resume", env=env)
     assert res.returncode == 0 and "status:  held" in res.stdout, res.stderr
     res = run_cli("rollout", "resume", env=env)  # not paused: refused by the router, one line
-    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+    assert res.returncode == 3 and res.stderr.strip().splitlines() == [
         "error: 400: action: resume needs a paused rollout (it is held)"], res.stderr
     res = run_cli("rollout", "history", "--limit", "3", env=env)
     assert res.returncode == 0 and "set-weight" in res.stdout and "(3 of" in res.stdout, res.stderr
     status = run_cli("rollout", "status", env=env)
     assert status.returncode == 0 and "state version:" in status.stdout
     refused = run_cli("rollout", "status", env={**env, "POLICY_BUNDLE_ADMIN_TOKEN": "wrong"})
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+    assert refused.returncode == 3 and refused.stderr.strip().splitlines() == [
         "error: 403: admin token is not valid"], refused.stderr
     gone = run_cli("rollout", "status", "--url", "http://127.0.0.1:9", env=env)
     assert gone.returncode == 1 and "no answer" in gone.stderr and "Traceback" not in gone.stderr

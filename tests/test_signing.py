@@ -40,12 +40,12 @@ def test_keygen_sign_and_verify_through_the_cli(small_bundle, tmp_path):
     res = run_cli("keygen", "--out", str(key))
     assert res.returncode == 0 and key.is_file() and (tmp_path / "build.key.pub").is_file(), res.stderr
     assert oct(key.stat().st_mode & 0o777) == "0o600"
-    assert run_cli("keygen", "--out", str(key)).returncode == 2  # never overwritten
+    assert run_cli("keygen", "--out", str(key)).returncode == 3  # never overwritten
     bundle = tmp_path / "bundle"
     shutil.copytree(small_bundle, bundle)
     (bundle / "bundle.json.sig").unlink(missing_ok=True)
     unsigned = run_cli("verify", str(bundle), "--key", str(tmp_path / "build.key.pub"))
-    assert unsigned.returncode == 2 and "unsigned" in unsigned.stderr and "Traceback" not in unsigned.stderr
+    assert unsigned.returncode == 3 and "unsigned" in unsigned.stderr and "Traceback" not in unsigned.stderr
     assert run_cli("sign", str(bundle), "--key", str(key)).returncode == 0
     ok = run_cli("verify", str(bundle), "--key", str(tmp_path / "build.key.pub"))
     assert ok.returncode == 0 and "signed by trusted key" in ok.stdout, ok.stderr

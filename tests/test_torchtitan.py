@@ -138,7 +138,7 @@ def test_stock_debugmodel_checkpoints_convert_to_torchtitans_logits(model, tmp_p
 
 
 def one_line_error(res, message: str) -> None:
-    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.returncode == 3, res.stderr[-2000:]
     assert message in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
 
 

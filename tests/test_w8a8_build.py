@@ -27,16 +27,34 @@ def test_smooth_w8a8_build_over_the_mesh_ships_per_token_int8_and_says_what_onnx
                         for m in int8)
 
 
+def test_candidates_differing_in_the_head_share_one_layer_stream_and_one_ranking(tmp_path, bentoml_home):
+    """The shipped pair (int8 head with a float embedding; float head) plans the decoder layers once and ranks them once:
+    the second candidate plans its head alone and reuses the ranking. Both fail a KL-0 gate, so both are searched."""
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "pair"), *SMALL,
+                  "--set", "recipe.scheme=auto", "--set",
+                  'recipe.auto_candidates=["smooth-w8a8 skip=[embed_tokens]", smooth-w8a8]',
+                  "--set", "canary.max_kl_mean=0", "--set", "canary.max_fp_layers=3", "--set", "calibration.procs=0")
+    err = res.stderr
+    assert res.returncode == 4 and "accuracy gate failed" in err, err[-3000:]
+    assert err.count("[w8a8] plan: ") == 2 and "the decoder layers' plan of an earlier candidate reused" in err
+    assert err.count("[w8a8] layers quantized, head:") == 1  # one stream: the second candidate planned its head alone
+    assert err.count("[canary] sensitivity: linears done") == 1
+    assert "smooth-w8a8: the sensitivity ranking of an earlier candidate with the same int8 linears reused" in err
+    report = json.loads((tmp_path / "pair.canary-rejected" / "canary_report.json").read_text())
+    assert [c["verdict"] for c in report["candidates"]] == ["fail", "fail"]
+
+
 def test_auto_rejects_candidates_that_cannot_pass_within_the_fallback_budget(tmp_path, bentoml_home):
     """KL 0 needs every linear in float; with one fewer allowed, the w8a8 candidate is measured with
-    nothing and with its whole budget in float, then rejected by name (its ranking spread over the
-    mesh); the torch.ao one walks its ranking to the budget and fails."""
+    nothing and with its whole budget in float, then rejected by name (ranked in the controller, which holds the
+    float model, while the mesh calibrates); the torch.ao one walks its ranking to the budget and fails."""
     out = tmp_path / "auto"
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
                   "--set", "recipe.scheme=auto", "--set", 'recipe.auto_candidates=["w8a8 rounding=nearest", static]',
                   "--set", "canary.max_kl_mean=0", "--set", "canary.max_fp_layers=27", "--set", "calibration.procs=2")
-    assert res.returncode == 2 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
-    assert "[mesh] sensitivity: shards 2/2 done, 28 linears" in res.stderr
+    assert res.returncode == 4 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
+    assert "[canary] sensitivity: linears done" in res.stderr and "(28/28," in res.stderr
+    assert "[mesh] sensitivity" not in res.stderr  # no actor maps the whole model to rank
     report = json.loads((tmp_path / "auto.canary-rejected" / "canary_report.json").read_text())
     cands = {c["candidate"]: c for c in report["candidates"]}
     assert set(cands) == {"w8a8 rounding=nearest", "static"}
@@ -66,6 +84,6 @@ def test_auto_gates_no_second_w8a8_candidate_once_one_passes_but_does_while_none
     res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "none"), *SMALL,
                   "--set", "recipe.scheme=auto", "--set", f"recipe.auto_candidates={entries}",
                   "--set", "calibration.procs=0", "--set", "canary.max_kl_mean=0", "--set", "canary.max_fp_layers=0")
-    assert res.returncode == 2 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 4 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
     report = json.loads((tmp_path / "none.canary-rejected" / "canary_report.json").read_text())
     assert [c["verdict"] for c in report["candidates"]] == ["fail", "fail", "fail"]

@@ -106,7 +106,7 @@ def test_a_broken_checkpoint_is_a_recorded_failed_check_and_another_bundles_stat
     weights = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(weights[: len(weights) // 3])
     res = watch_once(root, ckpts, rebuilt)  # the deployed (rebuilt) bundle continues the same state
-    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.returncode == 3, res.stderr[-3000:]
     assert "step 3000: check failed (" in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
     state = json.loads(state_file.read_text())
     assert state["checks"][-1]["decision"] == "check failed" and state["checks"][-1]["step"] == 3000
@@ -120,11 +120,11 @@ def test_a_broken_checkpoint_is_a_recorded_failed_check_and_another_bundles_stat
     shutil.copytree(bundle, other)
     kept = state_file.read_text()
     res = watch_once(root, ckpts, other)
-    assert res.returncode == 2 and "--bundle: " in res.stderr and "follows" in res.stderr, res.stderr
+    assert res.returncode == 3 and "--bundle: " in res.stderr and "follows" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and state_file.read_text() == kept
     state_file.write_text("{not json")
     res = watch_once(root, ckpts, rebuilt)
-    assert res.returncode == 2 and "not a watch state file" in res.stderr and "--reset" in res.stderr, res.stderr
+    assert res.returncode == 3 and "not a watch state file" in res.stderr and "--reset" in res.stderr, res.stderr
 
     # --keep 1: the next rebuild removes the bundle the monitor built before it, from disk and from the model store
     state_file.write_text(kept)
@@ -146,19 +146,19 @@ def test_a_broken_checkpoint_is_a_recorded_failed_check_and_another_bundles_stat
 def test_bad_watch_options_fail_with_one_line(deployed, args, message):
     root, ckpts, bundle = deployed
     res = watch_once(root, ckpts, bundle, *args)
-    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 3 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_missing_checkpoint_dir_and_tampered_bundle_fail_with_one_line(deployed, tmp_path):
     root, ckpts, bundle = deployed
     res = watch_once(root, tmp_path / "nowhere", bundle)
-    assert res.returncode == 2 and "--checkpoints:" in res.stderr and "is not a directory" in res.stderr
+    assert res.returncode == 3 and "--checkpoints:" in res.stderr and "is not a directory" in res.stderr
     tampered = tmp_path / "tampered"
     shutil.copytree(bundle, tampered)
     (tampered / "golden.jsonl").write_text("{}\n")
     res = watch_once(tmp_path, ckpts, tampered)
-    assert res.returncode == 2 and "golden.jsonl" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 3 and "golden.jsonl" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 ODD_INDEX = 17  # where the out-of-distribution record sits in the calibration jsonl

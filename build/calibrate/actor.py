@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from monarch.actor import Actor, current_rank, endpoint
@@ -18,7 +18,7 @@ from policy_bundle.bundle.faults import Fault
 from policy_bundle.quantize import observers, recipes
 
 class CalibrationActor(Actor):
-    """Maps the policy's weights when an endpoint needs the whole model (rollouts, observers, sensitivity) and lets
+    """Maps the policy's weights when an endpoint needs the whole model (rollouts, observers) and lets
     go of them on ``release``; the w8a8 pipeline maps only its share of the layers. All endpoints are sync (Monarch
     refuses mixed actors)."""
 
@@ -28,7 +28,6 @@ class CalibrationActor(Actor):
         self._plans: Dict[str, Any] = {}  # a share's plan in progress (``plan_share``), by the controller's key
         self.fault: Optional[Fault] = None
         self.generation = 0
-        self.probe_scorer: Optional[Tuple[str, Any]] = None  # (ranking token, SwapSensitivity)
 
     @endpoint
     def setup(self, rank: int, policy_dir: str, max_seq_len: int, recipe: Dict[str, Any], threads: int,
@@ -64,7 +63,7 @@ class CalibrationActor(Actor):
     @endpoint
     def release(self) -> bool:
         """Let go of the whole model and everything made from it: its pages leave this process."""
-        self._policy = self._prepared = self.probe_scorer = self._layers = None
+        self._policy = self._prepared = self._layers = None
         self._plans = {}
         _return_freed_memory()
         return True
@@ -94,7 +93,8 @@ class CalibrationActor(Actor):
         """The w8a8 plan of ``layers[:upto]`` of a share (``quantize.w8a8_stream.plan_layers``), from the share's input
         ``hidden``, continuing where this actor's last call on the share (``key``) stopped; an actor that has not seen
         the share (a re-run after a crash) starts it from its input. Returns the layers done, and with the last
-        (plan, statistics kept): the share's output is the next share's input, which the controller already has."""
+        (plan, statistics kept, the share's output): the last share's output is the head's input, kept by the
+        controller to plan another candidate's head without streaming the layers again."""
         from policy_bundle.quantize.w8a8_stream import PlanPart, absorb_part, plan_layers
 
         state = self._plans.get(key)
@@ -112,7 +112,7 @@ class CalibrationActor(Actor):
             return upto, None
         done = self._plans.pop(key)["part"]
         self._layers = None
-        return upto, (done.plan, done.stats)
+        return upto, (done.plan, done.stats, done.hidden)
 
     def _maybe_fail(self, shard: int, done: int) -> None:
         f = self.fault
@@ -181,21 +181,6 @@ class CalibrationActor(Actor):
 
         self._maybe_fail(shard, 0)
         return collect_group_stats(self.policy, batches, thresholds, hessians=hessians, seed=shard)
-
-    @endpoint
-    def sensitivity(self, shard: int, token: str, plan, names: List[str], probe: Tensor) -> List[Tuple[str, float]]:
-        """w8a8 fallback ranking for the named linears: probe KL with each one alone in int8. ``plan``
-        holds only their int8 weights; the smoothed float model and its probe logits are kept per ``token``
-        (one per ranking), so later shards of the same ranking skip them."""
-        from policy_bundle.quantize.sensitivity import SwapSensitivity
-        from policy_bundle.quantize.w8a8_plan import unsmoothed_swap
-
-        self._maybe_fail(shard, 0)
-        if self.probe_scorer is None or self.probe_scorer[0] != token:
-            self.probe_scorer = None  # free the previous ranking's reference first
-            self.probe_scorer = (token, SwapSensitivity(self.policy, probe))
-        scorer, swap = self.probe_scorer[1], unsmoothed_swap(self.policy, plan)
-        return [(name, scorer.score(name, swap)) for name in names]
 
 
 def _return_freed_memory() -> None:

@@ -39,6 +39,8 @@ class CalibratedModels:
         self.cache: dict = {}
         self.stats: dict = {}  # w8a8: the statistics kept of each plan's calibration, per plan key
         self.plans: dict = {}  # w8a8: plan per (smooth, rounding, ...)
+        self.layer_plans: dict = {}  # w8a8: layer_key -> (the plan key that streamed them, the last layer's output)
+        self.rankings: dict = {}  # w8a8: the fallback's sensitivity ranking per (layer_key, linears ranked)
 
     def linear_stats(self, recipe: recipes.RecipeConfig):
         """The statistics kept of the recipe's calibration (thresholds, channel maxima, outlier rows; no Hessians)."""
@@ -46,14 +48,21 @@ class CalibratedModels:
         return self.stats[plan_key(replace(recipe, vocab_rows="float32"))]
 
     def plan(self, recipe: recipes.RecipeConfig):
-        from policy_bundle.build.calibrate.w8a8_statistics import rows_flags, stream_plan
+        from policy_bundle.build.calibrate.w8a8_statistics import replan_head, rows_flags, stream_plan
 
         # the rows' format changes no statistic, threshold or weight but the head's (int12 rounds it to nearest when it
         # converts: GPTQ's head weight is then unused)
         twin = replace(recipe, vocab_rows="float32")
         key, base = plan_key(recipe), plan_key(twin)
         if base not in self.plans:
-            self.plans[base], self.stats[base] = stream_plan(self.mesh, self.policy, self.batches, twin)
+            layers = layer_key(twin)
+            if layers in self.layer_plans:  # another candidate streamed the same decoder layers: plan its head alone
+                donor, last = self.layer_plans[layers]
+                self.plans[base], self.stats[base] = replan_head(self.policy, self.plans[donor], self.stats[donor],
+                                                                 last, twin)
+            else:
+                self.plans[base], self.stats[base], last = stream_plan(self.mesh, self.policy, self.batches, twin)
+                self.layer_plans[layers] = (base, last)
         if key not in self.plans:
             int16_rows, int12_rows = rows_flags(recipe)
             self.plans[key] = replace(self.plans[base], int16_rows=int16_rows, int12_rows=int12_rows)
@@ -93,3 +102,17 @@ class CalibratedModels:
 def plan_key(recipe: recipes.RecipeConfig) -> tuple:
     return (recipe.smooth, recipe.rounding, recipe.outlier_ratio, recipe.smooth_alphas, recipe.gptq_damp,
             recipe.skip, recipe.overrides, recipe.lm_head_topk, recipe.rotation_block, recipe.vocab_rows)
+
+
+HEAD_NAMES = ("embed_tokens", "lm_head")
+
+
+def layer_key(recipe: recipes.RecipeConfig) -> tuple:
+    """What decides a w8a8 plan's decoder layers: ``plan_key`` less what only the head and the embedding read (those
+    two named in ``skip`` or ``fp32_layers``, the head's top-k, the vocabulary rows). The default candidates
+    ``smooth-w8a8 skip=[embed_tokens]`` and ``smooth-w8a8`` differ in the head alone: one layer stream serves both."""
+    def layer_names(names: tuple) -> tuple:
+        return tuple(n for n in names if n not in HEAD_NAMES)
+
+    return plan_key(replace(recipe, skip=layer_names(recipe.skip), fp32_layers=layer_names(recipe.fp32_layers),
+                            lm_head_topk=0, vocab_rows="float32"))

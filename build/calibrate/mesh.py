@@ -260,7 +260,7 @@ def mesh_plan_layers(mesh: CalibrationMesh, shares: Sequence[Sequence[int]], hid
     plan). Then every share is planned at once, one layer per share per round (``plan_share``), so the actors work
     side by side and the build reports layers done, a rate and an ETA each round. A share whose actor dies is re-run
     from its input on the next live (or a respawned) actor. Every actor drops its whole-model copy (mapped for
-    rollouts) first. Returns (plan, statistics kept) per share."""
+    rollouts) first. Returns (plan, statistics kept, output) per share."""
     release_models(mesh)
     inputs = [hidden]
     for k, layers in enumerate(shares[:-1]):

@@ -7,7 +7,6 @@ each chunk before asking for the next.
 
 from __future__ import annotations
 
-import uuid
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from torch import Tensor, nn
@@ -16,11 +15,9 @@ from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import linear_stats as ls
 from policy_bundle.quantize.recipe_types import typed
 from policy_bundle.quantize.recipes import RecipeConfig, kept_float, selected_linears
-from policy_bundle.quantize.sensitivity import rank_by_sensitivity
 from policy_bundle.quantize.w8a8_plan import W8A8Plan, build_plan, plan_sensitivity
 
 LAYERS_PER_CALL = 4  # Hessians of 4 SmolLM2-135M layers are ~110 MB per shard
-LINEARS_PER_SENSITIVITY_CALL = 15  # a progress line per shard (SmolLM2-135M: 14 shards, ~5 s each)
 
 
 def _layer_of(group: str, n_layers: int) -> int:
@@ -52,10 +49,11 @@ def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: Re
 
 
 def stream_plan(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: RecipeConfig
-                ) -> Tuple[W8A8Plan, ls.LinearStats]:
-    """The recipe's plan and the statistics a build keeps, one decoder layer at a time (``quantize.w8a8_stream``):
-    in this process, or as a pipeline over the mesh's actors, each holding only its share of the layers and passing
-    its output to the next. Progress: a line per layer at most every 20 s with the rate and an ETA."""
+                ) -> Tuple[W8A8Plan, ls.LinearStats, List[Tensor]]:
+    """The recipe's plan, the statistics a build keeps and the last layer's float output (the head's input), one
+    decoder layer at a time (``quantize.w8a8_stream``): in this process, or as a pipeline over the mesh's actors, each
+    holding only its share of the layers and passing its output to the next. Progress: a line per layer at most
+    every 20 s with the rate and an ETA."""
     from policy_bundle.quantize.layer_stream import embed_batches
     from policy_bundle.quantize.w8a8_stream import layer_shares, merge_plans, plan_layers
 
@@ -68,18 +66,34 @@ def stream_plan(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: Reci
             tick(done, n + 1, f"[w8a8] layers quantized, {'head' if index < 0 else f'layer {index}'}: {msg}")
 
         part = plan_layers(policy, range(n), hidden, recipe, progress=progress)
-        plan, stats = merge_plans([part.plan], recipe), part.stats
+        plan, stats, last = merge_plans([part.plan], recipe), part.stats, part.hidden
     else:
         from policy_bundle.build.calibrate.mesh import mesh_plan_layers
 
         parts = mesh_plan_layers(mesh, layer_shares(n, len([w for w in mesh.workers if w.alive])), hidden, recipe)
         plan, stats = merge_plans([p[0] for p in parts], recipe), {k: v for p in parts for k, v in p[1].items()}
+        last = parts[-1][2]
     log(f"[w8a8] plan: {len(plan.weights)} linears, {recipe.rounding} rounding, one layer at a time"
         + (f" over {len(mesh.workers)} mesh actors" if mesh is not None else "")
         + (", smoothing alpha searched per group" if recipe.smooth else "")
         + (f", inputs Hadamard-rotated in blocks up to {recipe.rotation_block}" if recipe.rotation_block else "")
         + (", token embedding in int8" if plan.int8_embedding else ""))
-    return plan, stats
+    return plan, stats, last
+
+
+def replan_head(policy: nn.Module, plan: W8A8Plan, stats: ls.LinearStats, last: List[Tensor], recipe: RecipeConfig
+                ) -> Tuple[W8A8Plan, ls.LinearStats]:
+    """``recipe``'s plan from another candidate's (``plan``, ``stats``) whose decoder layers ``recipe`` plans the same
+    way (``calibrated.layer_key``): its layers' entries kept, the head planned again from ``last`` (the last layer's
+    float output), as ``stream_plan`` would plan it. Seconds instead of streaming every layer again."""
+    from policy_bundle.quantize.w8a8_stream import merge_plans, plan_layers, without_head
+
+    head = plan_layers(policy, [], last, recipe, head=True)
+    kept = {k: v for k, v in stats.items() if k != ls.HEAD_GROUP}
+    merged = merge_plans([without_head(plan), head.plan], recipe)
+    log(f"[w8a8] plan: {len(merged.weights)} linears, the decoder layers' plan of an earlier candidate reused, the "
+        f"head planned again ({'int8' if 'lm_head' in merged.weights else 'float'})")
+    return merged, {**kept, **head.stats}
 
 
 def rows_flags(recipe: RecipeConfig) -> Tuple[bool, bool]:
@@ -109,28 +123,18 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
     return plan
 
 
-def rank_sensitivity(mesh, policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
+def rank_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
                      status: Callable[[str], str] = lambda s: s) -> List[Tuple[str, float]]:
-    """Every linear's probe KL alone in int8 (``quantize.sensitivity``), most sensitive first.
+    """Every linear's probe KL alone in int8 (``quantize.sensitivity``), most sensitive first, in this process: the
+    controller holds the float model anyway, and each linear runs only from its own layer up (the probe's layer
+    inputs are computed once), so no mesh actor maps the whole model for it. A progress line at most every 20 s."""
+    tick = Throttled()
 
-    On the mesh, the linears are split into shards of ``LINEARS_PER_SENSITIVITY_CALL`` spread over the
-    actors (each loads the policy from its path; a shard's message carries the plan with only its
-    linears' int8 weights); the ranking equals the in-process one.
-    """
-    if mesh is None:
-        tick = Throttled()
+    def progress(done: int, total: int, worst: str, kl: float) -> None:
+        set_status(status(f"sensitivity {done}/{total} linears, most sensitive so far {worst} (KL {kl:.3g})"))
+        tick(done, total, f"[canary] sensitivity: linears done, most sensitive so far {worst} (KL {kl:.3g})")
 
-        def progress(done: int, total: int, worst: str, kl: float) -> None:
-            set_status(status(f"sensitivity {done}/{total} linears, most sensitive so far {worst} (KL {kl:.3g})"))
-            tick(done, total, f"[canary] sensitivity: linears done, most sensitive so far {worst} (KL {kl:.3g})")
-
-        return plan_sensitivity(policy, plan, names, probe, progress=progress)
-    chunks = [list(names[i:i + LINEARS_PER_SENSITIVITY_CALL]) for i in range(0, len(names), LINEARS_PER_SENSITIVITY_CALL)]
-    token = uuid.uuid4().hex
-    set_status(status(f"sensitivity of {len(names)} linears in {len(chunks)} shards on {len(mesh.workers)} mesh actors"))
-    parts = mesh.run_shards("sensitivity", [(token, plan.subset(c), c, probe) for c in chunks],
-                            [len(c) for c in chunks], "linears")
-    return rank_by_sensitivity([s for part in parts for s in part])
+    return plan_sensitivity(policy, plan, names, probe, progress=progress)
 
 
 def stats_summary(stats: ls.LinearStats) -> Dict[str, dict]:

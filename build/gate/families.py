@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 
-from policy_bundle.build.calibrate.calibrated import CalibratedModels, plan_key
+from policy_bundle.build.calibrate.calibrated import CalibratedModels, layer_key, plan_key
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.gate.canary_report import CanaryOutcome
 from policy_bundle.build.gate.fallback import gate_torch_ao, gate_w8a8
-from policy_bundle.build.progress import set_status
+from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import observers, recipes
 from policy_bundle.quantize.recipe_types import TorchAoRecipe, W8A8Recipe, family_of
 from policy_bundle.quantize.fidelity import GateVerdict
@@ -92,8 +92,19 @@ class W8A8Family:
         # it and the embedding back in float (its score is of the float-row head: an approximation for the ranking;
         # every verdict converts the real thing).
         ranked = [n for n in names if not (n == "lm_head" and plan.head_topk > 0 and not plan.int8_embedding)]
-        rank = lambda: rank_sensitivity(calibrated.mesh, policy, plan, ranked,  # noqa: E731
-                                        sensitivity_probe(calibrated.batches), status)
+        # the same int8 modules for every linear ranked: the ranking of an earlier candidate with the same decoder
+        # layers (``layer_key``) holds, unless the head is ranked (its module depends on the head's settings)
+        key = (layer_key(recipe) if "lm_head" not in ranked else plan_key(recipe), tuple(ranked))
+
+        def rank() -> List[Tuple[str, float]]:
+            if key in calibrated.rankings:
+                log(f"[canary] {name}: the sensitivity ranking of an earlier candidate with the same int8 linears "
+                    "reused")
+            else:
+                calibrated.rankings[key] = rank_sensitivity(policy, plan, ranked, sensitivity_probe(calibrated.batches),
+                                                            status)
+            return calibrated.rankings[key]
+
         return gate_w8a8(policy, plan, names, rank, cfg.canary.gate, cfg.canary.max_fp_layers, measure,
                          measure_logits, name, status, confirm)
 

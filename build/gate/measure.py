@@ -24,17 +24,17 @@ def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
 
 
 def gate_measures(policy: Policy, golden: List[GoldenItem], kw: dict, dir: Optional[Path] = None
-                  ) -> Tuple[Callable, Callable]:
+                  ) -> Tuple[Callable, Callable, ReferenceLogits]:
     """The gate's two measurements of a model on ``golden``: the whole gate (teacher-forced metrics, greedy
-    generation, reward) and the teacher-forced metrics alone; the FP32 outputs and logits are computed once (the
-    logits kept in a file in ``dir``, ``ReferenceLogits``)."""
+    generation, reward) and the teacher-forced metrics alone; and the FP32 reference logits they share, computed once
+    (kept in a file in ``dir``, ``ReferenceLogits``: the exported artifacts are measured against them too)."""
     ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
     ref_logits = ReferenceLogits.compute(policy_logits_fn(policy), golden, dir)  # once for every gate attempt
     whole = lambda m: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs,  # noqa: E731
                                        reference_logits=ref_logits, **kw)
     logits_only = lambda m: measure_fidelity(policy, m, golden, generate=False,  # noqa: E731
                                              reference_logits=ref_logits, **kw)
-    return whole, logits_only
+    return whole, logits_only, ref_logits
 
 
 def greedy_completion(golden: List[GoldenItem], kw: dict) -> Callable[[object, FidelityReport], FidelityReport]:

@@ -23,6 +23,7 @@ from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import script_int8
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
 from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.reference_logits import ReferenceLogits
 from policy_bundle.quantize.script_runner import ScriptRunner
 
 
@@ -55,6 +56,8 @@ class ChosenRecipe:
     trials: List[dict]
     plan: Any  # the w8a8 quantization plan, None for torch.ao recipes
     golden_split: dict = field(default_factory=dict)  # sizes of the search and held-out gate parts
+    # the FP32 teacher-forced logits of the held-out gate items: the exported artifacts are measured against them
+    gate_reference: Optional[ReferenceLogits] = None
 
 
 def decode_speed(int8, prompt_len: int = 8, new_tokens: int = 16, repeats: int = 3, warmup: int = 3) -> float:
@@ -95,8 +98,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     real LM for a speed within noise). The float-layer search measures
     on ``golden.search``; a candidate it passes is then judged on ``golden.gate`` alone."""
     kw = fidelity_kwargs(cfg, tok)
-    measure, logits_only = gate_measures(policy, golden.search, kw, tmp)
-    _, judge_logits = gate_measures(policy, golden.gate, kw, tmp)
+    measure, logits_only, _ = gate_measures(policy, golden.search, kw, tmp)
+    _, judge_logits, gate_reference = gate_measures(policy, golden.gate, kw, tmp)
     judge_greedy = greedy_completion(golden.gate, kw)
     trials: List[Trial] = []
     summary: List[dict] = []  # every candidate in order, gated or not
@@ -148,7 +151,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
                                                            "winner_candidate": winner.name, "why": why,
                                                            "golden_split": golden.summary()})
     recipe = replace(winner.recipe, fp32_layers=winner.recipe.fp32_layers + tuple(winner.outcome.fp32_layers))
-    return ChosenRecipe(recipe, winner.outcome, summary, handler(recipe).plan(calibrated, recipe), golden.summary())
+    return ChosenRecipe(recipe, winner.outcome, summary, handler(recipe).plan(calibrated, recipe), golden.summary(),
+                        gate_reference)
 
 
 def not_gated(name: str, recipe: recipes.RecipeConfig, why: str) -> dict:

@@ -70,7 +70,7 @@ def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:
     # float32 logits of a batch, a double copy of both sides' log-softmax (vLLM's check: its own and the reference's)
     gate = TEACHER_FORCED_TOKENS * pc.vocab_size * (4 + 2 * 8)
     if procs:
-        # Every actor maps the whole model for the rollouts and the sensitivity ranking: a float32 source's pages are
+        # Every actor maps the whole model for the rollouts: a float32 source's pages are
         # the page cache's, shared with the controller's map; a 16-bit source is widened to float32 in each actor.
         whole = weights if source < 0.75 * weights else 0
         share = -(-pc.n_layers // procs)

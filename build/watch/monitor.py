@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from policy_bundle.build.config.build_config import BuildConfig, config_from_dict
-from policy_bundle.build.errors import (BuildError, CanaryGateError, ConfigError, OutputNotReplaceableError,
+from policy_bundle.build.errors import (EXIT_OK, EXIT_REFUSED, BuildError, CanaryGateError, ConfigError, OutputNotReplaceableError,
                                         UnsupportedPolicyError)
 from policy_bundle.build.source.memory_plan import BuildMemoryError
 from policy_bundle.build.gate.families import handler
@@ -238,7 +238,7 @@ def compare_and_rebuild(opts: WatchOptions, state: WatchState, step: int, checkp
 
 
 def watch(opts: WatchOptions) -> int:
-    """Run the monitor; with ``once``, one pass (exit 1 when a triggered build failed)."""
+    """Run the monitor; with ``once``, one pass (exit 3 when the check or a triggered build failed)."""
     opts.validate()
     verify_bundle(opts.bundle)
     state = WatchState(opts, step_of)
@@ -254,7 +254,7 @@ def watch(opts: WatchOptions) -> int:
             if result.get("new_bundle") and opts.keep:
                 prune(state, opts.keep)
             if opts.once:
-                return 1 if result["decision"].startswith((BUILD_FAILED, CHECK_FAILED)) else 0
+                return EXIT_REFUSED if result["decision"].startswith((BUILD_FAILED, CHECK_FAILED)) else EXIT_OK
             if "failures" not in result or GIVEN_UP in result["decision"]:
                 continue
             wait = min(MAX_BACKOFF_S, opts.poll_s * 2 ** (result["failures"] - 1))
