@@ -85,7 +85,7 @@ class CalibrationSection:
     # 40 calibration prompts (up to 100). The task: N gate items + N for the search; a file: at most 20 to search
     golden: Optional[int] = ranged(None, 2, 100_000)
     procs: int = ranged(2, 0, 256)  # calibration actors per host on the Monarch mesh; 0 = in this process, no mesh
-    hosts: int = ranged(0, 0, 4096)  # >0: a host mesh of this many hosts from ``launcher`` (see README)
+    hosts: int = ranged(0, 0, 4096)  # >0: a host mesh of this many hosts from ``launcher`` (docs/mesh.md)
     launcher: str = "process"  # "process" (local ProcessJob) or the path of a saved Monarch job
     timeout_s: float = ranged(600.0, 1.0, 86_400.0)
     # report samples whose activation range is this many std above the rest; 0 = off
