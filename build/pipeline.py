@@ -257,7 +257,7 @@ def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, ca
 def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: ChosenRecipe, calibrated: CalibratedModels,
                  rollouts: Rollouts, tmp: Path, int8_vllm: Int8Vllm) -> None:
     """int8-vllm/ first, handed to the vLLM process the build started (``Int8Vllm.prestart``), which runs while the
-    rest is exported and read back (the reference build: 57 s -> 40 s, fresh clone, 2 cores, 2026-12-03)."""
+    rest is exported and read back (the reference build: 57 s -> 40 s, fresh clone, 2 cores)."""
     policy, policy_dir, recipe, out = loaded.policy, loaded.policy_dir, chosen.recipe, BundleLayout(tmp)
     with stages.run("export INT8 (TorchScript, ONNX, W8A8 for vLLM) + FP16 HF") as s:
         if not int8_vllm.skipped:

@@ -61,7 +61,7 @@ def onnx_decode_tps(sess, prompt_len: int, new_tokens: int, vocab: int, repeats:
 @torch.no_grad()
 def batch_decode_tps(module, rows: int, prompt_len: int, new_tokens: int, vocab: int, repeats: int) -> float:
     """Tokens/s of ``rows`` sequences decoding in the served engine's ``SlotBatch``: prompts prefilled into slots one by
-    one, untimed (one 32-row prefill until 2026-12-05), then ``decode_batch`` steps, timed; median after a warm-up."""
+    one, untimed, then ``decode_batch`` steps, timed; median after a warm-up."""
     prompts = torch.randint(3, vocab, (rows, prompt_len), generator=torch.Generator().manual_seed(3)).tolist()
 
     def run() -> float:

@@ -53,7 +53,7 @@ def drill_crash(run: DrillRun, home: Path, seconds: float) -> None:
             # BentoML's watcher restarts a dead worker within seconds: look while it is down. /status shows
             # what the router's probe loop last saw (a killed worker's probe times out after health_timeout_s).
             # A worker back before a health probe's timeout (3 s) is never seen down: its port stays open (the arbiter
-            # holds it), so probes and requests just wait (a 2026-12-05 CI run: back in 3 s, no fail-over). So each
+            # holds it), so probes and requests just wait (a CI run: back in 3 s, no fail-over). So each
             # restarted worker is killed too until the router reports the variant down.
             degraded = []
             async with httpx.AsyncClient(timeout=10) as client:

@@ -10,7 +10,7 @@ converter keeps them. ``llama-cpp-python`` is not in the default install (a sour
     .venv/bin/uv pip install --python .venv/bin/python llama-cpp-python==0.3.36
 
 On a CPU with AMX (Sapphire Rapids and later) that build puts Q8_0 weights in its AMX buffer, whose kernels crash
-(SIGSEGV) on any batch of 8 tokens or more (seen 2026-12-05 with 1 and 2 threads; one token at a time runs, at
+(SIGSEGV) on any batch of 8 tokens or more (seen with 1 and 2 threads; one token at a time runs, at
 about 1.6x the speed without that buffer). There the decode is fed its prompt one token at a time, and the prefill and
 the teacher-forced fidelity run with llama.cpp's extra buffer types off (``use_extra_bufts``: its plain CPU
 kernels, the same Q8_0 arithmetic).

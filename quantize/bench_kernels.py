@@ -12,7 +12,7 @@ times, in one process, one after the other, and prints the median microseconds a
   what torch.ao's ``dynamic`` recipe ships): one activation scale per call, so per-token only at one row;
 - ``fbgemm-norm``: per-token scales on fbgemm at any row count: each row mapped onto [0, 1] by its own range
   (exactly 0 and 1 there), so fbgemm's one scale per call is 1/255 for every row, then rescaled and offset back
-  with the weight's row sums (tried as ``Int8TokenLinear``'s kernel on 2026-12-03: docs/recipes.md);
+  with the weight's row sums (tried as ``Int8TokenLinear``'s kernel: docs/recipes.md);
 - ``fbgemm-dyn/row``: the same kernel called once per row (per-token scales at any row count).
 
 Also each one's relative error against fp32 on the same inputs (activations with a few large channels, as

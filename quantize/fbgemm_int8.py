@@ -130,9 +130,9 @@ def fbgemm_saturates() -> bool:
     with VNNI, as on this project's machines, the sums are exact int32): a probe of 16 x 256 weights of 127 against
     codes of 255, whose exact sums (8290560) fit a float. Where it saturates, every weight takes the exact path at
     one row and at more (``FbgemmWeight.exact_one_row``): its kept ``torch._int_mm`` copy, or fbgemm's GEMM over the
-    codes split by sign (``Int8TokenLinear.rows``). Until 2026-12-05 only kept weights did: the rest saturated, alike
-    at one row and at more, and SmolLM2-135M's shipped policy scored held-out top-1 0.9362 (KL 0.0194, greedy 0.05)
-    under fbgemm's AVX2 kernels where the build machine's VNNI gave 0.9856."""
+    codes split by sign (``Int8TokenLinear.rows``). With only kept weights on the exact path, the rest saturated and
+    SmolLM2-135M's policy scored held-out top-1 0.9362 (KL 0.0194, greedy 0.05) under fbgemm's AVX2 kernels where a
+    VNNI machine gave 0.9856."""
     packed = pack_int8(torch.full([16, 256], 127, dtype=torch.int8), torch.ones(16))
     y = torch.ops.quantized.linear_dynamic(torch.full([1, 256], 255.0), packed, False)
     return bool((y != 8290560.0).any())

@@ -10,8 +10,8 @@ SmolLM2-135M's four shapes); one row takes its matrix-vector kernel. So a decode
 ``rows_per_call`` and a lone row goes in twice (the first result kept): every row is summed as it is alone.
 ``rows_per_call`` is probed on the CPU that runs the policy (``stable_rows_per_call``: where the weight is built and
 again where it is loaded), at the decode's one intra-op thread (at more threads a call's rows may be split differently:
-the served engine decodes at one, as the gate does); a CPU whose calls of 2 rows already differ keeps one call per row,
-as every policy did until 2026-12-05. A chunk whose rows are not 64-byte aligned (a width not a multiple of 16 floats)
+the served engine decodes at one, as the gate does); a CPU whose calls of 2 rows already differ keeps one call per
+row. A chunk whose rows are not 64-byte aligned (a width not a multiple of 16 floats)
 goes in as a fresh copy, as the probe's rows do. SmolLM2-135M's three float ``down_proj``s at 16 rows: 16 one-row
 calls were 15 % of a decode step's time (py-spy); in chunks the 16-row step took 56.4 ms against 64.8.
 """

@@ -101,19 +101,18 @@ def load_torchscript(path: Path, data: Optional[bytes] = None) -> ScriptRunner:
 
 
 class InexactInt8Error(RuntimeError):
-    """An INT8 policy whose int8 sums would saturate on this CPU (exported before 2026-12-05)."""
+    """An INT8 policy whose int8 sums would saturate on this CPU (exported without the exact path for every weight)."""
 
 
 def require_exact_sums(module: torch.jit.ScriptModule, path: Path) -> None:
     """Refuse an INT8 policy that would compute wrong sums here. On a CPU whose fbgemm saturates (AVX2 without VNNI:
-    ``fbgemm_saturates``), every int8 weight must take the exact path (``FbgemmWeight.exact_one_row``); a policy
-    exported before 2026-12-05 carries code that sends most weights through fbgemm's saturating kernel (SmolLM2-135M:
-    held-out top-1 0.9362 instead of 0.9856)."""
+    ``fbgemm_saturates``), every int8 weight must take the exact path (``FbgemmWeight.exact_one_row``); an older policy
+    sends most weights through fbgemm's saturating kernel (SmolLM2-135M: held-out top-1 0.9362 instead of 0.9856)."""
     if not fbgemm_saturates():
         return
     for sub in module.modules():
-        # a file from before 2026-12-04 has no exact_one_row at all: its weights saturate here too
+        # an older file has no exact_one_row at all: its weights saturate here too
         if sub.original_name == "FbgemmWeight" and not getattr(sub, "exact_one_row", False):
             raise InexactInt8Error(f"{path}: this INT8 policy was exported before exact int8 sums on CPUs without "
-                                   "VNNI (2026-12-05); fbgemm saturates on this CPU and its answers would be wrong: "
+                                   "VNNI; fbgemm saturates on this CPU and its answers would be wrong: "
                                    "rebuild the bundle")

@@ -144,7 +144,7 @@ class SlotBatch(Generic[R]):
         """Write the prompt tokens ``ids`` at positions ``start..`` of the next free slot (its positions
         ``0..start-1`` hold the prompt's earlier tokens); returns the logits after its last token [V]: the
         module's ``next_logits`` (the LM head on that row alone), or the last row of its ``forward`` where it has
-        none (a policy exported before 2026-12-04)."""
+        none (a policy exported without ``next_logits``)."""
         slot, end = len(self.rows), start + len(ids)
         if slot >= self.capacity:
             raise ValueError(f"no free slot: {slot} rows fill the cache's {self.capacity} slots (grow it first)")
@@ -158,7 +158,7 @@ class SlotBatch(Generic[R]):
 
     def attended(self, needed: int) -> int:
         """The cache positions a step attends over: ``needed`` rounded up to a multiple of 32 within the cache
-        (``blocks.attention_len``, which an artifact exported since 2026-12-05 applies itself): a row's answer is then
+        (``blocks.attention_len``, which a current artifact applies itself too): a row's answer is then
         the same alone, beside rows at other positions, and in the build's greedy decode."""
         return attention_len(needed, self.k.shape[3])
 
@@ -169,8 +169,8 @@ class SlotBatch(Generic[R]):
         self.filling = self._queued.pop(0) if self._queued else 0
 
     def can_fuse(self) -> bool:
-        """Whether the module runs a step and prompt chunks in one forward (``step_and_prefill``; artifacts exported
-        since 2026-12-05)."""
+        """Whether the module runs a step and prompt chunks in one forward (``step_and_prefill``; older artifacts lack
+        it)."""
         return hasattr(self.module, "step_and_prefill")
 
     def step_and_prefill(self, tokens: Sequence[int], chunks: Sequence[Tuple[Sequence[int], int]]) -> Tuple[Tensor, Tensor]:

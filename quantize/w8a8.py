@@ -26,9 +26,8 @@ path too, with the codes split by sign so no pair overflows (``rows``): the same
 The packed weight is the only copy of the int8 weight in RAM. fbgemm's GEMM returns each sum times the channel's
 scale; where that cannot be divided back exactly (``sums_recoverable``: SmolLM2-135M's ``down_proj``s) the weight is
 packed with unit scales and its own applied after the kernel, at one row and at more alike (``unit_scales``); only a
-weight whose plain sums could pass 2^24 (none on SmolLM2-135M) keeps an ``[out, in]`` copy for ``torch._int_mm``.
-Until 2026-12-03 every weight had that second copy (134 MB on SmolLM2-135M), until 2026-12-04 the ``down_proj``s
-(26.5 MB).
+weight whose plain sums could pass 2^24 (none on SmolLM2-135M) keeps an ``[out, in]`` copy for ``torch._int_mm``
+(that copy of every weight would be 134 MB on SmolLM2-135M).
 
 Rows whose max |x| exceeds a threshold calibrated per layer (the sink) are split: their ``outlier_channels``
 largest channels are multiplied in float against those few weight columns (dequantized from int8: fbgemm over

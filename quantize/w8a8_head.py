@@ -30,7 +30,7 @@ from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
 def quantize_rows_int16(weight: Tensor) -> Tuple[Tensor, Tensor]:
     """Symmetric int16 per row of a float [rows, dim] matrix: (int16 [rows, dim], float scales [rows]). Each element
     is within about amax / 65534 of its row's float value: on SmolLM2-135M's embedding the FP32 policy with only its
-    embedding in int16 matched FP32 on 1279 of 1280 greedy tokens (docs/recipes.md, 2026-12-04)."""
+    embedding in int16 matched FP32 on 1279 of 1280 greedy tokens (docs/recipes.md)."""
     return quantize_weight(weight.detach().float(), 32767, torch.int16, 1e-12)
 
 
@@ -118,12 +118,9 @@ class Int8RescoredHead(nn.Module):
 
     A row's logits are the same bitwise alone or in any batch (fbgemm's two entry points give the same integers; the rescoring is a per-row product and sum), so batched greedy decoding equals unbatched.
     Many rows (a decode batch, a teacher-forced batch) go ``row_chunk`` (32) at a time into the output: the float
-    temporaries over the vocabulary stay 32 rows' (SmolLM2-135M: 6 MB each; 512 rows at once made 100 MB each). Until
-    2026-12-05 the chunk was 16 rows, and a served step of 16 decoding rows and two newcomers' prompts read the 28 MB
-    head twice (16 + 2 rows); its int32 temporaries are gone since (``Int8TokenLinear.rows``' float epilogue), and the
-    INT8 process's peak in ``bench_int8`` (32 rows decoding) was 614 MB with 32-row chunks (one run). At 64 rows a
-    time it was 25 MB higher than at 16 in the sixth session (medians of four runs, 629 vs 604 MB), for no measurable
-    speed.
+    temporaries over the vocabulary stay 32 rows' (SmolLM2-135M: 6 MB each; 512 rows at once made 100 MB each). With
+    16-row chunks a served step of 16 decoding rows and two newcomers' prompts read the 28 MB head twice (16 + 2 rows);
+    at 64 rows the INT8 process's peak rose by about 25 MB for no measurable speed.
     """
 
     def __init__(self, int8: Int8TokenLinear, float_weight: Tensor, topk: int, rows16: Optional[Tensor] = None,

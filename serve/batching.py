@@ -11,7 +11,7 @@ slots ``0..n-1`` and a step runs on a view of the cache, never on a copy. Sampli
 tokens and logprobs stay per request (``pick_token`` with the request's own generator; a step's greedy rows
 together, each as alone: ``greedy_picks``), so a greedy request gets the tokens it gets alone.
 
-Where the artifact has ``step_and_prefill`` (exported since 2026-12-05) newcomers' prompt chunks go into the step's
+Where the artifact has ``step_and_prefill`` newcomers' prompt chunks go into the step's
 own forward, every row's logits bitwise as apart (SmolLM2-135M INT8, 1 thread: 16 rows plus two 6-token prompts took
 96 ms in one forward, 68 + 2 x 37 ms apart).
 

@@ -101,9 +101,9 @@ def pick_token(logits: Tensor, params: SamplingParams, gen: Optional[torch.Gener
 
 def greedy_steps(logits: Tensor) -> List[Step]:
     """The greedy token of each row of ``logits`` [R, ..., V] and its logprob (the logit less the row's logsumexp, in
-    float), every row at once and each the same floats as alone (reductions per row; tested). Until 2026-12-05 a
-    row's whole log-softmax in double, one row at a time: 5 % of a served INT8 lane's time at 32 clients (SmolLM2-135M,
-    49152 logits); the same token (a log-softmax is monotone), its logprob within a float's rounding (1e-5 tested)."""
+    float), every row at once and each the same floats as alone (reductions per row; tested). A row's whole
+    log-softmax in double, one row at a time, took 5 % of a served INT8 lane's time at 32 clients (SmolLM2-135M, 49152
+    logits) for the same token (a log-softmax is monotone) and its logprob within a float's rounding (1e-5 tested)."""
     flat = logits.reshape(logits.shape[0], -1)
     tokens = flat.argmax(dim=-1)
     values = flat.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(flat, dim=-1)
@@ -126,7 +126,7 @@ def last_position_logits(module, batch: List[List[int]]) -> List[List[float]]:
     """Last-position logits for equal-length sequences (the batchable forward): the module's ``next_logits``, the LM
     head on the last position only, over whole attention blocks as a generation's prefill attends (a full forward
     put a [B, T, vocab] float tensor through the head first: SmolLM2-135M at 32 x 2048, 12.9 GB), or the last row of
-    its full forward where it has none (an artifact exported before 2026-12-04)."""
+    its full forward where it has none (an artifact exported without ``next_logits``)."""
     tokens = torch.tensor(batch)
     with torch.inference_mode():
         if not hasattr(module, "next_logits"):

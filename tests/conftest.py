@@ -12,7 +12,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Three workers on 2 cores: each worker and every process it starts (a build, a server's workers, vLLM)
     # computes on one thread. With torch's default (one thread per core in every process) two builds side by
     # side took 149 s where one alone took 27 s (OpenMP threads spinning against each other); on one thread
-    # each, the pair took 27 s (measured 2026-12-01, reference policy, SMALL build).
+    # each, the pair took 27 s (reference policy, SMALL build).
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
 

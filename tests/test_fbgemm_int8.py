@@ -19,7 +19,7 @@ def rows_alone_and_together(m, x):
 def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch):
     """A batch-1 decode step (fbgemm's dynamic linear) and the same row inside a prefill or a decode batch (fbgemm's
     GEMM over our own quantization) give the same floats: a request's tokens do not depend on what else the engine
-    is running. 4000 rows: the quantization as it was written until 2026-12-03 (``x / scale + zp``, two roundings
+    is running. 4000 rows: the quantization written as ``x / scale + zp`` (two roundings
     where fbgemm's fused multiply-add has one) gave another code in about 1 row of 3000, and fails here."""
     g = torch.Generator().manual_seed(1)
     lin = torch.nn.Linear(*shape, bias=bias)
@@ -238,7 +238,7 @@ except InexactInt8Error as exc:
 
 
 def test_a_policy_exported_before_exact_sums_is_refused_where_fbgemm_saturates(tmp_path):
-    """A file carries its own TorchScript code: one exported before 2026-12-05 sends most weights through fbgemm's
+    """A file carries its own TorchScript code: one exported before exact sums sends most weights through fbgemm's
     saturating kernel on a CPU without VNNI. Such a file (made here by editing the saved code back) is refused there
     with a message naming the fix, and loads where fbgemm does not saturate (this machine)."""
     import os

@@ -134,7 +134,7 @@ def test_int12_rows_read_by_table_are_the_unpacked_floats_bitwise():
         packed = residual.index_select(0, ids).to(torch.int32)
         res = torch.stack([torch.bitwise_right_shift(packed, 4), torch.bitwise_and(packed, 15)], dim=-1)
         res = res.view(300, 2 * packed.shape[1])[:, :dim].float()
-        unpacked = q.index_select(0, ids).float() + (res - 7.0) / 15.0  # the formula before 2026-12-05
+        unpacked = q.index_select(0, ids).float() + (res - 7.0) / 15.0  # unpacked by hand: the reference
         assert torch.equal(int12_rows(q, residual, ids), unpacked)
     every = torch.arange(256, dtype=torch.uint8).view(128, 2)  # every byte value once
     assert torch.equal(int12_rows(torch.zeros(128, 4, dtype=torch.int8), every, torch.arange(128)).flatten(),

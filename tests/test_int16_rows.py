@@ -60,7 +60,7 @@ def test_a_tied_policy_holds_one_int16_vocabulary_for_its_embedding_and_its_resc
 
 
 def test_the_recipe_field_defaults_to_int12_takes_float32_or_int16_and_refuses_the_rest_by_name():
-    assert RecipeConfig(scheme="smooth-w8a8").vocab_rows == "int12"  # the default since 2026-12-05, fifth session
+    assert RecipeConfig(scheme="smooth-w8a8").vocab_rows == "int12"  # the default
     for rows in ("float32", "int16", "int12"):
         assert RecipeConfig(scheme="smooth-w8a8", vocab_rows=rows).vocab_rows == rows
     with pytest.raises(RecipeError, match="recipe.vocab_rows"):

@@ -2,13 +2,8 @@
 
 A config that sets the model path, ``recipe.scheme: auto`` and the shipped gate, and nothing else: the default
 candidates, calibration (each non-golden prompt of the shipped general set once), golden items (100 x 32 tokens:
-20 for the float-layer search, 80 held out for the gate, since 2026-12-05; 20 and 20 before) and float-layer
-budget (8). On 2026-12-05 (fourth session) it passed in 8 min 47 s with 1 linear in float, held-out top-1 0.9816,
-KL 0.0021, greedy 0.50 (2506 tokens); in the fifth session (int12 vocabulary rows, an AVX-512 machine) in 10 min
-58 s with 3, top-1 0.9816, KL 0.0019, greedy 0.5625. Measured on 2026-12-02
-(2 cores): the held-out gate passed with 8 linears in float, top-1 0.9809, KL mean 0.0018, greedy 0.55 (627
-tokens); 16 min 54 s wall. On 2026-12-03, with w8a8 not gated once smooth-w8a8 passes: the same result in
-11 min 3 s.
+20 for the float-layer search, 80 held out for the gate) and float-layer budget (8). Its figures (time, float
+layers, held-out top-1, KL and greedy) are in docs/benchmarks.md.
 
 The negative control, torch.ao ``static`` with no fallback on the same model and gate, must fail it.
 Not in the default run: the builds take about 14 min alone on 2 cores. Run them with
@@ -68,7 +63,7 @@ def test_auto_with_the_defaults_passes_the_shipped_gate_on_held_out_prompts_with
     assert ts["top1_agreement"] >= GATE["min_top1_agreement"] and ts["kl_mean"] <= GATE["max_kl_mean"], ts
     assert ts["greedy_agreement"] >= GATE["min_greedy_agreement"], ts
     # the vocabulary in int12 by default: the head's int8 rows and their 4-bit residuals, no float copy of the 49152 x
-    # 576 rows (113 MB in float32) in the file; 0.297x the FP32 weights with 3 float linears (2026-12-05, fifth session)
+    # 576 rows (113 MB in float32) in the file; 0.297x the FP32 weights with 3 float linears
     assert m["recipe"]["vocab_rows"] == "int12"
     ts_file = (out / "int8" / "policy.ts").stat().st_size
     fp32_bytes = 134_515_008 * 4  # SmolLM2-135M's parameters, tied embedding once
@@ -111,9 +106,9 @@ def test_negative_control_static_without_fallback_fails_the_same_gate(smollm2_so
 def test_the_served_decode_is_what_the_gate_measured(smollm2_bundle):
     """The gate's greedy agreement is the service's: the bundle's held-out golden prompts decoded in slot batches of 8
     (as the INT8 engine serves them, rows at other positions beside each other) give each prompt the continuation it
-    gets alone, and the share matching FP32's is the manifest's figure. Before 2026-12-05 attention's sums depended on
-    the cache length handed to it: 9 of 20 continuations changed in a batch, and a 16-item served golden run scored
-    6 of 16 against the gate's 0.55. The old views (exactly the positions needed) are the negative control."""
+    gets alone, and the share matching FP32's is the manifest's figure. With attention over exactly the positions
+    needed, its sums depended on the cache length handed to it: 9 of 20 continuations changed in a batch, and a
+    16-item served golden run scored 6 of 16 against the gate's 0.55. Those views are the negative control."""
     import policy_bundle.quantize.slots as slots
     from policy_bundle.bundle.info import read_golden_jsonl
     from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, greedy_generate_batch, threads
@@ -131,7 +126,7 @@ def test_the_served_decode_is_what_the_gate_measured(smollm2_bundle):
         agree = sum(a == it.completion_ids for a, it in zip(alone, items)) / len(items)
         assert agree == m["fidelity"]["int8_torchscript"]["greedy_agreement"]
         exact = slots.SlotBatch.attended
-        slots.SlotBatch.attended = lambda self, needed: needed  # the views before 2026-12-05
+        slots.SlotBatch.attended = lambda self, needed: needed  # exactly the positions needed: the negative control
         try:
             assert greedy_generate_batch(ts, prompts, new, eos, 8) != alone
         finally:

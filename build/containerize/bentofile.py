@@ -9,7 +9,7 @@ torch from PyTorch's CPU index). For the local image it gains, in a generated co
 - ``--excludes`` for torchvision/torchaudio/torchcodec, the packages ``setup.sh`` never installs (PyPI's builds
   break ``import vllm`` beside torch 2.13.0+cpu), and for triton: xgrammar (a vLLM dependency) asks for it on
   x86-64 Linux, yet nothing on a CPU runs it (vLLM's FP16 and compressed-tensors W8A8 engines gave the same greedy
-  text with triton blocked, 2026-12-02), and it was 1.0 GB of the image's 3.5 GB of packages. BentoML copies ``python.wheels`` files into
+  text with triton blocked), and it was 1.0 GB of the image's 3.5 GB of packages. BentoML copies ``python.wheels`` files into
   ``env/python/wheels/`` and installs only ``*.whl`` from there, so the excludes list travels beside the wheel.
 """
 
