@@ -1,6 +1,6 @@
 """The build: FP32 policy -> calibrated INT8 (TorchScript + ONNX) + FP16 HF dir, manifest, model store.
 
-Stages follow ../shared/DESIGN.md, one function each, and each stage's code lives in one sub-package:
+The stages of docs/architecture.md, one function each, and each stage's code lives in one sub-package:
 load (source/), rollouts, prepare and calibrate (calibrate/), convert + accuracy canary (gate/), export,
 fidelity, manifest and register (artifacts/); the build config is config/. Everything is written into a
 partial directory next to the output, renamed into place at the very end (artifacts/output_dir.py), then
