@@ -60,17 +60,35 @@ class KvBudget:
     def __init__(self, limit: int):
         self.limit = int(limit)
         self._held: dict = {}
+        self._waiting: dict = {}  # lane -> when the request it asks for (its first in line) arrived
         self._lock = threading.Lock()
 
-    def hold(self, lane: str, nbytes: int) -> bool:
+    def hold(self, lane: str, nbytes: int, since: Optional[float] = None) -> bool:
         """Hold ``nbytes`` for ``lane`` (in place of what it held): False, and nothing changed, when that is more than
-        it held and the lanes' total would pass the limit."""
+        it held and either the lanes' total would pass the limit or, first come first served across lanes, another
+        lane waits for a request that arrived before ``since`` (when this one arrived; None: no request asks). A lane
+        refused for a request waits for it from then on, until it holds it or ``withdraw``s."""
         with self._lock:
-            others = sum(v for k, v in self._held.items() if k != lane)
-            if nbytes > self._held.get(lane, 0) and others + nbytes > self.limit:
-                return False
+            if nbytes > self._held.get(lane, 0):
+                others = sum(v for k, v in self._held.items() if k != lane)
+                earlier = since is not None and any(t < since for k, t in self._waiting.items() if k != lane)
+                if earlier or others + nbytes > self.limit:
+                    if since is not None:
+                        self._waiting[lane] = since
+                    return False
+            if since is not None:
+                self._waiting.pop(lane, None)
             self._held[lane] = nbytes
             return True
+
+    def withdraw(self, lane: str) -> None:
+        """``lane`` waits for nothing any more (its request was refused, cancelled or needs no more memory)."""
+        with self._lock:
+            self._waiting.pop(lane, None)
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
 
     def held(self) -> int:
         with self._lock:
@@ -128,6 +146,8 @@ class BatchedEngine:
         self.waits: Deque[float] = deque(maxlen=256)  # recent requests' seconds from arrival to their first chunk
         self._filling: Optional[_Request] = None  # a newcomer whose prompt is part-way into slot len(slots)
         self._chunked: List[_Request] = []  # newcomers whose chunks are in the forward now running (failed with it)
+        self._waits_for_kv = False  # this step left the lane's first request waiting for KV memory
+        self._settled_for: Optional[List[_Request]] = None  # the admitted requests the last ``_settle`` accounted for
         self.fused = self.slots.can_fuse()
         self.fused_chunks = 0  # prompt chunks that went into a step's own forward
         self.peak_batch = 0
@@ -218,6 +238,15 @@ class BatchedEngine:
         16 at a time: 2 of them). Such a prompt waits a step instead."""
         taken: List[Tuple[_Request, int, int]] = []
         budget, idle = self.prefill_chunk, not len(self.slots)
+        self._waits_for_kv = False
+        try:
+            return self._take_chunks(taken, budget, idle)
+        finally:
+            if self.kv is not None and not self._waits_for_kv:
+                self.kv.withdraw(self.name)  # no request of this lane waits for KV memory (any more)
+
+    def _take_chunks(self, taken: List[Tuple[_Request, int, int]], budget: int, idle: bool
+                     ) -> List[Tuple[_Request, int, int]]:
         while budget > 0 and len(self.slots) + len(taken) < self.max_batch:
             r = self._filling
             self._filling = None
@@ -232,6 +261,7 @@ class BatchedEngine:
             if fits is None:  # refused (it waited kv_wait_s)
                 continue
             if not fits:  # first in line for KV memory: the ones behind it wait too (no long prompt starves)
+                self._waits_for_kv = True
                 with self._cv:
                     self._pending.appendleft(r)
                 break
@@ -351,14 +381,15 @@ class BatchedEngine:
             return True
         with_it = self._admitted() + [t[0] for t in taken] + [r]
         longest = max(q.total for q in with_it)
-        held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest))
+        held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest), r.queued_at)
         if not held and self.slots.capacity > self.slots.slots_for(len(with_it)):  # give back the slack, then retry
             self.slots.trim(0, 0, slack=1)  # (never below the slots and positions in use: ``trim``)
-            held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest))
+            held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest), r.queued_at)
         if held:
             self.slots.ceiling = self.slots.positions_for(longest)  # the cache grows no further than what is held
             return True
         if time.monotonic() - r.queued_at >= self.kv_wait_s:
+            self.kv.withdraw(self.name)
             self.kv_refused += 1
             r.cancelled = True
             r.emit(CapacityError(f"kv_cache: no KV memory came free for this request in {self.kv_wait_s:g}s "
@@ -374,6 +405,10 @@ class BatchedEngine:
         if self.kv is None:
             return
         admitted = self._admitted()
+        last = self._settled_for
+        if last is not None and len(last) == len(admitted) and all(a is b for a, b in zip(last, admitted)):
+            return  # no row left or joined since the last settle: nothing to give back
+        self._settled_for = list(admitted)
         longest = max((q.total for q in admitted), default=0)
         self.slots.ceiling = self.slots.positions_for(longest)
         needed = max([p + 1 for p in self.slots.pos] + ([self.slots.filling] if self._filling is not None else [0]))

@@ -155,3 +155,41 @@ def test_giving_back_slack_never_drops_a_part_prefilled_prompt(policy):
     whole.grow(1)
     whole.prefill(long[:300])
     assert torch.equal(rest, whole.prefill(long[300:], 300))
+
+
+def test_lanes_share_the_budget_first_come_first_served():
+    """A lane that waits for KV memory for a request keeps the others from growing for newer ones until it holds it:
+    a long request is not starved by a stream of small newcomers on other lanes. An older request still goes (the
+    order is by arrival), shrinking is always allowed, and a lane that stops waiting lets the others grow again."""
+    b = KvBudget(100)
+    assert b.hold("a", 60, since=1.0)
+    assert not b.hold("b", 60, since=2.0) and b.waiting() == 1  # does not fit: lane b waits from now on
+    assert not b.hold("a", 70, since=3.0)  # a newer request on lane a may not overtake lane b's
+    assert b.hold("a", 70, since=1.5)  # an older one may (it fits): first come, first served
+    assert b.hold("a", 30)  # giving back memory is never refused
+    assert b.hold("b", 60, since=2.0) and b.waiting() == 0  # lane b's request now fits and holds
+    assert b.hold("a", 40, since=4.0)  # nobody waits: lane a grows again
+    assert not b.hold("c", 20, since=5.0) and b.waiting() == 1
+    b.withdraw("c")  # its request was refused or cancelled
+    assert b.hold("a", 40, since=6.0) and b.held() == 100
+
+
+def test_a_lane_whose_waiting_request_gives_up_stops_blocking_the_others(policy):
+    """The lane's request waits past kv_wait_s and gets its 429: the lane withdraws, and another lane's newcomer is
+    admitted at once instead of waiting behind a request that is gone."""
+    budget = KvBudget(footprint(policy, 1, 512))
+    first = BatchedEngine(policy, CFG.max_seq_len, "kv-a", kv=budget, kv_wait_s=0.3)
+    second = BatchedEngine(policy, CFG.max_seq_len, "kv-b", kv=budget, kv_wait_s=5.0)
+    first.delay_s = second.delay_s = 0.004
+
+    async def run():
+        long = asyncio.ensure_future(tokens(first, prompt(10, 0), 300))  # holds the whole budget for about 1.2 s
+        await asyncio.sleep(0.1)
+        with pytest.raises(CapacityError):  # lane a's second request waits 0.3 s, then gives up
+            await tokens(first, prompt(10, 1), 300)
+        assert budget.waiting() == 0
+        out = await tokens(second, prompt(10, 2), 8)  # waits only for the memory the long one holds
+        return await long, out
+    done, out = asyncio.run(run())
+    assert len(done) == 300 and len(out) == 8
+    assert settled(first)["kv_held_bytes"] == 0 and settled(second)["kv_held_bytes"] == 0
