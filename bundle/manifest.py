@@ -64,8 +64,9 @@ def safe_relpath(rel: str) -> str:
     return rel
 
 
-def verify_file(root: Path, rel: str, entry: object) -> Path:
-    """The file at ``rel`` under ``root`` after checking its size and sha256 against its manifest ``entry``."""
+def verify_file(root: Path, rel: str, entry: object, hash_it: bool = True) -> Path:
+    """The file at ``rel`` under ``root`` after checking its size and sha256 (unless not ``hash_it``: its reader
+    hashes it) against its manifest ``entry``."""
     if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
         raise BundleVerificationError(f"{rel}: manifest entry has no size/sha256")
     path = Path(root) / rel
@@ -73,7 +74,7 @@ def verify_file(root: Path, rel: str, entry: object) -> Path:
         raise BundleVerificationError(f"{rel}: missing from the bundle")
     if path.stat().st_size != entry["size"]:
         raise BundleVerificationError(f"{rel}: size {path.stat().st_size} != manifest {entry['size']}")
-    if sha256_file(path) != entry["sha256"]:
+    if hash_it and sha256_file(path) != entry["sha256"]:
         raise BundleVerificationError(f"{rel}: sha256 differs from the manifest (file was modified)")
     return path
 
@@ -99,9 +100,12 @@ def verified_artifact(root: Path, manifest: dict, key: str) -> Path:
     return verify_file(root, rel, listed[rel])
 
 
-def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None, also: Iterable[str] = ()) -> int:
+def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None, also: Iterable[str] = (),
+                 hashed_on_read: Iterable[str] = ()) -> int:
     """Re-hash every file the manifest lists (only those under ``subdir``, plus the files named in
-    ``also``, when ``subdir`` is given).
+    ``also``, when ``subdir`` is given). A file at or under a path of ``hashed_on_read`` is checked for presence and
+    size only: its reader hashes the bytes it reads against the manifest (a private verified copy, ``verified_bytes``),
+    so the file is read once, not twice.
 
     Raises naming the first file that is missing, changed in size or content, not in the manifest
     (anywhere, or under ``subdir``), or listed under a path that leaves the bundle. Returns the
@@ -116,10 +120,11 @@ def verify_files(root: Path, manifest: dict, subdir: Optional[str] = None, also:
     prefix = f"{subdir.rstrip('/')}/" if subdir else ""
     wanted = set(also)
     checked = 0
+    later = tuple(p.rstrip("/") for p in hashed_on_read)
     for rel, entry in sorted(listed.items()):
         if not (rel.startswith(prefix) or rel in wanted):
             continue
-        verify_file(root, rel, entry)
+        verify_file(root, rel, entry, hash_it=not any(rel == p or rel.startswith(p + "/") for p in later))
         checked += 1
     missing = sorted(wanted - set(listed))
     if missing:

@@ -26,8 +26,12 @@ def entry_dirs(sub: str) -> tuple:
     return next((dirs for dirs in ENTRY_DIRS.values() if sub in dirs), (sub,))
 
 
-def verify_entry(root: Path, sub: str, recorded_sha: str | None, trusted: Sequence[Path] = ()) -> Path:
+def verify_entry(root: Path, sub: str, recorded_sha: str | None, trusted: Sequence[Path] = (),
+                 hashed_on_read: Sequence[str] = ()) -> Path:
     """Verify a store entry's ``sub`` directory and its sibling artifact directories; returns ``root / sub``.
+    ``hashed_on_read``: entry paths (files or directories) the caller reads only through a reader that hashes what
+    it reads against the manifest (``serve/store_entries.py``: ``verified_copy``, ``verified_bytes``); they are checked
+    here for presence and size, and hashed once, as they are read.
 
     ``recorded_sha`` is the manifest sha256 the registration wrote into the entry's metadata: a
     manifest rewritten to match tampered files fails here. With ``trusted`` public keys the manifest must be signed
@@ -58,7 +62,7 @@ def verify_entry(root: Path, sub: str, recorded_sha: str | None, trusted: Sequen
     dirs = entry_dirs(sub)
     for d in dirs:
         if (root / d).is_dir():
-            verify_files(root, manifest, subdir=d, also=also)
+            verify_files(root, manifest, subdir=d, also=also, hashed_on_read=hashed_on_read)
     unexpected = sorted(p.name for p in root.iterdir() if p.name not in (*dirs, *SHARED_FILES)
                         and not p.name.startswith("."))
     unexpected = [n for n in unexpected if n not in ("model.yaml", "README.md")]  # BentoML's own entry files
@@ -67,12 +71,13 @@ def verify_entry(root: Path, sub: str, recorded_sha: str | None, trusted: Sequen
     return root / sub
 
 
-def verified_store_path(tag: str, sub: str, trusted: Sequence[Path] = ()) -> Path:
+def verified_store_path(tag: str, sub: str, trusted: Sequence[Path] = (), hashed_on_read: Sequence[str] = ()) -> Path:
     """The store entry's ``sub/`` directory after verifying the entry (see ``verify_entry``)."""
     import bentoml
 
     model = bentoml.models.get(tag)
-    return verify_entry(Path(model.path), sub, (model.info.metadata or {}).get("manifest_sha256"), trusted)
+    return verify_entry(Path(model.path), sub, (model.info.metadata or {}).get("manifest_sha256"), trusted,
+                        hashed_on_read)
 
 
 def _entries(name: str) -> dict:

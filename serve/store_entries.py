@@ -21,11 +21,13 @@ def refuse(message: str) -> None:
     raise SystemExit(f"policy-bundle: {message}")
 
 
-def verified_artifact(model: bentoml.models.BentoModel, sub: str, trusted: Sequence[str] = ()) -> Path:
+def verified_artifact(model: bentoml.models.BentoModel, sub: str, trusted: Sequence[str] = (),
+                      hashed_on_read: Sequence[str] = ()) -> Path:
     """The store entry's artifact dir, verified against the manifest recorded at registration (and signed by one of
-    the ``trusted`` public keys, when any is set)."""
+    the ``trusted`` public keys, when any is set). ``hashed_on_read``: the entry paths the caller reads only through
+    ``verified_copy`` / ``verified_bytes``, which hash them as they read (``bundle.store.verify_entry``)."""
     try:
-        return verified_store_path(str(model.tag), sub, [Path(k) for k in trusted])
+        return verified_store_path(str(model.tag), sub, [Path(k) for k in trusted], hashed_on_read)
     except BundleVerificationError as exc:
         log.error("refusing to start: %s does not match its manifest: %s", model.tag, exc)
         raise SystemExit(f"policy-bundle: {model.tag} failed verification: {exc}") from None

@@ -15,7 +15,7 @@ import time
 from contextlib import aclosing
 from http import HTTPStatus
 from pathlib import Path
-from typing import AsyncGenerator, Dict, List, Optional
+from typing import AsyncGenerator, Dict, List, Optional, Sequence
 
 import bentoml
 from bentoml.exceptions import BentoMLException, InvalidArgument, NotFound
@@ -108,10 +108,12 @@ def vocab_size(artifact: Path) -> int:
     return int(json.loads((artifact / "config.json").read_text())["vocab_size"])
 
 
-def open_entry(variant, sub: str) -> Path:
+def open_entry(variant, sub: str, read_verified: Sequence[str] = ()) -> Path:
     """A variant service's store entry, verified against its manifest: sets the variant's manifest sha256, context
-    length and vocabulary size (what ``health`` and the input checks read); returns the artifact dir."""
-    path = verified_artifact(variant.model, sub, settings_or_exit().trusted_keys)
+    length and vocabulary size (what ``health`` and the input checks read); returns the artifact dir. The entry paths
+    in ``read_verified`` are hashed as they are read (``engine_dir``'s private copy, ``verified_bytes``), not here too:
+    the weights are read once."""
+    path = verified_artifact(variant.model, sub, settings_or_exit().trusted_keys, read_verified)
     variant.manifest = manifest_sha(variant.model)
     variant.max_seq_len, variant.vocab_size = context_len(path), vocab_size(path)
     return path
@@ -299,9 +301,12 @@ class Int8Policy:
     def __init__(self) -> None:
         from policy_bundle.quantize.script_runner import InexactInt8Error, load_torchscript
 
-        path = open_entry(self, INT8_DIR)
+        vllm, copied = settings_or_exit().int8_engine == "vllm", bool(settings_or_exit().trusted_keys)
+        # what is read through a hashing reader: the TorchScript always (``verified_bytes``), int8-vllm/ when
+        # ``engine_dir`` copies it (trusted keys)
+        path = open_entry(self, INT8_DIR, ([INT8_VLLM_DIR] if copied else []) if vllm else [INT8_TORCHSCRIPT])
         entry = BundleLayout(path.parent)
-        if settings_or_exit().int8_engine == "vllm":
+        if vllm:
             self.engine, self.ready = int8_vllm_engine(engine_dir(self, path.parent, INT8_VLLM_DIR),
                                                        self.max_seq_len), False
             log.info("INT8 W8A8 loaded in vLLM from %s (verified)", entry.int8_vllm_dir)
@@ -359,7 +364,8 @@ class Fp16Policy:
     model = bentoml.models.BentoModel(f"policy-fp16:{VERSION}")
 
     def __init__(self) -> None:
-        path = engine_dir(self, open_entry(self, FP16_DIR).parent, FP16_DIR)
+        copied = bool(settings_or_exit().trusted_keys)  # engine_dir then copies fp16/, hashing it as it reads
+        path = engine_dir(self, open_entry(self, FP16_DIR, [FP16_DIR] if copied else []).parent, FP16_DIR)
         require = settings_or_exit().require_vllm
         # vLLM is expected where it is installed and not switched off (POLICY_BUNDLE_DISABLE_VLLM), or required
         self.vllm_expected = require or vllm_available(load=True)

@@ -1,5 +1,7 @@
 """Manifest: every file hashed; verify names the file that changed, vanished or appeared."""
 
+from pathlib import Path
+
 import pytest
 
 from policy_bundle.bundle.manifest import BundleVerificationError, read_manifest, verify_bundle, write_manifest
@@ -106,6 +108,28 @@ def test_int8_entry_verifies_its_int8_vllm_dir_whichever_it_serves(tmp_path):
         verify_entry(entry, "int8", sha)
     with pytest.raises(BundleVerificationError, match="fp16/: not in the store entry"):
         verify_entry(entry, "fp16", sha)
+
+
+def test_paths_hashed_as_they_are_read_are_checked_here_for_size_only(tmp_path, monkeypatch):
+    """A served weight read through a hashing reader (a private verified copy, ``verified_bytes``) is not hashed by
+    the entry's verification too: it is read once. Its presence and size are still checked here, and every other
+    file is hashed (without the deferral the same change is refused here: the negative control)."""
+    from policy_bundle.bundle import manifest as mf
+    from policy_bundle.bundle.store import verify_entry
+
+    entry, sha = store_entry(tmp_path, dirs=("int8", "int8-vllm"))
+    hashed = []
+    real = mf.sha256_file
+    monkeypatch.setattr(mf, "sha256_file", lambda p: hashed.append(Path(p).relative_to(entry).as_posix()) or real(p))
+    (entry / "int8" / "policy.ts").write_text("WEIGHTS")  # same size, other bytes: its reader refuses it
+    assert verify_entry(entry, "int8", sha, hashed_on_read=["int8/policy.ts", "int8-vllm"]) == entry / "int8"
+    assert "int8/policy.ts" not in hashed and not any(h.startswith("int8-vllm/") for h in hashed)
+    assert "int8/config.json" in hashed and "golden.jsonl" in hashed
+    with pytest.raises(BundleVerificationError, match="int8/policy.ts: sha256 differs"):
+        verify_entry(entry, "int8", sha)
+    (entry / "int8-vllm" / "model.safetensors").write_text("short")
+    with pytest.raises(BundleVerificationError, match="int8-vllm/model.safetensors: size"):
+        verify_entry(entry, "int8", sha, hashed_on_read=["int8/policy.ts", "int8-vllm"])
 
 
 @pytest.mark.parametrize("path", ["../outside", "/etc/passwd", "int8/../../x", "int8//x", "int8\\\\x"])
