@@ -63,6 +63,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    """The JSON Schema of the build config or the router settings: the keys, types, limits and defaults the readers
+    enforce (``quantize.config_schema.json_schema``), for editors and CI checks of a config file."""
+    import json
+    import subprocess
+
+    if args.what == "build":
+        from policy_bundle.build.config.build_config import BuildConfig
+        from policy_bundle.quantize.config_schema import json_schema
+
+        print(json.dumps(json_schema(BuildConfig, "policy-bundle build config"), indent=2))
+        return EXIT_OK
+    # the router's settings live in serve/, which build/ never imports: ask it in a process of its own
+    res = subprocess.run([sys.executable, "-m", "policy_bundle.serve.settings"], capture_output=True, text=True)
+    if res.returncode != 0:
+        print(f"error: the router settings schema: {res.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return EXIT_ERROR
+    print(res.stdout, end="")
+    return EXIT_OK
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     from policy_bundle.build.rollout_client import AdminClient, RouterUnreachable, run
 
@@ -206,6 +227,14 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--key", action="append", metavar="PUBLIC_KEY",
                    help="also require the manifest signed by this public key (repeatable: any of them)")
     v.set_defaults(func=cmd_verify)
+
+    cf = sub.add_parser("config", parents=[common], help="print a config file's JSON Schema (build or router)")
+    cfs = cf.add_subparsers(dest="config_command", required=True)
+    sc = cfs.add_parser("schema", parents=[common], help="the JSON Schema: keys, types, limits, defaults",
+                        description="The JSON Schema (draft 2020-12) of a build config (policy-bundle build --config) "
+                                    "or of the router settings file (POLICY_ROUTER_CONFIG).")
+    sc.add_argument("what", choices=["build", "router"], help="which file's schema")
+    sc.set_defaults(func=cmd_config_schema)
 
     r = sub.add_parser("rollout", parents=[common],
                        help="operate the served rollout over the router's admin API (status, history, promote, ...)",

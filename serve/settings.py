@@ -144,3 +144,16 @@ def settings_or_exit() -> RouterSettings:
     except SettingsError as exc:
         logging.getLogger("policy_bundle.router").error("refusing to start: %s", exc)
         raise SystemExit(f"policy-bundle: {exc}") from None
+
+
+def router_schema() -> dict:
+    """The router settings file's JSON Schema (``policy-bundle config schema router``)."""
+    from policy_bundle.quantize.config_schema import json_schema
+
+    return json_schema(RouterSettings, "policy-bundle router settings (POLICY_ROUTER_CONFIG)")
+
+
+if __name__ == "__main__":  # the CLI (build/) runs this as a process: build/ never imports serve/
+    import json
+
+    print(json.dumps(router_schema(), indent=2))

@@ -112,3 +112,87 @@ def test_a_build_that_cannot_fit_is_refused_before_it_starts_in_one_line(policy_
     assert "memory: this build would need about" in last and "cgroup" in last, last
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "bundle").exists()
+
+
+def _actor_pids() -> list:
+    """This process's Monarch actor processes (descendants running Monarch's bootstrap)."""
+    children: dict = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [os.getpid()]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            todo.append(c)
+            try:
+                if b"bootstrap_main" in Path(f"/proc/{c}/cmdline").read_bytes():
+                    out.append(c)
+            except OSError:
+                pass
+    return out
+
+
+def _rss(pid: int) -> int:
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.scale
+def test_each_mesh_actor_plans_its_share_of_the_layers_within_60_percent_of_the_weights(policy_0_3b):
+    """The mesh shards layers, not only data: each of 2 actors runs in a memory cgroup of its own whose limit, with
+    what the actor held when it was moved there, is 60 % of the weights file; each maps only its share of the 16
+    layers and plans it. No actor is OOM-killed, and the plan is bitwise the one this process makes alone."""
+    import torch
+
+    from policy_bundle.build.calibrate.mesh import calibration_mesh
+    from policy_bundle.build.calibrate.w8a8_statistics import stream_plan
+    from policy_bundle.build.config.build_config import config_from_dict
+    from policy_bundle.quantize.hf_weights import load_policy
+
+    weights = sum(f.stat().st_size for f in policy_0_3b.glob("*.safetensors"))
+    cfg = config_from_dict({"policy": {"source": str(policy_0_3b), "max_seq_len": 256},
+                            "calibration": {"procs": 2}, "recipe": {"scheme": "smooth-w8a8"}})
+    policy = load_policy(policy_0_3b, max_seq_len=256)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, policy.embed_tokens.num_embeddings, (8, 64), generator=g) for _ in range(2)]
+    recipe = cfg.recipe_config()
+    budget = int(0.6 * weights)
+    groups = []
+    try:
+        with calibration_mesh(cfg, policy_0_3b) as mesh:
+            pids = _actor_pids()
+            assert len(pids) == 2, pids
+            for pid in pids:
+                held = _rss(pid)
+                assert held < budget, (held, budget)
+                cgroup, peak_file = cgroup_or_skip(budget - held)
+                groups.append((cgroup, peak_file, held))
+                (cgroup / "cgroup.procs").write_text(str(pid))
+            sharded, _, _ = stream_plan(mesh, policy, batches, recipe)
+            peaks = [(int(p.read_text()) if p.exists() else None, held) for _, p, held in groups]
+            kills = [int(next((ln.split()[1] for ln in (c / "memory.events").read_text().splitlines()
+                                if ln.startswith("oom_kill")), "0")) if (c / "memory.events").exists() else 0
+                     for c, _, _ in groups]
+    finally:
+        for cgroup, _, _ in groups:
+            for _ in range(50):  # the actors have left it once the mesh stopped
+                try:
+                    cgroup.rmdir()
+                    break
+                except OSError:
+                    import time
+
+                    time.sleep(0.2)
+    assert kills == [0, 0]
+    local, _, _ = stream_plan(None, policy, batches, recipe)
+    assert sharded.weights.keys() == local.weights.keys() and len(local.weights) == 16 * 7  # the head stays float
+    for n, (q, s) in local.weights.items():
+        assert torch.equal(q, sharded.weights[n][0]) and torch.equal(s, sharded.weights[n][1]), n
+    for peak, held in peaks:
+        if peak is not None:
+            assert peak + held <= budget
+            print(f"actor: {held / 1e9:.2f} GB when moved + {peak / 1e9:.2f} GB peak after, limit {budget / 1e9:.2f} GB"
+                  f" (60 % of {weights / 1e9:.2f} GB)")
