@@ -24,7 +24,7 @@ from policy_bundle.quantize.export import script_int8
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
 from policy_bundle.quantize.model import Policy
 from policy_bundle.quantize.reference_logits import ReferenceLogits
-from policy_bundle.quantize.script_runner import ScriptRunner
+from policy_bundle.quantize.script_runner import ScriptRunner, release_freed_memory
 
 
 @dataclass
@@ -137,6 +137,9 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
         if auto and outcome.verdict.passed:
             set_status(status("decode speed of the passing candidate (TorchScript)"))
             speed = decode_speed(outcome.int8)
+        if not outcome.verdict.passed:  # only a passing candidate can ship: a failed one's int8 model goes now
+            outcome.int8 = None
+            release_freed_memory()
         trials.append(Trial(name, recipe, outcome, speed))
         summary.append(trials[-1].summary())
         log(f"[auto] candidate {i + 1}/{len(candidates)}: {trials[-1].line()}; best so far: {best_so_far(trials)}")
