@@ -1,74 +1,164 @@
-"""``policy-bundle config schema build|router``: a JSON Schema of the keys, types, limits and defaults the config
-readers enforce. The shipped configs validate against it; what the reader refuses (a value off its limit, an unknown
-key, the wrong type), the schema refuses too; its defaults are the dataclasses' defaults."""
+"""The config loader (quantize/config_schema.py): a limit declared on a field holds for YAML and for Python alike,
+and the build and the router name the field and its limit."""
 
-import json
-from pathlib import Path
+import pickle
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
-import jsonschema
 import pytest
-import yaml
 
-from cli_helpers import run_cli
-from policy_bundle.build.config.build_config import BuildConfig, ConfigError, config_from_dict
-from policy_bundle.quantize.config_schema import to_mapping
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def build_schema():
-    res = run_cli("config", "schema", "build")
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
+from policy_bundle.build.config.build_config import ConfigError, load_config
+from policy_bundle.quantize.config_schema import FieldError, check, choice, from_mapping, inline, ranged, to_mapping
+from policy_bundle.quantize.fidelity import GateThresholds, ThresholdError
+from policy_bundle.quantize.recipes import RecipeConfig, RecipeError
+from policy_bundle.serve.settings import SettingsError, load_settings
 
 
-def errors(schema, doc):
-    return [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
+@dataclass(frozen=True)
+class Inner:
+    alpha: float = ranged(0.5, 0.0, 1.0)
+    mode: str = choice("fast", ("fast", "exact"))
+    sizes: Tuple[int, ...] = ranged((1, 2), 1, None)
+
+    def __post_init__(self) -> None:
+        check(self, "outer.inner")
 
 
-def test_the_shipped_build_configs_validate(build_schema):
-    jsonschema.Draft202012Validator.check_schema(build_schema)
-    for path in sorted((ROOT / "build" / "configs").glob("*.yaml")):
-        assert errors(build_schema, yaml.safe_load(path.read_text())) == [], path
+@dataclass(frozen=True)
+class Outer:
+    name: str = "x"
+    inner: Inner = Inner()
+    spare: Optional[Inner] = None
 
 
-@pytest.mark.parametrize("doc", [
-    {"calibration": {"samples": 0}},  # off its limit
-    {"calibration": {"sample": 64}},  # unknown key
-    {"recipe": {"scheme": "int4"}},  # not one of the schemes
-    {"canary": {"max_kl_mean": "small"}},  # the wrong type
+@dataclass(frozen=True)
+class Flat:
+    enabled: bool = True
+    inner: Inner = inline(Inner)
+
+
+def test_a_ranged_field_refuses_a_value_off_its_limit_from_yaml():
+    with pytest.raises(FieldError, match=r"^outer.inner.alpha: 2 is out of range \[0.0, 1.0\]$"):
+        from_mapping(Outer, {"inner": {"alpha": 2}}, "outer")
+
+
+def test_a_ranged_field_refuses_a_value_off_its_limit_from_python():
+    with pytest.raises(FieldError, match=r"^outer.inner.alpha: 2.0 is out of range \[0.0, 1.0\]$"):
+        Inner(alpha=2.0)
+
+
+def test_a_value_within_the_limit_passes_both_ways():
+    assert Inner(alpha=1.0).alpha == 1.0
+    assert from_mapping(Outer, {"inner": {"alpha": 1}}, "outer").inner == Inner(alpha=1.0)  # an int widens to float
+
+
+def test_a_choice_field_names_its_options_both_ways():
+    with pytest.raises(FieldError, match=r"^outer.inner.mode: 'slow' is not one of \['fast', 'exact'\]$"):
+        from_mapping(Outer, {"inner": {"mode": "slow"}}, "outer")
+    with pytest.raises(FieldError, match=r"'slow' is not one of"):
+        Inner(mode="slow")
+    assert Inner(mode="exact").mode == "exact"
+
+
+def test_a_limit_on_a_tuple_field_holds_for_each_element():
+    with pytest.raises(FieldError, match=r"^outer.inner.sizes\[1\]: 0 must be >= 1$"):
+        from_mapping(Outer, {"inner": {"sizes": [3, 0]}}, "outer")
+    assert from_mapping(Outer, {"inner": {"sizes": [3, 4]}}, "outer").inner.sizes == (3, 4)
+
+
+def test_an_unknown_field_is_named_with_the_known_ones():
+    with pytest.raises(FieldError, match=r"^outer.inner.alfa: unknown field \(known: alpha, mode, sizes\)$"):
+        from_mapping(Outer, {"inner": {"alfa": 1}}, "outer")
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"name": 3}, r"^name: expected str, got int 3$"),
+    ({"inner": {"alpha": True}}, r"^inner.alpha: expected float, got bool True$"),
+    ({"inner": {"sizes": 3}}, r"^inner.sizes: expected a list of integers, got int 3$"),
+    ({"inner": [1]}, r"^inner: expected a mapping, got list$"),
+    ({"spare": {"mode": 1}}, r"^spare.mode: expected str, got int 1$"),
 ])
-def test_what_the_reader_refuses_the_schema_refuses(build_schema, doc):
-    with pytest.raises(ConfigError):
-        config_from_dict(doc)
-    assert errors(build_schema, doc)
+def test_a_wrong_type_names_the_field_and_the_expected_type(data, message):
+    with pytest.raises(FieldError, match=message):
+        from_mapping(Outer, data)
 
 
-def test_the_schemas_defaults_are_the_configs_defaults(build_schema):
-    defaults = to_mapping(BuildConfig())
-
-    def walk(schema, values, path=""):
-        seen = 0
-        for key, sub in schema["properties"].items():
-            if key not in values:
-                continue
-            if sub.get("type") == "object" and "properties" in sub:
-                seen += walk(sub, values[key], f"{path}{key}.")
-            elif "default" in sub:
-                value = values[key]
-                value = list(value) if isinstance(value, tuple) else value
-                assert sub["default"] == (str(value) if isinstance(value, Path) else value), f"{path}{key}"
-                seen += 1
-        return seen
-
-    assert walk(build_schema, defaults) > 40  # most fields carry their default
+def test_an_inline_dataclass_reads_its_fields_as_the_sections_own_keys_and_round_trips():
+    flat = from_mapping(Flat, {"enabled": False, "alpha": 0.25}, "flat")
+    assert flat == Flat(False, Inner(alpha=0.25)) and from_mapping(Flat, to_mapping(flat)) == flat
+    with pytest.raises(FieldError, match=r"^flat.inner: unknown field \(known: alpha, enabled, mode, sizes\)$"):
+        from_mapping(Flat, {"inner": {}}, "flat")
 
 
-def test_the_router_settings_schema_validates_the_shipped_settings_and_refuses_an_unknown_key():
-    res = run_cli("config", "schema", "router")
-    assert res.returncode == 0, res.stderr
-    schema = json.loads(res.stdout)
-    configmap = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
-    assert errors(schema, yaml.safe_load(configmap["data"]["router.yaml"])) == []
-    assert errors(schema, {"no_such_setting": 1}) and errors(schema, {"max_batch": 0})  # max_batch is at least 1
+def test_the_library_dataclasses_check_themselves_when_constructed():
+    with pytest.raises(RecipeError, match=r"^recipe.gptq_damp: 0.0 is out of range \(0.0, 1.0\]$"):
+        RecipeConfig(gptq_damp=0.0)
+    with pytest.raises(ThresholdError, match=r"^max_kl_mean: 101 is out of range \[0.0, 100.0\]$"):
+        GateThresholds(max_kl_mean=101)
+    with pytest.raises(ThresholdError, match=r"expected a number, got bool True"):
+        GateThresholds(min_top1_agreement=True)
+    assert RecipeConfig(gptq_damp=1e-7).gptq_damp == 1e-7 and GateThresholds(max_kl_mean=100.0).max_kl_mean == 100.0
+
+
+def test_a_field_error_keeps_its_field_across_processes():
+    err = pickle.loads(pickle.dumps(RecipeError("recipe.rounding", "'x' is not one of ['nearest', 'gptq']")))
+    assert isinstance(err, FieldError) and err.path == "recipe.rounding" and str(err).startswith("recipe.rounding: ")
+
+
+def test_the_build_accepts_what_the_recipe_accepts():
+    """The build once refused a gptq_damp under 1e-6 that the recipe takes: the limit is the recipe's own now
+    (out-of-range build fields: tests/test_config.py)."""
+    assert load_config("build/configs/reference.yaml", ("recipe.gptq_damp=1e-7",)).recipe_config().gptq_damp == 1e-7
+    with pytest.raises(ConfigError, match=r"^recipe.gptq_damp: 0 is out of range \(0.0, 1.0\]$"):
+        load_config("build/configs/reference.yaml", ("recipe.gptq_damp=0",))
+
+
+def router(tmp_path, monkeypatch, text: str):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(text)
+    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(cfg))
+    for name in ("POLICY_BUNDLE_INT8_ENGINE", "POLICY_BUNDLE_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    return load_settings()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("rollout:\n  confidence: 1.5\n", r"^rollout.confidence: 1.5 is out of range \[0.5, 0.9999\]$"),
+    ("rollout:\n  failure_limit: 0\n", r"^rollout.failure_limit: 0 must be >= 1$"),
+    ("max_batch: 0\n", r"^max_batch: 0 must be >= 1$"),
+    ("rollout:\n  thresholds:\n    max_kl_p99: -1\n",
+     r"^rollout.thresholds.max_kl_p99: -1 is out of range \[0.0, 100.0\]$"),
+    ("rollout:\n  golden_items: many\n", r"^rollout.golden_items: expected int, got str 'many'$"),
+])
+def test_the_router_names_an_out_of_range_field_and_its_limit(tmp_path, monkeypatch, text, message):
+    with pytest.raises(SettingsError, match=message):
+        router(tmp_path, monkeypatch, text)
+
+
+def test_the_router_keeps_values_within_their_limits(tmp_path, monkeypatch):
+    s = router(tmp_path, monkeypatch, "max_batch: 1\nrollout:\n  confidence: 0.9999\n  failure_limit: 1\n")
+    assert (s.max_batch, s.rollout.confidence, s.rollout.failure_limit) == (1, 0.9999, 1)
+
+
+def test_none_passes_only_an_optional_field():
+    with pytest.raises(ThresholdError, match="min_top1_agreement: expected a value, got None"):
+        GateThresholds(min_top1_agreement=None)
+    with pytest.raises(ConfigError, match="export.int8_vllm: expected a value, got None"):
+        load_config(None, ("export.int8_vllm=null",))
+    assert load_config(None, ("calibration.samples=null",)).calibration.samples is None  # Optional: unset is fine
+
+
+@pytest.mark.parametrize("override,message", [
+    ("recipe.skip=[a", r"--set recipe.skip: '\[a' is not a YAML value"),
+    ("recipe.auto_candidates=['w8a8 skip=[a']", r"recipe.auto_candidates: .*skip=\[a is not a YAML value"),
+])
+def test_an_unreadable_value_is_one_line_naming_the_field(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, ("recipe.scheme=auto", override) if "candidates" in override else (override,))
+    assert "\n" not in str(err.value)
+
+
+def test_a_config_that_is_not_a_mapping_is_named(tmp_path):
+    (tmp_path / "c.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="config: expected a mapping of sections, got list"):
+        load_config(tmp_path / "c.yaml")
