@@ -71,7 +71,7 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 
     if args.what == "build":
         from policy_bundle.build.config.build_config import BuildConfig
-        from policy_bundle.quantize.config_schema import json_schema
+        from policy_bundle.quantize.config_json_schema import json_schema
 
         print(json.dumps(json_schema(BuildConfig, "policy-bundle build config"), indent=2))
         return EXIT_OK

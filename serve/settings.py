@@ -148,7 +148,7 @@ def settings_or_exit() -> RouterSettings:
 
 def router_schema() -> dict:
     """The router settings file's JSON Schema (``policy-bundle config schema router``)."""
-    from policy_bundle.quantize.config_schema import json_schema
+    from policy_bundle.quantize.config_json_schema import json_schema
 
     return json_schema(RouterSettings, "policy-bundle router settings (POLICY_ROUTER_CONFIG)")
 
