@@ -97,13 +97,6 @@ class W8A8Plan:
             return Int8RescoredHead(int8, rows, self.head_topk)
         return int8
 
-    def subset(self, names: Sequence[str]) -> "W8A8Plan":
-        """The same plan holding only the named linears' int8 weights (what a mesh actor needs to score them)."""
-        return W8A8Plan(self.scales, self.alphas, {n: self.weights[n] for n in names},
-                        {n: self.thresholds[n] for n in names}, rounding=self.rounding, head_topk=self.head_topk,
-                        rot_blocks={n: self.rot_blocks[n] for n in names if n in self.rot_blocks},
-                        int8_embedding=self.int8_embedding, int16_rows=self.int16_rows, int12_rows=self.int12_rows)
-
     def convert(self, policy: nn.Module, quantized: Sequence[str]) -> nn.Module:
         """The smoothed policy with the named linears as ``Int8TokenLinear`` (the rest stay float). No copy of the
         float model: the new model shares every tensor smoothing leaves alone (embedding, unsmoothed linears), and
