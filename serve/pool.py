@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple, TypeVar
 
+from policy_bundle.serve import wire
 from policy_bundle.serve.schemas import ApiError
 
 log = logging.getLogger("policy_bundle.router")
@@ -296,14 +296,20 @@ class VariantPool:
     async def _steps(self, name: str, kwargs: dict) -> AsyncIterator[dict]:
         """A variant's stream as steps; its in-band error line, or an end without the end marker (a worker
         that died mid-stream), raises."""
-        async for line in self.services[name].to_async.stream(**kwargs):
-            for item in filter(None, line.splitlines()):
-                step = json.loads(item)
-                if "error" in step:
-                    raise StreamFailed(f"{name}: {step['error']}", step.get("status", 500))
-                if step.get("done"):
-                    return
+        reader = wire.LineReader()
+
+        async def lines():
+            async for chunk in self.services[name].to_async.stream(**kwargs):
+                for step in reader.feed(chunk):
+                    yield step
+            for step in reader.finish():
                 yield step
+        async for step in lines():
+            if "error" in step:
+                raise StreamFailed(f"{name}: {step['error']}", step.get("status", 500))
+            if step.get("done"):
+                return
+            yield step
         raise StreamFailed(f"{name}: the stream ended without its end marker (cut off)", 502)
 
     async def next_step(self, name: str, steps: AsyncIterator[dict]) -> Optional[dict]:

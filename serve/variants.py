@@ -25,7 +25,7 @@ from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_TORCHSCRIPT, INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.store import pair_version
 from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
-from policy_bundle.serve import logs
+from policy_bundle.serve import logs, wire
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import CapacityError, SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import patch_bentoml_timeout
@@ -273,22 +273,21 @@ def generation_apis():
             params = _params(self, max_tokens, temperature, top_p, seed, stop_token_id, logit_bias, presence_penalty,
                              frequency_penalty, top_logprobs)
         except InvalidArgument as exc:
-            yield json.dumps({"error": str(exc), "status": 400}) + "\n"
+            yield wire.error_line(str(exc), 400)
             return
         try:
             async for s in _steps(self.variant, self.engine, prompt_ids, params):
                 n += 1
-                yield json.dumps({"token_id": s.token_id, "logprob": s.logprob,
-                                  **({"top": [list(t) for t in s.top]} if s.top else {})}) + "\n"
+                yield wire.step_line(s.token_id, s.logprob, s.top)
         except CapacityError as exc:  # a request this engine cannot take now (429) or ever (400)
-            yield json.dumps({"error": str(exc)[:500], "status": exc.status}) + "\n"
+            yield wire.error_line(str(exc)[:500], exc.status)
             return
         except Exception as exc:  # noqa: BLE001 - reported in-band: the caller must not take it for an end
             log.warning("%s stream failed: %s: %s", self.variant, type(exc).__name__, exc)
-            yield json.dumps({"error": f"{type(exc).__name__}: {exc}"[:300], "status": 500}) + "\n"
+            yield wire.error_line(f"{type(exc).__name__}: {exc}"[:300], 500)
             return
         log.info("streamed", extra={"variant": self.variant, "tokens": n, "seconds": round(time.perf_counter() - t0, 4)})
-        yield json.dumps({"done": True}) + "\n"
+        yield wire.done_line()
 
     return generate, stream
 
