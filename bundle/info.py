@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from policy_bundle.bundle.layout import ARTIFACT_DIRS, BundleLayout
 from policy_bundle.bundle.manifest import read_manifest
@@ -15,11 +15,12 @@ from policy_bundle.quantize.fidelity import GateThresholds, GoldenItem
 
 
 def serving_section(max_seq_len: int, max_new_tokens: int, task: bool, thresholds: GateThresholds,
-                    batch_rows: bool = True) -> dict:
+                    batch_rows: bool = True, kv_cache: Optional[dict] = None) -> dict:
     """The manifest's ``serving`` section, written by the build and read by ``BundleInfo``. ``batch_rows``:
-    the INT8 artifact's rows are independent, so its engine may decode many requests in one batch."""
+    the INT8 artifact's rows are independent, so its engine may decode many requests in one batch. ``kv_cache``: the
+    INT8 artifact's cache, ``{"dtype", "bytes_per_token"}`` (keys and values of every layer, one sequence)."""
     return {"max_seq_len": int(max_seq_len), "max_new_tokens": int(max_new_tokens), "task": bool(task),
-            "thresholds": asdict(thresholds), "batch_rows": bool(batch_rows)}
+            "thresholds": asdict(thresholds), "batch_rows": bool(batch_rows), "kv_cache": kv_cache}
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class BundleInfo:
     thresholds: GateThresholds  # the build gate's limits, which the live canary applies too
     manifest_format: str
     batch_rows: bool = True  # the INT8 engine may batch requests (false for per-tensor dynamic activations)
+    kv_cache: Optional[dict] = None  # the INT8 artifact's KV cache: {"dtype", "bytes_per_token"} (None: not recorded)
 
     @classmethod
     def read(cls, root: Path) -> "BundleInfo":
@@ -55,7 +57,7 @@ class BundleInfo:
             if conf.is_file():
                 ctx = min(ctx, int(json.loads(conf.read_text()).get("max_position_embeddings", ctx)))
         return cls(root, ctx, int(serving["max_new_tokens"]), bool(serving["task"]), thresholds,
-                   str(m.get("format", "")), bool(serving.get("batch_rows", True)))
+                   str(m.get("format", "")), bool(serving.get("batch_rows", True)), serving.get("kv_cache"))
 
     def golden(self) -> List[GoldenItem]:
         path = BundleLayout(self.root).golden

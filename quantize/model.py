@@ -43,6 +43,7 @@ class Policy(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.kv_cache = "float32"  # the KV cache's dtype: float32 or bfloat16 (``set_kv_cache``)
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -52,7 +53,8 @@ class Policy(nn.Module):
         """Allocate an empty KV cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
         n = max_len if max_len > 0 else self.max_seq_len
         shape = [self.n_layers, batch_size, self.n_kv_heads, n, self.head_dim]
-        return torch.zeros(shape), torch.zeros(shape)
+        dtype = torch.bfloat16 if self.kv_cache == "bfloat16" else torch.float32
+        return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
     def forward(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         return self.lm_head(self.norm(self.hidden(tokens, start_pos, k_cache, v_cache)))
@@ -78,22 +80,22 @@ class Policy(nn.Module):
     def _chunk_tables(self, t: int, start_pos: int, k_cache: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """Rotary tables and additive mask of ``t`` tokens of one sequence from ``start_pos``, over ``k_cache``."""
         cache_len = k_cache.shape[3]
-        cos = self.rope_cos[start_pos : start_pos + t].to(k_cache.dtype)
-        sin = self.rope_sin[start_pos : start_pos + t].to(k_cache.dtype)
+        cos = self.rope_cos[start_pos : start_pos + t]
+        sin = self.rope_sin[start_pos : start_pos + t]
         # Query i (absolute position start_pos+i) sees cache slots 0..start_pos+i.
         q_pos = torch.arange(t).unsqueeze(1) + start_pos
         mask = torch.arange(cache_len).unsqueeze(0) <= q_pos
         if self.gqa_rep > 1:  # the same [t, S] mask for each of a kv head's query heads (``Attention._attend``)
             mask = mask.repeat(self.gqa_rep, 1)
-        return cos, sin, additive_mask(mask, k_cache.dtype)
+        return cos, sin, additive_mask(mask, cos.dtype)
 
     def _row_tables(self, pos: Tensor, k_cache: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """Rotary tables and additive mask of decode rows, row b at ``pos[b]``, over ``k_cache``."""
         cache_len = k_cache.shape[3]
-        cos = self.rope_cos.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
-        sin = self.rope_sin.index_select(0, pos).to(k_cache.dtype).view(pos.shape[0], 1, 1, -1)
+        cos = self.rope_cos.index_select(0, pos).view(pos.shape[0], 1, 1, -1)
+        sin = self.rope_sin.index_select(0, pos).view(pos.shape[0], 1, 1, -1)
         mask = additive_mask((torch.arange(cache_len).unsqueeze(0) <= pos.unsqueeze(1)).view(pos.shape[0], 1, 1, cache_len),
-                             k_cache.dtype)
+                             cos.dtype)
         return cos, sin, mask
 
     @torch.jit.export
@@ -211,6 +213,24 @@ class CastPolicy(nn.Module):
 
     def decode_batch(self, tokens: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         return self.policy.decode_batch(tokens, pos, k_cache, v_cache).float()
+
+
+KV_CACHES = ("float32", "bfloat16")
+
+
+def set_kv_cache(policy: nn.Module, dtype: str) -> nn.Module:
+    """The KV cache ``policy.new_cache`` allocates from now on (in place): ``float32`` or ``bfloat16``, half the bytes
+    a token costs. Keys and values are rounded to it as they are written; attention reads it (``blocks.attend``)."""
+    if dtype not in KV_CACHES:
+        raise ValueError(f"kv_cache: {dtype!r} is not one of {list(KV_CACHES)}")
+    target = policy.policy if isinstance(policy, CastPolicy) else policy
+    target.kv_cache = dtype
+    return policy
+
+
+def kv_bytes_per_token(policy: Policy, dtype: str) -> int:
+    """The bytes one token of one sequence costs in ``policy``'s KV cache of ``dtype``: keys and values, every layer."""
+    return 2 * policy.n_layers * policy.n_kv_heads * policy.head_dim * (2 if dtype == "bfloat16" else 4)
 
 
 def full_logits(policy: nn.Module, tokens: Tensor) -> Tensor:

@@ -32,7 +32,7 @@ from torch.ao.quantization import (
 )
 
 from policy_bundle.quantize.config_schema import FieldError, check, choice, ranged
-from policy_bundle.quantize.model import full_logits
+from policy_bundle.quantize.model import KV_CACHES, full_logits
 
 SCHEMES = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic", "w8a8", "smooth-w8a8")
 MODES = ("static", "dynamic", "weight-only", "w8a8", "fp32")  # per-layer overrides
@@ -67,6 +67,9 @@ class RecipeConfig:
     # float copy: SmolLM2-135M's policy.ts 256 -> 160 MB; an untied embedding in int12 unless skipped); float32; or
     # int16, a scale per row (``quantize.w8a8_head``)
     vocab_rows: str = choice("int12", VOCAB_ROWS)
+    # the served KV cache: bfloat16 (half float32's bytes a token; its keys and values rounded as written) or float32.
+    # The gate measures the candidate with it, so a cache that costs accuracy fails the gate like a layer would
+    kv_cache: str = choice("bfloat16", KV_CACHES)
 
     def __post_init__(self) -> None:
         check(self, "recipe", RecipeError)

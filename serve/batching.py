@@ -194,6 +194,7 @@ class BatchedEngine:
                 "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps,
                 "fused_chunks": self.fused_chunks, "kv_allocated_bytes": self.slots.allocated_bytes(),
                 "kv_positions": self.slots.length, "kv_refused": self.kv_refused,
+                "kv_bytes_per_token": self.slots.bytes_per_position(),
                 "kv_held_bytes": self.kv.held() if self.kv else None, "kv_budget_bytes": self.kv.limit if self.kv else None,
                 "queue_wait_s": _quantiles(list(self.waits)),
                 "last_step_age_s": round(time.monotonic() - self.last_step_at, 3) if busy else 0.0,

@@ -46,6 +46,7 @@ class Lanes:
                                                      "kv_allocated_bytes", "kv_refused")}
         waits = [s.get("queue_wait_s") or {} for s in per]  # the slowest lane's
         return {**total, "kv_held_bytes": per[0]["kv_held_bytes"], "kv_budget_bytes": per[0]["kv_budget_bytes"],
+                "kv_bytes_per_token": per[0]["kv_bytes_per_token"],
                 "queue_wait_s": {q: max(w[q] for w in waits if q in w) for q in ("0.5", "0.99")
                                  if any(q in w for w in waits)}, "max_batch": sum(s["max_batch"] for s in per), "peak_batch": max(s["peak_batch"] for s in per),
                 "last_step_age_s": max(s["last_step_age_s"] for s in per),  # the most stalled lane with work

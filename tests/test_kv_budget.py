@@ -14,6 +14,7 @@ import torch
 
 from policy_bundle.quantize.decode import decode_steps, greedy_pick
 from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.model import KV_CACHES, set_kv_cache
 from policy_bundle.quantize.policy_config import PolicyConfig
 from policy_bundle.quantize.slots import SlotBatch
 from policy_bundle.serve.batching import KV_BLOCK, BatchedEngine, KvBudget, policy_engine
@@ -50,9 +51,13 @@ def footprint(policy, n: int, positions: int) -> int:
     return SlotBatch(policy, CFG.max_seq_len, 32, KV_BLOCK).footprint(n, positions)
 
 
-def test_tokens_past_several_blocks_are_the_same_alone_batched_and_as_the_cache_grows(policy):
+@pytest.mark.parametrize("kv_cache", KV_CACHES)
+def test_tokens_past_several_blocks_are_the_same_alone_batched_and_as_the_cache_grows(kv_cache):
     """Three requests crossing 256-position blocks at different steps (the cache grows under them, and shrinks when
-    the long one leaves) get the tokens each gets alone in one whole-context cache."""
+    the long one leaves) get the tokens each gets alone in one whole-context cache; in a float32 cache and in the
+    bfloat16 one the build ships by default."""
+    policy = torch.jit.script(set_kv_cache(init_random_policy(CFG, seed=3).eval(), kv_cache))
+    assert policy.new_cache(1, 32)[0].dtype == getattr(torch, kv_cache)
     cases = [(prompt(300, 0), 300), (prompt(40, 1), 200), (prompt(10, 2), 600)]
     alone = [[s.token_id for s in decode_steps(policy, p, n, greedy_pick, max_seq_len=CFG.max_seq_len)]
              for p, n in cases]

@@ -17,7 +17,9 @@ from policies import WORDS, sentencepiece_policy
 from serve_helpers import Server, bundle_version, sse_events
 
 CONTEXT = 8192
-BUDGET = int(3.5 * 2**20)  # this model's KV costs 512 bytes a position: two 2048-position requests, one of 6144
+# this model's KV costs 256 bytes a position in the INT8 artifact's bfloat16 cache (the build's default) and 512 in the
+# FP fallback's float32 one: the budget takes one 6144-position request of either, and 8192 positions of INT8 only
+BUDGET = int(3.5 * 2**20)
 FORCE = {v: {"x-policy-variant": v, "x-admin-token": "t"} for v in ("int8", "fp16")}
 
 
@@ -66,9 +68,18 @@ def test_a_6000_token_prompt_is_answered_and_one_past_the_context_is_refused_wit
 
 
 def test_a_request_whose_worst_case_exceeds_the_whole_kv_budget_is_a_400_naming_max_tokens(long_server):
-    r = post(long_server, "completions", {"prompt": words(6000), "max_tokens": 2000}, FORCE["int8"])
+    r = post(long_server, "completions", {"prompt": words(6000), "max_tokens": 2000}, FORCE["fp16"])
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     assert "kv_cache_bytes" in r.json()["error"]["message"]
+
+
+def test_the_int8_bfloat16_cache_takes_a_request_twice_its_float32_size(long_server):
+    """The same worst case (8192 positions) on INT8, whose bfloat16 cache costs half of the fallback's float32 one a
+    token: within the budget, answered in full."""
+    batches = {n: v["batch"] for n, v in httpx.get(f"{long_server.url}/status", timeout=30).json()["variants"].items()}
+    assert batches["int8"]["kv_bytes_per_token"] * 2 == batches["fp16"]["kv_bytes_per_token"] == 512
+    r = post(long_server, "completions", {"prompt": words(6000), "max_tokens": 2000, "ignore_eos": True}, FORCE["int8"])
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2000, r.text[:300]
 
 
 @pytest.mark.parametrize("variant", ["int8", "fp16"])
@@ -87,8 +98,8 @@ def test_2000_new_tokens_are_answered_in_full_and_streamed_as_the_same_text(long
 
 
 def test_32_concurrent_long_requests_on_a_small_budget_are_answered_or_refused_with_retry_after(long_server):
-    """Each request's worst case is 2048 positions (1 MiB here): the 3.5 MiB budget takes two at a time per variant
-    (half the requests forced to each).
+    """Each request's worst case is 2048 positions (0.5 MiB on INT8, 1 MiB on the fallback): the 3.5 MiB budget takes
+    a few at a time per variant (half the requests forced to each).
     Every request is a 200 with all its tokens or a 429 with Retry-After; the caches never pass the budget; the
     router's slots, the budget held and the caches are back to 0 afterwards."""
     peaks, stop = {"int8": 0, "fp16": 0}, threading.Event()

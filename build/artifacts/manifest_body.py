@@ -27,7 +27,7 @@ from policy_bundle.bundle.layout import (CANARY_REPORT, DRIFT_REPORT, FP16_DIR, 
                                          BundleLayout)
 from policy_bundle.bundle.manifest import FORMAT
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.model import Policy, kv_bytes_per_token
 
 if TYPE_CHECKING:
     from policy_bundle.build.artifacts.int8_vllm import Int8Vllm
@@ -113,9 +113,14 @@ def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: Ch
         "artifacts": artifacts_section(cfg, chosen.recipe, int8_vllm, onnx_skipped),
         "fidelity": fidelity,
         "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, is_task_policy(cfg),
-                                   cfg.canary.gate, chosen.recipe.rows_independent),
+                                   cfg.canary.gate, chosen.recipe.rows_independent, kv_cache_section(policy, chosen)),
         "test_fault": fault_spec(),
     }
+
+
+def kv_cache_section(policy: Policy, chosen: ChosenRecipe) -> dict:
+    """The INT8 artifact's KV cache as the gate measured it: its dtype and the bytes one token of one sequence costs."""
+    return {"dtype": chosen.recipe.kv_cache, "bytes_per_token": kv_bytes_per_token(policy, chosen.recipe.kv_cache)}
 
 
 DRIFT_SUMMARY = ("step", "checkpoint", "previous_bundle", "previous_manifest_sha256", "previous_step", "threshold",

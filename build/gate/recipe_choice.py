@@ -22,7 +22,7 @@ from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import script_int8
 from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
-from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize.model import Policy, set_kv_cache
 from policy_bundle.quantize.reference_logits import ReferenceLogits
 from policy_bundle.quantize.script_runner import ScriptRunner, release_freed_memory
 
@@ -98,7 +98,7 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     real LM for a speed within noise). The float-layer search measures
     on ``golden.search``; a candidate it passes is then judged on ``golden.gate`` alone."""
     kw = fidelity_kwargs(cfg, tok)
-    measure, logits_only, _ = gate_measures(policy, golden.search, kw, tmp)
+    search_whole, search_logits, _ = gate_measures(policy, golden.search, kw, tmp)
     _, judge_logits, gate_reference = gate_measures(policy, golden.gate, kw, tmp)
     judge_greedy = greedy_completion(golden.gate, kw)
     trials: List[Trial] = []
@@ -108,13 +108,20 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
         def status(step: str, i=i, name=name) -> str:
             return f"candidate {i + 1}/{len(candidates)} {name}: {step}; best so far: {best_so_far(trials)}"
 
-        def confirm(searched: CanaryOutcome, status=status) -> CanaryOutcome:
+        # every module the gate measures, and the one that ships, allocates the candidate's KV cache (``kv_cache``)
+        def measure(int8, kv=recipe.kv_cache):
+            return search_whole(set_kv_cache(int8, kv))
+
+        def logits_only(int8, kv=recipe.kv_cache):
+            return search_logits(set_kv_cache(int8, kv))
+
+        def confirm(searched: CanaryOutcome, status=status, kv=recipe.kv_cache) -> CanaryOutcome:
             """Teacher-forced on the held-out prompts, then the one greedy confirmation where those pass, both on the
             candidate scripted as it ships (``script_int8``; its greedy decode ran in 35 s on 80 SmolLM2-135M items
             where the eager modules' took about 80)."""
             floats = len(searched.fp32_layers)
             set_status(status(f"teacher-forced metrics on the held-out prompts ({floats} float layers)"))
-            scripted = ScriptRunner(script_int8(searched.int8))
+            scripted = ScriptRunner(script_int8(set_kv_cache(searched.int8, kv)))
             report = judge_logits(scripted)
             if evaluate_gate(report, cfg.canary.gate).passed:
                 set_status(status(f"the whole gate on the held-out prompts ({floats} float layers)"))
@@ -133,6 +140,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
             continue
         set_status(status("preparing"))
         outcome = family.gate(cfg, policy, calibrated, recipe, measure, logits_only, name, status, confirm)
+        if outcome.int8 is not None:
+            set_kv_cache(outcome.int8, recipe.kv_cache)
         speed = None
         if auto and outcome.verdict.passed:
             set_status(status("decode speed of the passing candidate (TorchScript)"))

@@ -1,0 +1,101 @@
+"""The INT8 artifact's KV cache in bfloat16: half float32's bytes a token, chosen at build time (``recipe.kv_cache``),
+measured by the gate and recorded in the manifest. Attention over it has two kernels (bfloat16 products where oneDNN
+has them, the cache widened to float32 elsewhere): both stay close to float32 attention, and a row's result is the
+same alone or batched in each (the served engine's batching: tests/test_kv_budget.py, tests/test_batching.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cli_helpers import SMALL, run_cli
+from policy_bundle.build.errors import EXIT_REFUSED
+from policy_bundle.bundle.info import BundleInfo
+from policy_bundle.quantize.blocks import attend_narrow
+from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.model import full_logits, kv_bytes_per_token, set_kv_cache
+from policy_bundle.quantize.policy_config import PolicyConfig
+
+CFG = PolicyConfig(family="llama", vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                   intermediate_size=128, max_seq_len=512)
+
+
+def _attention_case(rows: int, positions: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, 2, 6, 32, generator=g)  # 2 kv heads, 3 query heads each, 2 query positions
+    k = torch.randn(rows, 2, positions, 32, generator=g)
+    v = torch.randn(rows, 2, positions, 32, generator=g)
+    seen = torch.arange(positions).view(1, 1, 1, -1) <= torch.arange(rows).view(-1, 1, 1, 1) * 37 + 100
+    mask = torch.zeros(rows, 1, 1, positions).masked_fill_(~seen, float("-inf"))
+    return q, k, v, mask, seen
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-products", "widened"])
+def test_attention_over_a_bfloat16_cache_is_close_to_float32_and_the_same_alone_or_batched(native):
+    if native and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        native = False  # no bfloat16 kernel here: the widened path is what this CPU serves (it is tested too)
+    q, k, v, mask, seen = _attention_case(4, 700)
+    kb, vb = k.bfloat16(), v.bfloat16()
+    exact = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = attend_narrow(q, kb, vb, mask, native)
+    assert out.dtype == torch.float32
+    err = (out - exact).abs().max().item()
+    assert err < 0.02, err
+    # the negative control: a cache read without its mask is far off
+    assert (attend_narrow(q, kb, vb, torch.zeros_like(mask), native) - exact).abs().max().item() > 10 * err
+    # garbage past a row's positions changes nothing, and a row is the same alone as in its batch
+    kb2 = kb.masked_fill(~seen.transpose(-1, -2).expand(-1, 2, -1, 32), 1e4)
+    vb2 = vb.masked_fill(~seen.transpose(-1, -2).expand(-1, 2, -1, 32), -1e4)
+    batched = attend_narrow(q, kb2, vb2, mask, native)
+    assert torch.equal(batched, out)
+    for r in range(4):
+        alone = attend_narrow(q[r:r + 1], kb2[r:r + 1], vb2[r:r + 1], mask[r:r + 1], native)
+        assert torch.equal(alone, batched[r:r + 1])
+
+
+def test_a_policy_with_a_bfloat16_cache_halves_its_bytes_and_stays_close_to_float32():
+    policy = init_random_policy(CFG, seed=1).eval()
+    tokens = torch.randint(0, CFG.vocab_size, (2, 120), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        f32 = full_logits(policy, tokens)
+        assert policy.new_cache(1, 8)[0].dtype == torch.float32
+        scripted = torch.jit.script(set_kv_cache(policy, "bfloat16"))
+        k, v = scripted.new_cache(1, 8)
+        bf16 = full_logits(scripted, tokens)
+    assert k.dtype == v.dtype == torch.bfloat16
+    assert kv_bytes_per_token(policy, "bfloat16") * 2 == kv_bytes_per_token(policy, "float32") == 2 * 2 * 2 * 32 * 4
+    diff = (bf16 - f32).abs().max().item()
+    assert 0 < diff < 0.05 * f32.abs().max().item()  # rounded keys and values: other logits, close ones
+    with pytest.raises(ValueError, match="kv_cache: 'int4'"):
+        set_kv_cache(policy, "int4")
+
+
+def test_the_build_ships_the_cache_its_recipe_names_and_records_it(small_bundle, tmp_path):
+    """The default build's TorchScript allocates a bfloat16 cache and its manifest says so; ``recipe.kv_cache=float32``
+    builds a float32 one (the negative control), and the gate's teacher-forced KL sees the difference."""
+    out = tmp_path / "f32"
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+                  "--set", "recipe.kv_cache=float32", "--set", "export.onnx=false", "--set", "register.bentoml=false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    kl = {}
+    for bundle, dtype in ((small_bundle, "bfloat16"), (out, "float32")):
+        info = BundleInfo.read(bundle)
+        assert info.kv_cache["dtype"] == dtype
+        module = torch.jit.load(str(bundle / "int8" / "policy.ts"))
+        k, _ = module.new_cache(1, 32)
+        assert k.dtype == getattr(torch, dtype)
+        assert info.kv_cache["bytes_per_token"] == 2 * k.numel() // 32 * k.element_size()
+        report = json.loads((bundle / "canary_report.json").read_text())
+        kl[dtype] = report["metrics"]["kl_mean"]
+    assert kl["bfloat16"] != kl["float32"]
+
+
+def test_a_cache_dtype_the_recipe_does_not_know_is_refused_naming_the_field(tmp_path):
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "x"),
+                  "--set", "recipe.kv_cache=float16")
+    assert res.returncode == EXIT_REFUSED, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "recipe.kv_cache" in last and "bfloat16" in last and "Traceback" not in res.stderr
