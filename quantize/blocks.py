@@ -181,15 +181,24 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
 
 
 def attend_narrow(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, native: bool) -> Tensor:
-    """Attention over a bfloat16 cache under float32 queries (``Policy.kv_cache``). ``native`` (oneDNN multiplies
-    bfloat16: AVX-512 and up): the cache is read as it is stored, the two products in bfloat16 with float32
-    accumulation and the softmax in float32, half the bytes a long context's decode step reads (0.38 ms a layer at 7000
-    positions on SmolLM2's shape where a float32 cache took 0.77). Elsewhere a bfloat16 product has no fast kernel
-    (4.6 ms there), so the cache is widened and attended as a float32 one. Either way a row's result does not depend
-    on the other rows of its batch."""
+    """Attention over a bfloat16 cache under float32 queries (``Policy.kv_cache``). Two kernels, as the CPU allows
+    (measured on SmolLM2's shape, one thread, AVX-512 + VNNI + BF16, a float32 policy's decode step against a float32
+    cache: 89.0 ms at position 7000, 61.9 at 2048, 52.3 at 128):
+
+    - ``native`` (oneDNN multiplies bfloat16: AVX-512 and up): the two products in bfloat16 with float32 accumulation,
+      the softmax in float32; the cache is read as it is stored: 82.4 / 63.7 / 55.0 ms. The scores are keys @ q^T,
+      transposed: the cache view attention runs over is narrowed from a longer allocation, and oneDNN copies such a
+      view when it is the transposed right operand (1.5 ms a layer at 7000 positions instead of 0.33). Each product
+      costs about 30 us however small, hence the short contexts' few ms;
+    - otherwise, PyTorch's fused attention in bfloat16 (queries and mask rounded to it, float32 accumulation inside):
+      97.7 / 66.0 / 53.6 ms here (a bfloat16 product without oneDNN took 4.6 ms a layer at 7000 positions; the cache
+      widened to float32 and attended as such, 110.7 / 66.4 / 57.6).
+
+    Either way a row's result does not depend on the other rows of its batch (tests/test_kv_cache.py)."""
     if not native:
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
-    scores = torch.matmul(q.to(keys.dtype), keys.transpose(-1, -2)).to(q.dtype) * (q.shape[-1] ** -0.5) + mask
+        return F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask.to(keys.dtype)).to(q.dtype)
+    scores = torch.matmul(keys, q.to(keys.dtype).transpose(-1, -2)).transpose(-1, -2).to(q.dtype) * (q.shape[-1] ** -0.5)
+    scores = scores + mask
     return torch.matmul(torch.softmax(scores, -1).to(values.dtype), values).to(q.dtype)
 
 

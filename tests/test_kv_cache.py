@@ -1,6 +1,6 @@
 """The INT8 artifact's KV cache in bfloat16: half float32's bytes a token, chosen at build time (``recipe.kv_cache``),
 measured by the gate and recorded in the manifest. Attention over it has two kernels (bfloat16 products where oneDNN
-has them, the cache widened to float32 elsewhere): both stay close to float32 attention, and a row's result is the
+has them, PyTorch's fused attention in bfloat16 elsewhere): both stay close to float32 attention, and a row's result is the
 same alone or batched in each (the served engine's batching: tests/test_kv_budget.py, tests/test_batching.py)."""
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def _attention_case(rows: int, positions: int, seed: int = 0):
     return q, k, v, mask, seen
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["bf16-products", "widened"])
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-products", "fused-bf16"])
 def test_attention_over_a_bfloat16_cache_is_close_to_float32_and_the_same_alone_or_batched(native):
     if native and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        native = False  # no bfloat16 kernel here: the widened path is what this CPU serves (it is tested too)
+        native = False  # no oneDNN bfloat16 here: the fused path is what this CPU serves (it is tested too)
     q, k, v, mask, seen = _attention_case(4, 700)
     kb, vb = k.bfloat16(), v.bfloat16()
     exact = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -19,15 +19,17 @@ from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayou
 from policy_bundle.quantize.fidelity import (LOGITS_ONLY_NOTE, FidelityReport, GateThresholds, evaluate_gate,
                                              measure_fidelity, policy_logits_fn)
 from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.model import CastPolicy, Policy
+from policy_bundle.quantize.model import Policy
 from policy_bundle.quantize.reference_logits import ReferenceLogits
 from policy_bundle.quantize.script_runner import load_torchscript, release_freed_memory
 
 
-FP16_GREEDY_NOTE = ("teacher-forced metrics only: vLLM serves this directory, and its greedy agreement is the FP16 "
-                    "side of the served golden canary and of `policy-bundle check-fp16 --engine vllm`; float16 "
-                    "matmuls in torch on a CPU without native float16 took 1.2 s a golden item to decode "
-                    "(SmolLM2-135M), a third of the build's fidelity stage at 80 items")
+FP16_GREEDY_NOTE = ("teacher-forced metrics of the directory's float16 weights computed in float32: what its bytes "
+                    "lose. vLLM serves it in float16 arithmetic; that side (greedy agreement included) is the served "
+                    "golden canary's and `policy-bundle check-fp16 --engine vllm`'s. Torch's float16 matmuls on a CPU "
+                    "without native float16 took 125 s of a SmolLM2-135M build's 215 s fidelity stage for the "
+                    "teacher-forced pass alone")
+FP16_COMPUTED_AS = "float16 weights, float32 compute (torch, CPU)"
 
 
 GREEDY_REUSED_NOTE = ("greedy completions: the gate's, of the module this file was saved from (its teacher-forced "
@@ -48,13 +50,12 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
                                      cfg.canary.gate)}
     del scripted  # one artifact in memory at a time
     release_freed_memory()
-    # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether
-    # INT8 is as faithful as the FP16 directory: its weights and KV cache in float16 (torch on CPU).
-    set_status(f"the FP16 directory in float16: {n} golden items teacher-forced")
-    fp16 = CastPolicy(load_policy(layout.fp16_dir, max_seq_len=cfg.policy.max_seq_len), torch.float16)
+    # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether INT8 is as
+    # faithful as the FP16 directory: its float16 weights (widened as they load), computed in float32
+    set_status(f"the FP16 directory's float16 weights: {n} golden items teacher-forced")
+    fp16 = load_policy(layout.fp16_dir, max_seq_len=cfg.policy.max_seq_len)
     out["fp16_hf"] = {**measure_fidelity(policy, fp16, golden, generate=False, logits_only_note=FP16_GREEDY_NOTE,
-                                         **ref, **kw).summary(),
-                      "computed_as": "float16 weights and compute (torch, CPU)"}
+                                         **ref, **kw).summary(), "computed_as": FP16_COMPUTED_AS}
     del fp16
     release_freed_memory()
     if cfg.onnx_export():
