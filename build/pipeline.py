@@ -84,6 +84,7 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[
     signing_key_from_env()  # a bad POLICY_BUNDLE_SIGNING_KEY fails now, not after the build
     torch.manual_seed(cfg.seed)
     int8_vllm = planned(cfg)  # export.int8_vllm: true without vLLM fails here, before any work
+    cfg.require_extras()  # so does a setting whose extra is not installed
     active_fault()  # announced (and recorded in the manifest) when a test fault is set
     stages = Stages(9)
     out.parent.mkdir(parents=True, exist_ok=True)

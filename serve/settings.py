@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from policy_bundle.quantize.decode import DECODE_THREADS
 from policy_bundle.quantize.config_schema import FieldError, check, choice, from_mapping, ranged, read_as, read_yaml
+from policy_bundle.quantize.extras import MissingExtra, require
 from policy_bundle.serve.rollout_types import RolloutConfig
 
 INT8_ENGINES = ("torchscript", "vllm")
@@ -90,6 +91,11 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         check(self)
+        if self.state_url and self.state_url.startswith("postgresql"):  # a replica's first request would fail
+            try:
+                require("postgres", f"a {self.state_url.split('://')[0]} URL (rollout state shared by replicas)")
+            except MissingExtra as exc:
+                raise FieldError("state_url", str(exc)) from None
         for p in self.trusted_keys:  # read now: a key that cannot be read stops start-up, not the first request
             from policy_bundle.bundle.signing import SigningKeyError, load_key
 

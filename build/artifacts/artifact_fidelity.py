@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, BuildConfig
+from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, ONNX_NOT_INSTALLED, BuildConfig
 from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.measure import fidelity_kwargs, greedy_completion
 from policy_bundle.build.progress import log, set_status
@@ -100,7 +100,10 @@ def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[s
     """With the canary on: the TorchScript as loaded back must pass the gate (else the build fails); an
     ONNX model that misses it is removed from ``bundle``. Returns why ONNX is not shipped (None: it is)."""
     if not cfg.onnx_export():
-        return "export.onnx: false" if cfg.export.onnx is False else ONNX_AUTO_OFF
+        if cfg.export.onnx is False:
+            return "export.onnx: false"
+        return ONNX_AUTO_OFF if not any(type(cfg.recipe_config(c)).onnx_carries_activations
+                                        for c in cfg.recipe.candidates()) else ONNX_NOT_INSTALLED
     if not cfg.canary.enabled:
         return None
     ts = fidelity["int8_torchscript"]

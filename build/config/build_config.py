@@ -13,6 +13,7 @@ from policy_bundle.build.config.candidates import parse_candidate
 from policy_bundle.build.errors import ConfigError
 from policy_bundle.quantize.config_schema import (FieldError, check, choice, from_mapping, inline, ranged,
                                                   read_field, read_yaml, to_mapping)
+from policy_bundle.quantize.extras import installed, require
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.recipe_types import recipe_of
 from policy_bundle.quantize.recipes import SCHEMES, RecipeConfig
@@ -150,6 +151,7 @@ class CanarySection:
         check(self, "canary")
 
 
+ONNX_NOT_INSTALLED = "export.onnx: auto, not built: the [onnx] extra is not installed (pip install 'policy-bundle[onnx]')"
 ONNX_AUTO_OFF = ("export.onnx: auto, not built for per-token (w8a8) recipes: onnxruntime's static INT8 keeps one "
                  "activation scale per tensor, which fails the gate on real LMs (set export.onnx: true to build it)")
 
@@ -194,7 +196,22 @@ class BuildConfig:
         activations onnxruntime's static INT8 (one scale per tensor) cannot carry (``ONNX_AUTO_OFF``)."""
         if self.export.onnx is not None:
             return self.export.onnx
-        return any(type(self.recipe_config(c)).onnx_carries_activations for c in self.recipe.candidates())
+        return (any(type(self.recipe_config(c)).onnx_carries_activations for c in self.recipe.candidates())
+                and installed("onnx"))  # auto without the [onnx] extra: not built (ONNX_NOT_INSTALLED)
+
+    def require_extras(self) -> None:
+        """Refuse, before any work, a setting whose extra is not installed (``quantize/extras.py``)."""
+        from policy_bundle.quantize.extras import MissingExtra
+
+        try:
+            c = self.calibration
+            if c.procs > 0 or c.hosts > 0:
+                what = f"calibration.hosts: {c.hosts}" if c.hosts else f"calibration.procs: {c.procs}"
+                require("mesh", f"{what} (the Monarch calibration mesh)", "calibration.procs: 0 (in this process)")
+            if self.export.onnx:
+                require("onnx", "export.onnx: true", "export.onnx: false")
+        except MissingExtra as exc:
+            raise ConfigError(str(exc)) from None
 
     def recipe_config(self, candidate: Optional[str] = None) -> RecipeConfig:
         """The quantize-library recipe (``candidate``, a scheme or an auto entry, replaces the configured one)."""

@@ -25,6 +25,7 @@ import torch
 from policy_bundle.build.config.build_config import TorchtitanSection
 from policy_bundle.build.errors import CheckpointError, ConfigError, UnsupportedPolicyError
 from policy_bundle.quantize import task
+from policy_bundle.quantize.extras import MissingExtra, require
 from policy_bundle.quantize.model import PolicyConfig
 
 # Our model family for each torchtitan model we convert; the adapter comes from torchtitan's model spec.
@@ -206,9 +207,9 @@ def resolve_torchtitan_source(step_dir: Path, src: TorchtitanSection, cache_root
                               log: Callable[[str], None] = print) -> Path:
     """The cached HF directory converted from ``step_dir`` (converted now if this cache has none)."""
     try:
-        import torchtitan  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(f"policy.torchtitan: torchtitan cannot be imported ({exc}); run ./setup.sh") from None
+        require("torchtitan", f"policy.source: {str(step_dir)!r} (a torchtitan checkpoint)")
+    except MissingExtra as exc:
+        raise ConfigError(str(exc)) from None
     step_dir = step_dir.resolve()
     if not step_dir.is_dir():
         raise ConfigError(f"policy.source: {str(step_dir)!r} is not a directory (a torchtitan step-N checkpoint)")
