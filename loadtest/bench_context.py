@@ -4,6 +4,8 @@ TorchScript (as the server runs it: ``load_torchscript``, a KV cache grown by bl
 bytes a token costs in each.
 
     .venv/bin/python -m policy_bundle.loadtest.bench_context --bundle BUNDLE [--positions 128,2048,7000] [--tokens 32]
+        [--gguf SRC.gguf]   # llama.cpp Q8_0 too, where llama-cpp-python is installed (not in the default install)
+        [--float32-cache]   # the INT8 file with its KV cache switched to float32 too
 
 A position's figure: a prompt of that many tokens prefilled (untimed), then ``--tokens`` decode steps timed (vLLM:
 the time of a ``tokens``-token generation less a one-token one), median of ``--repeats``.
@@ -12,6 +14,7 @@ the time of a ``tokens``-token generation less a one-token one), median of ``--r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,7 +31,7 @@ def _prompt(n: int, vocab: int) -> list:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
 
 
-def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int) -> dict:
+def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int, kv_cache: str = "") -> dict:
     import torch
 
     from policy_bundle.bundle.info import BundleInfo
@@ -37,6 +40,8 @@ def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int) -> dic
 
     torch.set_num_threads(1)  # the served engine's decode thread (engine_threads: 1)
     module = load_torchscript(bundle / "int8" / "policy.ts")
+    if kv_cache:  # another cache than the file's (the same weights and kernels): what the cache's dtype costs
+        module._c.setattr("kv_cache", kv_cache)
     ctx = BundleInfo.read(bundle).max_seq_len
     vocab = int(json.loads((bundle / "int8" / "config.json").read_text())["vocab_size"])
     out = {}
@@ -86,6 +91,40 @@ def vllm_worker(bundle: Path, dtype: str, positions: list, tokens: int, repeats:
     return out
 
 
+def llama_worker(bundle: Path, gguf: Path, positions: list, tokens: int, repeats: int) -> dict:
+    """llama.cpp (``llama-cpp-python``, one thread, its default float16 KV cache) on a Q8_0 GGUF written from the
+    GGUF the bundle's FP32 source was dequantized from (``loadtest/gguf_peer.py``); prompt evaluated untimed, then
+    ``tokens`` greedy decode steps timed, as the other engines."""
+    import tempfile
+
+    import llama_cpp
+    import numpy as np
+
+    from policy_bundle.loadtest.gguf_peer import _plain_buffers, amx_cpu, write_gguf
+    from policy_bundle.quantize.hf_weights import load_hf_config
+
+    cfg = load_hf_config(bundle / "fp16")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_gguf(gguf, Path(tmp) / "peer-Q8_0.gguf", "Q8_0")
+        with _plain_buffers() if amx_cpu() else contextlib.nullcontext():  # AMX buffers crash on batches (gguf_peer)
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(positions) + tokens + 32, n_batch=512, n_threads=1,
+                                  n_threads_batch=1, verbose=False, seed=0)
+        out = {}
+        for pos in positions:
+            times = []
+            for _ in range(repeats + 1):
+                llm.reset()
+                llm.eval(_prompt(pos, cfg.vocab_size))
+                t0 = time.perf_counter()
+                for _ in range(tokens):
+                    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+                    llm.eval([int(np.argmax(logits))])
+                times.append(time.perf_counter() - t0)
+            out[str(pos)] = tokens / statistics.median(times[1:])
+    out["kv_bytes_per_token"] = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2  # keys and values, float16
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True)
@@ -93,28 +132,47 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--float32-cache", action="store_true", help="also the INT8 TorchScript with a float32 KV cache "
+                    "(the same file, its cache switched): what a bfloat16 cache costs or saves")
+    ap.add_argument("--gguf", type=Path, help="the GGUF the bundle's FP32 source was dequantized from (the SmolLM2 "
+                    "fixture: policy_bundle.loadtest.real_lm.gguf_path()): adds llama.cpp Q8_0 where llama-cpp-python "
+                    "is installed")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     positions = [int(p) for p in args.positions.split(",")]
     if args.worker:
-        fig = (int8_worker(args.bundle, positions, args.tokens, args.repeats) if args.worker == "int8" else
-               vllm_worker(args.bundle, args.worker, positions, args.tokens, args.repeats))
+        if args.worker.startswith("int8"):
+            fig = int8_worker(args.bundle, positions, args.tokens, args.repeats, args.worker.partition(":")[2])
+        elif args.worker == "llama.cpp":
+            fig = llama_worker(args.bundle, args.gguf, positions, args.tokens, args.repeats)
+        else:
+            fig = vllm_worker(args.bundle, args.worker, positions, args.tokens, args.repeats)
         print(json.dumps(fig))
         return 0
-    engines = ["int8"] + ([] if args.no_vllm else ["float16", "bfloat16"])
+    engines = ["int8"] + (["int8:float32"] if args.float32_cache else []) + ([] if args.no_vllm else
+                                                                             ["float16", "bfloat16"])
+    if args.gguf:
+        from policy_bundle.loadtest.gguf_peer import llama_cpp_available
+
+        if llama_cpp_available():
+            engines.append("llama.cpp")
+        else:
+            print("llama.cpp skipped: llama-cpp-python is not installed (loadtest/gguf_peer.py)", file=sys.stderr)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     figures = {}
     for engine in engines:
         res = subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.bench_context", "--bundle", str(args.bundle),
                               "--positions", args.positions, "--tokens", str(args.tokens), "--repeats",
-                              str(args.repeats), "--worker", engine], capture_output=True, text=True, env=env,
+                              str(args.repeats), "--worker", engine,
+                              *(["--gguf", str(args.gguf)] if args.gguf else [])], capture_output=True, text=True, env=env,
                              timeout=3600)
         if res.returncode != 0:
             print(f"{engine}: failed: {res.stderr[-2000:]}", file=sys.stderr)
             continue
         figures[engine] = json.loads(res.stdout.strip().splitlines()[-1])
-    names = {"int8": "INT8 TorchScript (1 thread)", "float16": "vLLM FP16", "bfloat16": "vLLM BF16"}
+    names = {"int8": "INT8 TorchScript (1 thread)", "int8:float32": "INT8 TorchScript, float32 KV cache (1 thread)", "float16": "vLLM FP16", "bfloat16": "vLLM BF16",
+             "llama.cpp": "llama.cpp Q8_0 (1 thread, f16 cache)"}
     print(f"decode tok/s at batch 1 by context position ({args.bundle}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores)")
     print("| engine | " + " | ".join(f"pos {p}" for p in positions) + f" | pos {positions[-1]} vs {positions[0]} | "
@@ -124,6 +182,9 @@ def main(argv=None) -> int:
         cells = " | ".join(f"{fig[str(p)]:.1f}" for p in positions)
         print(f"| {names[engine]} | {cells} | {fig[str(positions[-1])] / fig[str(positions[0])]:.2f}x | "
               f"{fig['kv_bytes_per_token']} |")
+    if "int8" in figures and "llama.cpp" in figures:
+        print("INT8 / llama.cpp Q8_0: " + ", ".join(
+            f"pos {p} {figures['int8'][str(p)] / figures['llama.cpp'][str(p)]:.2f}x" for p in positions))
     if "int8" in figures and "float16" in figures:
         print("INT8 / vLLM FP16: " + ", ".join(f"pos {p} {figures['int8'][str(p)] / figures['float16'][str(p)]:.2f}x"
                                                for p in positions))

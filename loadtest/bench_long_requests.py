@@ -192,6 +192,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workdir", type=Path)
     a = ap.parse_args(argv)
     a.num_prompts = a.clients  # one wave: every client sends one request
+    a.warmups = 2  # the engines warmed up, without a second wave of long requests
     bundle = a.bundle.resolve()
     context = BundleInfo.read(bundle).max_seq_len
     if max(a.input_len + 1 + a.output_len, a.long_prompt + 4) > context:

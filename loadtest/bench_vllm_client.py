@@ -78,7 +78,7 @@ def client_args(port: int, tokenizer: Path, concurrency: int, a, result_dir: Pat
             "--model", MODEL, "--tokenizer", str(tokenizer), "--dataset-name", "random",
             "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
             "--num-prompts", str(a.num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-            "--temperature", "0", "--seed", str(a.seed), "--num-warmups", str(min(concurrency, a.num_prompts)),
+            "--temperature", "0", "--seed", str(a.seed), "--num-warmups", str(getattr(a, "warmups", min(concurrency, a.num_prompts))),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
             "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
     if headers:  # one --header with every pair: the flag is nargs="*", a second --header replaces the first
