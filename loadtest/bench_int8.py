@@ -229,8 +229,8 @@ def bench_bundle(bundle: Path, args) -> None:
     hf = hf_generate_tps(policy_dir, args.new_tokens, args.repeats)
     print(f"\n== bundle {bundle} ({manifest['recipe']['scheme']}, {len(manifest['recipe']['fp32_layers'])} layers "
           f"in float) on {policy_dir.name}; HF transformers FP32 generate {hf:.1f} tok/s; top-1 / KL vs FP32 on the "
-          "manifest's held-out golden set (from the manifest; llama.cpp measured here; fp16 vllm: the FP16 weights in "
-          "torch)")
+          "manifest's held-out golden set (from the manifest; llama.cpp measured here; fp16 vllm: the FP16 "
+          "weights computed in float32 by torch, the manifest's fp16_hf)")
     print(f"{'variant':20s} {'decode tok/s':>13s} {'vs eager':>8s} {'vs HF':>6s} {f'b={BATCH_ROWS} tok/s':>12s} "
           f"{'vs eager':>8s} {'prefill tok/s':>14s} {'peak RSS MB':>12s} {'artifact MB':>12s} {'top-1':>7s} {'KL':>8s}")
     base = figures["fp32 eager"]

@@ -185,8 +185,9 @@ def attend_narrow(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, native:
     (measured on SmolLM2's shape, one thread, AVX-512 + VNNI + BF16, a float32 policy's decode step against a float32
     cache: 89.0 ms at position 7000, 61.9 at 2048, 52.3 at 128):
 
-    - ``native`` (oneDNN multiplies bfloat16: AVX-512 and up): the two products in bfloat16 with float32 accumulation,
-      the softmax in float32; the cache is read as it is stored: 82.4 / 63.7 / 55.0 ms. The scores are keys @ q^T,
+    - ``native`` (oneDNN multiplies bfloat16: AVX-512 and up): the two products in bfloat16 (float32 accumulation
+      inside, the scores and the output rounded to bfloat16), the softmax in float32; the cache is read as it is
+      stored: 82.4 / 63.7 / 55.0 ms. The scores are keys @ q^T,
       transposed: the cache view attention runs over is narrowed from a longer allocation, and oneDNN copies such a
       view when it is the transposed right operand (1.5 ms a layer at 7000 positions instead of 0.33). Each product
       costs about 30 us however small, hence the short contexts' few ms;

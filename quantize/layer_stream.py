@@ -34,7 +34,7 @@ def run_layer(policy: nn.Module, index: int, hidden: Sequence[Tensor]) -> List[T
     out = []
     for x in hidden:
         b, t = x.shape[0], x.shape[1]
-        k = torch.zeros([1, b, policy.n_kv_heads, t, policy.head_dim])
+        k = torch.zeros([1, b, policy.n_kv_heads, t, policy.head_dim], dtype=policy.new_cache(1, 1)[0].dtype)
         v = torch.zeros_like(k)
         cos, sin, mask = policy._chunk_tables(t, 0, k)
         out.append(layer(x, cos, sin, mask, 0, k[0], v[0]))

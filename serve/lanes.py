@@ -43,7 +43,7 @@ class Lanes:
         """The lanes' counts summed (their peak batch: the largest), and each lane's own under ``per_lane``."""
         per = [e.stats() for e in self.lanes]
         total = {k: sum(s[k] for s in per) for k in ("active", "pending", "capacity", "steps", "fused_chunks",
-                                                     "kv_allocated_bytes", "kv_refused")}
+                                                     "kv_allocated_bytes", "kv_refused", "busy_refused")}
         waits = [s.get("queue_wait_s") or {} for s in per]  # the slowest lane's
         return {**total, "kv_held_bytes": per[0]["kv_held_bytes"], "kv_budget_bytes": per[0]["kv_budget_bytes"],
                 "kv_bytes_per_token": per[0]["kv_bytes_per_token"],

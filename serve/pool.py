@@ -299,17 +299,22 @@ class VariantPool:
         reader = wire.LineReader()
 
         async def lines():
-            async for chunk in self.services[name].to_async.stream(**kwargs):
-                for step in reader.feed(chunk):
-                    yield step
+            async with contextlib.aclosing(self.services[name].to_async.stream(**kwargs)) as chunks:
+                async for chunk in chunks:
+                    for step in reader.feed(chunk):
+                        yield step
             for step in reader.finish():
                 yield step
-        async for step in lines():
-            if "error" in step:
-                raise StreamFailed(f"{name}: {step['error']}", step.get("status", 500))
-            if step.get("done"):
-                return
-            yield step
+        try:
+            async with contextlib.aclosing(lines()) as steps:
+                async for step in steps:
+                    if "error" in step:
+                        raise StreamFailed(f"{name}: {step['error']}", step.get("status", 500))
+                    if step.get("done"):
+                        return
+                    yield step
+        except wire.CutOff as exc:
+            raise StreamFailed(f"{name}: {exc} (cut off)", 502) from None
         raise StreamFailed(f"{name}: the stream ended without its end marker (cut off)", 502)
 
     async def next_step(self, name: str, steps: AsyncIterator[dict]) -> Optional[dict]:

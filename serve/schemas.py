@@ -100,7 +100,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False  # one more chunk before [DONE]: empty choices, the request's usage
 
 
-class _Request(BaseModel):
+class _ApiRequest(BaseModel):
     # strict: "0.5" is not a temperature and true is not a number (a JSON int is a float, as JSON has one number)
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -165,7 +165,7 @@ class _Request(BaseModel):
         return stop
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(_ApiRequest):
     prompt: Union[str, List[str]] = Field(json_schema_extra=_published(
         {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 1}]}))
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -182,7 +182,7 @@ class ChatMessage(BaseModel):
     content: str = Field(json_schema_extra=_published(TEXT))
 
 
-class ChatRequest(_Request):
+class ChatRequest(_ApiRequest):
     messages: List[ChatMessage] = Field(min_length=1, max_length=64)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

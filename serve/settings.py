@@ -91,11 +91,8 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         check(self)
-        if self.state_url and self.state_url.startswith("postgresql"):  # a replica's first request would fail
-            try:
-                require("postgres", f"a {self.state_url.split('://')[0]} URL (rollout state shared by replicas)")
-            except MissingExtra as exc:
-                raise FieldError("state_url", str(exc)) from None
+        if self.state_url:  # its database driver, now: a replica's first request would fail
+            _check_driver(self.state_url)
         for p in self.trusted_keys:  # read now: a key that cannot be read stops start-up, not the first request
             from policy_bundle.bundle.signing import SigningKeyError, load_key
 
@@ -103,6 +100,24 @@ class RouterSettings:
                 load_key(Path(p), private=False)
             except SigningKeyError as exc:
                 raise FieldError("trusted_keys", str(exc)) from None
+
+
+def _check_driver(url: str) -> None:
+    """The state URL's SQLAlchemy driver can be imported (``postgresql+psycopg``: the postgres extra)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+        if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() == "psycopg":
+            require("postgres", "a postgresql+psycopg URL (rollout state shared by replicas)")
+        parsed.get_dialect().import_dbapi()
+    except MissingExtra as exc:
+        raise FieldError("state_url", str(exc)) from None
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        raise FieldError("state_url", f"is not a SQLAlchemy database URL ({exc})") from None
+    except ImportError as exc:
+        raise FieldError("state_url", f"its driver cannot be imported ({exc})") from None
 
 
 def _env_list(env: Mapping[str, str], name: str, empty: str) -> Tuple[str, ...]:

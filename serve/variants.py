@@ -90,7 +90,8 @@ def int8_vllm_engine(path: Path, max_seq_len: int) -> VllmEngine:
     """vLLM on the entry's int8-vllm/ (verified with int8/, its sibling in the entry; its presence and vLLM
     were checked at import: ``_require_what_the_settings_need``)."""
     dtype = json.loads((path / "config.json").read_text()).get("torch_dtype", "float16")
-    return VllmEngine(path, max_seq_len, dtype=dtype, name="vllm-w8a8")
+    return VllmEngine(path, max_seq_len, dtype=dtype, name="vllm-w8a8",
+                      first_token_s=batching_settings()["first_token_s"])
 
 
 async def warm_up_engine(svc) -> None:
@@ -140,7 +141,9 @@ def batching_settings() -> dict:
     return {"max_batch": s.max_batch, "prefill_chunk": s.prefill_chunk, "threads": s.engine_threads,
             "lanes": s.engine_lanes, "kv_cache_bytes": s.kv_cache_bytes,
             # a wait the router would give up on first would count as the variant's failure: a 429 comes before it
-            "kv_wait_s": min(s.kv_wait_s, 0.8 * s.request_timeout_s) if s.request_timeout_s else s.kv_wait_s}
+            "kv_wait_s": min(s.kv_wait_s, 0.8 * s.request_timeout_s) if s.request_timeout_s else s.kv_wait_s,
+            # the same for a first token that a busy engine has not produced yet (queued or prefilling behind others)
+            "first_token_s": 0.8 * s.request_timeout_s if s.request_timeout_s else None}
 
 
 def engine_stats(engine) -> Optional[dict]:
@@ -374,7 +377,7 @@ class Fp16Policy:
                 raise RuntimeError("injected fault: vLLM failed to load")
             if not vllm_available(load=True):
                 raise ImportError(f"vllm is {_vllm_missing()}")
-            self.engine = VllmEngine(path, self.max_seq_len)
+            self.engine = VllmEngine(path, self.max_seq_len, first_token_s=batching_settings()["first_token_s"])
         except Exception as exc:  # noqa: BLE001 - the fallback serves; readiness says whether that was the plan
             if require:
                 log.error("refusing to start: require_vllm is set and vLLM did not load: %s", exc)

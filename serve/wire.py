@@ -7,6 +7,7 @@ split across chunks (a long, fast stream arrives in arbitrary pieces, not one li
 
 from __future__ import annotations
 
+import codecs
 import json
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -23,15 +24,21 @@ def error_line(message: str, status: int) -> str:
     return json.dumps({"error": message, "status": status}) + "\n"
 
 
+class CutOff(ValueError):
+    """The stream ended in the middle of a line (the writer died while writing it)."""
+
+
 class LineReader:
-    """Chunks in, whole decoded lines out; a partial line waits for the chunk that completes it."""
+    """Chunks in (text, or bytes cut anywhere, inside a character too), whole decoded lines out; a partial line waits
+    for the chunk that completes it."""
 
     def __init__(self):
         self._pending = ""
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
 
     def feed(self, chunk) -> Iterator[dict]:
         if isinstance(chunk, (bytes, bytearray)):
-            chunk = chunk.decode()
+            chunk = self._utf8.decode(chunk)
         lines: List[str] = (self._pending + chunk).split("\n")
         self._pending = lines.pop()
         for line in lines:
@@ -39,7 +46,11 @@ class LineReader:
                 yield json.loads(line)
 
     def finish(self) -> Iterator[dict]:
-        """The last line when the stream ended without a newline after it (one whole object, or an error)."""
-        rest, self._pending = self._pending, ""
+        """The last line when the stream ended without a newline after it: one whole object, else ``CutOff``."""
+        rest, self._pending = self._pending + self._utf8.decode(b"", final=True), ""
         if rest.strip():
-            yield json.loads(rest)
+            try:
+                step = json.loads(rest)
+            except ValueError:
+                raise CutOff(f"the stream ended inside a line ({rest[:80]!r})") from None
+            yield step

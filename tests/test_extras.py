@@ -75,3 +75,27 @@ def test_a_postgresql_state_url_without_its_extra_stops_the_router_in_one_line(t
     assert res.returncode != 0
     assert ("state_url: a postgresql+psycopg URL (rollout state shared by replicas) needs the [postgres] extra"
             in res.stderr)
+
+
+def test_a_torchtitan_source_without_its_extra_is_refused_before_any_work(tmp_path):
+    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"),
+                  "--set", "calibration.procs=0", "--set", "export.onnx=false",
+                  "--set", f"policy.source={tmp_path}", "--set", "policy.torchtitan.model=llama3", env=HIDE)
+    assert res.returncode == EXIT_REFUSED and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [
+        "error: policy.torchtitan (a torchtitan checkpoint as the source) needs the [torchtitan] extra (torchtitan "
+        "cannot be imported): pip install 'policy-bundle[torchtitan]'"]
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_postgresql_state_url_is_accepted_where_its_extra_is_installed(tmp_path):
+    """The control of the refusal above: the same settings load with psycopg importable."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "router.yaml"
+    config.write_text(yaml.safe_dump({"state_url": "postgresql+psycopg://u@127.0.0.1/db"}))
+    res = subprocess.run([sys.executable, "-c", "from policy_bundle.serve.settings import load_settings as l; "
+                          "print(l().state_url)"], env={**os.environ, "POLICY_ROUTER_CONFIG": str(config)},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "postgresql+psycopg://u@127.0.0.1/db", res.stderr[-1000:]

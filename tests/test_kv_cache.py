@@ -35,8 +35,8 @@ def _attention_case(rows: int, positions: int, seed: int = 0):
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16-products", "fused-bf16"])
 def test_attention_over_a_bfloat16_cache_is_close_to_float32_and_the_same_alone_or_batched(native):
-    if native and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        native = False  # no oneDNN bfloat16 here: the fused path is what this CPU serves (it is tested too)
+    # without oneDNN's bfloat16 kernels the products still run (slowly, through PyTorch's own): the kernel is checked
+    # for correctness on every CPU, whichever one this CPU serves with
     q, k, v, mask, seen = _attention_case(4, 700)
     kb, vb = k.bfloat16(), v.bfloat16()
     exact = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -54,6 +54,22 @@ def test_attention_over_a_bfloat16_cache_is_close_to_float32_and_the_same_alone_
     for r in range(4):
         alone = attend_narrow(q[r:r + 1], kb2[r:r + 1], vb2[r:r + 1], mask[r:r + 1], native)
         assert torch.equal(alone, batched[r:r + 1])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-products", "fused-bf16"])
+def test_attention_over_more_whole_blocks_of_masked_cache_gives_the_same_bits(native):
+    """A step attends over ``attention_len`` positions (a multiple of 32) of whatever cache it is handed: a longer
+    cache whose extra positions are masked (garbage in them) gives the same result, bitwise, as the short one."""
+    q, k, v, mask, _ = _attention_case(2, 256)
+    kb, vb = k.bfloat16(), v.bfloat16()
+    seen = (torch.arange(256) < 160).view(1, 1, 1, -1)
+    mask = torch.zeros(2, 1, 1, 256).masked_fill_(~seen, float("-inf"))
+    short = attend_narrow(q, kb[:, :, :160], vb[:, :, :160], mask[..., :160], native)
+    for n in (192, 256):
+        garbage_k = kb[:, :, :n].clone()
+        garbage_k[:, :, 160:] = 3e3
+        longer = attend_narrow(q, garbage_k, vb[:, :, :n], mask[..., :n], native)
+        assert torch.equal(longer, short), (native, n, (longer - short).abs().max())
 
 
 def test_a_policy_with_a_bfloat16_cache_halves_its_bytes_and_stays_close_to_float32():

@@ -277,6 +277,38 @@ def test_a_plain_request_the_router_gives_up_on_stops_decoding_in_the_variant(tm
         server.stop()
 
 
+def test_a_busy_engine_answers_429_before_the_router_times_out_and_no_failure_is_counted(tmp_path, small_bundle):
+    """A request queued behind others past 0.8 x request_timeout_s without its first token gets a 429 with
+    Retry-After from the engine, which is busy, not broken: not a 503 after the router's timeout, and not a variant
+    failure for the rollout to act on. The request holding the engine's only slot (slow, but streaming from its first
+    step) is answered in full: the limit is on the first token, not on the whole answer."""
+    server = start(tmp_path, small_bundle, "busy", "slow:factor=0.4", config={
+        "request_timeout_s": 4.0, "max_batch": 1, "health_interval_s": 0.5,
+        "rollout": {"analysis_interval_s": 0.5, "golden_interval_s": 3600, "min_samples": 10}})
+    forced = {"x-policy-variant": "int8", "x-admin-token": "t"}
+    try:
+        errors_before = metric(server, "policy_errors_total", variant="int8")
+        with httpx.stream("POST", f"{server.url}/v1/completions", headers=forced, timeout=60, json={
+                "model": "policy", "prompt": "1+1=", "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as holder:
+            lines = holder.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))  # it holds the only slot now
+            t0 = time.monotonic()
+            queued = httpx.post(f"{server.url}/v1/completions", headers=forced, timeout=60, json={
+                "model": "policy", "prompt": "2+2=", "max_tokens": 2, "temperature": 0})
+            waited = time.monotonic() - t0
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert queued.status_code == 429 and queued.headers.get("retry-after"), queued.text
+        assert queued.json()["error"]["code"] == "rate_limited" and "busy: no first token" in queued.text
+        assert 3.0 < waited < 4.0, waited  # 0.8 x 4 s, before the router's own timeout
+        assert first and rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+        batch = httpx.get(f"{server.url}/status", timeout=10).json()["variants"]["int8"]["batch"]
+        assert batch["busy_refused"] == 1
+        assert metric(server, "policy_errors_total", variant="int8") == errors_before  # no failure counted
+    finally:
+        server.stop()
+
+
 def test_a_hung_decode_thread_is_marked_down_and_its_requests_fail_over(tmp_path, small_bundle):
     """Health was a flag set once at start: a decode thread that hung kept answering the probe, so every routed
     request waited request_timeout_s. The probe now reads the age of the last decode step while work waits."""

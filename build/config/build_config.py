@@ -210,6 +210,8 @@ class BuildConfig:
                 require("mesh", f"{what} (the Monarch calibration mesh)", "calibration.procs: 0 (in this process)")
             if self.export.onnx:
                 require("onnx", "export.onnx: true", "export.onnx: false")
+            if self.policy.torchtitan is not None:
+                require("torchtitan", "policy.torchtitan (a torchtitan checkpoint as the source)")
         except MissingExtra as exc:
             raise ConfigError(str(exc)) from None
 
