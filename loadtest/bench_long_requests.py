@@ -103,7 +103,8 @@ async def first_token_s(client: httpx.AsyncClient, url: str, headers: dict, prom
 
 async def long_prompt_ttft(url: str, variant: str, tokenizer, long_len: int, decoding: int) -> dict:
     headers = {"x-policy-variant": variant, "x-admin-token": TOKEN}
-    long_prompt = prompt_of(tokenizer, long_len, seed=1)
+    # two prompts of the same length: vLLM's prefix cache would answer the second from the first's blocks
+    long_prompt, other_prompt = prompt_of(tokenizer, long_len, seed=1), prompt_of(tokenizer, long_len, seed=2)
     async with httpx.AsyncClient(timeout=900) as client:
         alone = await first_token_s(client, url, headers, long_prompt, 4)
         done = asyncio.Event()
@@ -112,13 +113,13 @@ async def long_prompt_ttft(url: str, variant: str, tokenizer, long_len: int, dec
                                                     4000, starts[i], done)) for i in range(decoding)]
         await asyncio.wait_for(asyncio.gather(*[s.wait() for s in starts]), 600)
         await asyncio.sleep(1.0)  # the others are decoding now
-        loaded = await first_token_s(client, url, headers, long_prompt, 4)
+        loaded = await first_token_s(client, url, headers, other_prompt, 4)
         done.set()
         rest = await asyncio.gather(*others, return_exceptions=True)
     return {"prompt_tokens": len(tokenizer(long_prompt, add_special_tokens=False)["input_ids"]),
             "alone_ttft_s": alone["ttft_s"], "loaded_ttft_s": loaded["ttft_s"], "decoding": decoding,
             "decoding_ok": sum(1 for x in rest if isinstance(x, dict) and x.get("status") == 200),
-            "statuses": [alone["status"], loaded["status"]]}
+            "statuses": [alone["status"], loaded["status"]], "loaded_body": loaded.get("body")}
 
 
 def bench(bundle: Path, a, tmp: Path, variants: List[str]) -> Dict[str, dict]:
