@@ -138,6 +138,10 @@ class BatchedEngine:
         hang = active_fault("hang")  # test-only fault: the decode thread blocks for good at this step
         self.hang_after = hang.after if hang is not None and (not hang.name or name.startswith(hang.name)) else None
         self.last_step_at = time.monotonic()  # when the decode thread last finished a step (or found work, idle)
+        # what the running step may take, so that a long legitimate step (a 512-token prompt chunk on one thread: about
+        # 3 s on SmolLM2-135M) is not taken for a hang: the tokens in it x seconds a token, or a whole step, whichever
+        # is longer (each the slowest lately, decaying 5 % a step)
+        self.step_tokens, self.s_per_token, self.step_s = 0, 0.0, 0.0
         self._pending: Deque[_EngineRequest] = deque()
         self._cv = threading.Condition()
         # rows: the active requests; with a KV budget the cache grows by blocks within it (``_fits``, ``_settle``)
@@ -219,6 +223,7 @@ class BatchedEngine:
                 "kv_held_bytes": self.kv.held() if self.kv else None, "kv_budget_bytes": self.kv.limit if self.kv else None,
                 "queue_wait_s": _quantiles(list(self.waits)),
                 "last_step_age_s": round(time.monotonic() - self.last_step_at, 3) if busy else 0.0,
+                "step_allowance_s": round(self.step_allowance_s(), 3) if busy else 0.0,
                 "decode_thread_alive": self._thread.is_alive()}
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:
@@ -236,7 +241,7 @@ class BatchedEngine:
                             self._cv.wait()
                         self.last_step_at = time.monotonic()  # work arrived: its wait starts now
                 self._admit_and_step()
-                self.last_step_at = time.monotonic()
+                self._stepped()
                 if not len(self.slots) and self._filling is None and self._pending:
                     with self._cv:  # the newcomers wait for KV memory other lanes hold: look again shortly
                         self._cv.wait(0.05)
@@ -250,6 +255,19 @@ class BatchedEngine:
                 self.slots.clear()
                 self._filling, self._chunked = None, []
                 self._settle()
+
+    def _stepped(self) -> None:
+        """A step (or a round of prefills) ended: its seconds a token update the allowance the next one gets."""
+        now = time.monotonic()
+        if self.step_tokens:
+            took = now - self.last_step_at
+            self.s_per_token = max(0.95 * self.s_per_token, took / self.step_tokens)
+            self.step_s = max(0.95 * self.step_s, took)
+        self.last_step_at, self.step_tokens = now, 0
+
+    def step_allowance_s(self) -> float:
+        """Twice what the running step should take by recent steps (0 between steps)."""
+        return 2.0 * max(self.step_tokens * self.s_per_token, self.step_s) if self.step_tokens else 0.0
 
     def _chunks(self) -> List[Tuple[_EngineRequest, int, int]]:
         """This step's prompt chunks ``(request, start, end)``, one free slot each, at most ``prefill_chunk`` tokens in
@@ -314,6 +332,7 @@ class BatchedEngine:
         (``SlotBatch.step_and_prefill``), else a prefill call per chunk, then the step. A newcomer whose prompt is
         complete joins the rows with its first token."""
         taken = self._chunks()
+        self.step_tokens = len(self.slots) + sum(end - start for _, start, end in taken)
         if self.fused and taken:
             try:  # a failed allocation (out of memory) fails the newcomers only
                 self._grow(len(self.slots) + len(taken))

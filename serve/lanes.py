@@ -45,11 +45,13 @@ class Lanes:
         total = {k: sum(s[k] for s in per) for k in ("active", "pending", "capacity", "steps", "fused_chunks",
                                                      "kv_allocated_bytes", "kv_refused", "busy_refused")}
         waits = [s.get("queue_wait_s") or {} for s in per]  # the slowest lane's
+        worst = max(per, key=lambda s: s["last_step_age_s"] - s["step_allowance_s"])
         return {**total, "kv_held_bytes": per[0]["kv_held_bytes"], "kv_budget_bytes": per[0]["kv_budget_bytes"],
                 "kv_bytes_per_token": per[0]["kv_bytes_per_token"],
                 "queue_wait_s": {q: max(w[q] for w in waits if q in w) for q in ("0.5", "0.99")
                                  if any(q in w for w in waits)}, "max_batch": sum(s["max_batch"] for s in per), "peak_batch": max(s["peak_batch"] for s in per),
-                "last_step_age_s": max(s["last_step_age_s"] for s in per),  # the most stalled lane with work
+                # the lane furthest past its step's allowance (``VariantPool._stalled`` compares the two)
+                "last_step_age_s": worst["last_step_age_s"], "step_allowance_s": worst["step_allowance_s"],
                 "decode_thread_alive": all(s["decode_thread_alive"] for s in per), "lanes": len(per), "per_lane": per}
 
     def score(self, batch: List[List[int]]) -> List[List[float]]:

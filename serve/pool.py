@@ -170,7 +170,10 @@ class VariantPool:
             return "its decode thread died"
         waiting = batch.get("active", 0) + batch.get("pending", 0)
         age = batch.get("last_step_age_s") or 0.0
-        if waiting and age > self.settings.health_timeout_s:
+        # a step that runs long because it is large (a long prompt's chunk) is not a hang: it gets twice what its
+        # tokens took lately (``step_allowance_s``) beyond health_timeout_s
+        limit = self.settings.health_timeout_s + (batch.get("step_allowance_s") or 0.0)
+        if waiting and age > limit:
             return f"stalled: no decode step for {age:.1f}s while {waiting} request(s) wait"
         return None
 

@@ -309,6 +309,27 @@ def test_a_busy_engine_answers_429_before_the_router_times_out_and_no_failure_is
         server.stop()
 
 
+def test_steps_longer_than_the_health_timeout_are_not_taken_for_a_hang(tmp_path, small_bundle):
+    """A long legitimate step (a long prompt's chunk on one thread took over 3 s on SmolLM2-135M, and the health loop
+    then marked INT8 down under load) gets twice what its tokens and recent steps took beyond health_timeout_s: here
+    every step takes 2.5 s against a 1 s health timeout, and INT8 serves its requests, never marked down. (The hung
+    decode thread below is the control: it is marked down.)"""
+    server = start(tmp_path, small_bundle, "longsteps", "slow:factor=2.5", config={
+        "request_timeout_s": 60.0, "health_interval_s": 0.3, "health_timeout_s": 1.0,
+        "rollout": {"analysis_interval_s": 0.5, "golden_interval_s": 3600, "min_samples": 10}})
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", headers={"x-policy-variant": "int8", "x-admin-token": "t"},
+                       json={"model": "policy", "prompt": "12+34=", "max_tokens": 4, "temperature": 0,
+                             "ignore_eos": True}, timeout=90)
+        assert r.status_code == 200 and r.headers["x-policy-variant"] == "int8", r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        status = httpx.get(f"{server.url}/status", timeout=10).json()
+        assert status["degraded"] == [] and not status["variants"]["int8"].get("stalled")
+        assert "variant-down" not in server.log.read_text()
+    finally:
+        server.stop()
+
+
 def test_a_hung_decode_thread_is_marked_down_and_its_requests_fail_over(tmp_path, small_bundle):
     """Health was a flag set once at start: a decode thread that hung kept answering the probe, so every routed
     request waited request_timeout_s. The probe now reads the age of the last decode step while work waits."""
