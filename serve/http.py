@@ -154,6 +154,15 @@ class ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
+# BentoML's per-request timeout (``traffic.timeout``) of every service here. It ends a request, a stream included,
+# that many seconds after it began, whatever it is doing: at 120 s the variants cut every answer of more than about
+# 2000 tokens at SmolLM2-135M's speed under load (found by loadtest/bench_long_requests.py: 16 streams cut at 121 s).
+# What bounds a request is the router's own: request_timeout_s to each first token and each next one, the variant's
+# deadline for plain calls, the client's disconnect. So this is a day, a backstop only (the timer is cancelled when
+# the request ends: ``patch_bentoml_timeout``).
+TRAFFIC_TIMEOUT_S = 24 * 3600
+
+
 def patch_bentoml_timeout() -> None:
     """Cancel BentoML's per-request timeout timer when the request ends.
 

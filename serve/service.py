@@ -26,8 +26,8 @@ from policy_bundle.bundle.info import BundleInfo, load_tokenizer
 from policy_bundle.bundle.layout import INT8_DIR
 from policy_bundle.serve import admin, logs
 from policy_bundle.serve.canary import LiveCanary
-from policy_bundle.serve.http import (ApiKeyGuard, ReleasingStream, error_response, read_json, require_admin,
-                                      require_api_key)
+from policy_bundle.serve.http import (TRAFFIC_TIMEOUT_S, ApiKeyGuard, ReleasingStream, error_response, read_json,
+                                      require_admin, require_api_key)
 from policy_bundle.serve.metrics import Metrics
 from policy_bundle.serve.openai_api import Adapter, ChatAdapter, CompletionsAdapter
 from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, close_streams, interleaved
@@ -60,7 +60,7 @@ def sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-@bentoml.service(name="policy-router", workers=1, traffic={"timeout": 300})
+@bentoml.service(name="policy-router", workers=1, traffic={"timeout": TRAFFIC_TIMEOUT_S})
 @bentoml.asgi_app(app, path="/")
 class PolicyRouter:
     int8 = bentoml.depends(Int8Policy)

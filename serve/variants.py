@@ -28,7 +28,7 @@ from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
 from policy_bundle.serve import logs, wire
 from policy_bundle.serve.batching import policy_engine
 from policy_bundle.serve.engines import CapacityError, SamplingParams, Step, VllmEngine
-from policy_bundle.serve.http import patch_bentoml_timeout
+from policy_bundle.serve.http import TRAFFIC_TIMEOUT_S, patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
 from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact, verified_bytes, verified_copy
 
@@ -295,7 +295,7 @@ def generation_apis():
     return generate, stream
 
 
-@bentoml.service(name="int8-policy", workers=1, traffic={"timeout": 120})
+@bentoml.service(name="int8-policy", workers=1, traffic={"timeout": TRAFFIC_TIMEOUT_S})
 class Int8Policy:
     variant = "int8"
     model = bentoml.models.BentoModel(f"policy-int8:{VERSION}")
@@ -360,7 +360,7 @@ class Int8Policy:
         return variant_health(self)
 
 
-@bentoml.service(name="fp16-policy", workers=1, traffic={"timeout": 120})
+@bentoml.service(name="fp16-policy", workers=1, traffic={"timeout": TRAFFIC_TIMEOUT_S})
 class Fp16Policy:
     variant = "fp16"
     model = bentoml.models.BentoModel(f"policy-fp16:{VERSION}")
