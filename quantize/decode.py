@@ -2,7 +2,7 @@
 
 Used by greedy generation (build rollouts, the accuracy gate), the decode-speed measurements (the
 build's ``auto`` recipe choice, the benchmarks) and the serving engine. ``module`` is anything with
-the Policy interface: the eager ``Policy``, ``CastPolicy`` or the exported INT8 TorchScript module,
+the Policy interface: the eager ``Policy`` or the exported INT8 TorchScript module,
 which all expose ``new_cache(batch, total)``, ``prefill(ids, k, v)`` and ``decode(token, pos, k, v)``.
 Batched greedy generation runs on a ``SlotBatch`` (``slots.py``), like the serving engine's batches; it also
 calls ``module(ids, start, k, v)`` (a prompt chunk from position ``start``) and ``decode_batch``.

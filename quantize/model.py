@@ -187,34 +187,6 @@ class FullSequence(nn.Module):
         return p(tokens, 0, k, v)
 
 
-class CastPolicy(nn.Module):
-    """A policy run in another float dtype (weights and KV cache alike), returning float32 logits:
-    how the FP16 artifact computes, for comparing it with FP32 on the same golden set."""
-
-    def __init__(self, policy: Policy, dtype: torch.dtype):
-        super().__init__()
-        self.policy, self.dtype = policy.to(dtype), dtype
-
-    def new_cache(self, batch_size: int, max_len: int = 0) -> Tuple[Tensor, Tensor]:
-        k, v = self.policy.new_cache(batch_size, max_len)
-        return k.to(self.dtype), v.to(self.dtype)
-
-    def forward(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.policy(tokens, start_pos, k_cache, v_cache).float()
-
-    def next_logits(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.policy.next_logits(tokens, start_pos, k_cache, v_cache).float()
-
-    def prefill(self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.next_logits(tokens, 0, k_cache, v_cache)
-
-    def decode(self, token: Tensor, pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.forward(token, pos, k_cache, v_cache)
-
-    def decode_batch(self, tokens: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.policy.decode_batch(tokens, pos, k_cache, v_cache).float()
-
-
 KV_CACHES = ("float32", "bfloat16")
 
 
@@ -223,10 +195,9 @@ def set_kv_cache(policy: nn.Module, dtype: str) -> nn.Module:
     a token costs. Keys and values are rounded to it as they are written; attention reads it (``blocks.attend``)."""
     if dtype not in KV_CACHES:
         raise ValueError(f"kv_cache: {dtype!r} is not one of {list(KV_CACHES)}")
-    target = policy.policy if isinstance(policy, CastPolicy) else policy
-    if not isinstance(getattr(target, "kv_cache", None), str):
+    if not isinstance(getattr(policy, "kv_cache", None), str):
         raise TypeError(f"{type(policy).__name__} allocates no KV cache of its own (no kv_cache attribute)")
-    target.kv_cache = dtype
+    policy.kv_cache = dtype
     return policy
 
 
