@@ -53,10 +53,25 @@ def containerize(home, *args: str) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def home(small_bundle, tmp_path_factory):
-    """An isolated BentoML store holding the small bundle's two entries."""
+def signing(tmp_path_factory) -> dict:
+    """A build signing key pair (``policy-bundle keygen``): the image's entries are signed with it."""
+    from policy_bundle.bundle.signing import generate_key
+
+    key = tmp_path_factory.mktemp("container-key") / "build.key"
+    return {"key": key, "pub": generate_key(key)}
+
+
+@pytest.fixture(scope="module")
+def home(small_bundle, signing, tmp_path_factory):
+    """An isolated BentoML store holding the small bundle's two entries, signed (a router without trusted keys
+    serves them as it would unsigned ones; the Kubernetes manifests' router trusts only signed entries)."""
+    from policy_bundle.bundle.signing import sign_bundle
+
     home = tmp_path_factory.mktemp("container-home")
-    register_into(small_bundle, home)
+    bundle = tmp_path_factory.mktemp("container-bundle") / "bundle"
+    shutil.copytree(small_bundle, bundle)
+    sign_bundle(bundle, signing["key"])
+    register_into(bundle, home)
     return home
 
 
@@ -170,6 +185,21 @@ def test_policy_bundle_verify_passes_inside_the_image_with_the_store_entries_man
 
 @needs_podman
 @pytest.mark.container
+def test_the_image_holds_the_locked_versions_of_the_serving_packages(container):
+    """bentofile.yaml installs requirements/serve.txt: every package it pins is in the image at that version."""
+    res = podman("exec", container["name"], "python", "-c", "import json, re; from importlib import metadata as m; "
+                 "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version "
+                 "for d in m.distributions()}))")
+    assert res.returncode == 0, res.stderr
+    found = json.loads(res.stdout)
+    pinned = dict(line.split("==", 1) for line in (ROOT / "requirements" / "serve.txt").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    assert len(pinned) > 100
+    assert {name: (version, found.get(name)) for name, version in pinned.items() if found.get(name) != version} == {}
+
+
+@needs_podman
+@pytest.mark.container
 def test_a_second_containerize_reuses_the_package_layers(image, home):
     res, seconds = containerize(home)
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
@@ -201,3 +231,115 @@ def test_a_rolled_back_int8_stays_rolled_back_when_the_container_is_replaced(ima
                 podman("rm", "-f", "-t", "20", name)
     finally:
         podman("volume", "rm", "-f", volume)
+
+
+@needs_podman
+@pytest.mark.container
+def test_the_kubernetes_manifests_run_under_podman_kube_play(image, signing, tmp_path):
+    """deploy/kubernetes/ played by ``podman kube play`` on the built image (tests/kube_play.py says what podman
+    cannot play and what stands in for it): PostgreSQL initialised from its Secret, both router replicas ready on
+    it, a pause sent to one with ``policy-bundle rollout`` obeyed by the other, then torn down with nothing left."""
+    import secrets as tokens
+
+    import kube_play
+
+    docs = kube_play.documents()
+    configmaps, kube_secrets = kube_play.by_kind(docs, "ConfigMap"), kube_play.by_kind(docs, "Secret")
+    (deployment,) = kube_play.by_kind(docs, "Deployment").values()
+    (statefulset,) = kube_play.by_kind(docs, "StatefulSet").values()
+    password, admin_token, api_key = tokens.token_hex(12), tokens.token_hex(16), tokens.token_hex(16)
+    pg_host = statefulset["spec"]["serviceName"]
+    values = {  # what the operator writes in place of secrets.yaml's placeholders (deploy/kubernetes/README.md)
+        "policy-bundle-secrets": {"admin-token": admin_token, "api-keys": api_key,
+                                  "state-url": f"postgresql+psycopg://policy:{password}@{pg_host}:5432/rollout"},
+        "policy-bundle-postgres": {"password": password}}
+    signing_cm = configmaps["policy-bundle-signing"]
+    signing_cm["data"]["build.key.pub"] = signing["pub"].read_text()  # the placeholder key replaced
+    configmap_args = []
+    for name, cm in configmaps.items():
+        configmap_args += ["--configmap", str(kube_play.write_all(tmp_path / f"configmap-{name}.yaml", [cm]))]
+    postgres_yaml = kube_play.write_all(tmp_path / "postgres.yaml", kube_play.statefulset_as_pod(
+        statefulset, kube_play.ensure_postgres_image(podman)))
+    router_yaml = kube_play.write_all(tmp_path / "router.yaml", [kube_play.with_image(deployment, image["image"])])
+    network = f"policy-bundle-kube-{os.getpid()}"
+    router_pods = [f"{deployment['metadata']['name']}-pod-{i}" for i in range(deployment["spec"]["replicas"])]
+
+    def down() -> None:
+        for played in (router_yaml, postgres_yaml):
+            podman("kube", "down", str(played), timeout=120)
+        for name in kube_secrets:
+            podman("secret", "rm", name)
+        podman("volume", "rm", "-f", f"data-{statefulset['metadata']['name']}")
+        podman("network", "rm", "-f", network)
+
+    def ip(pod: str) -> str:
+        res = podman("pod", "inspect", "--format", "{{.InfraContainerID}}", pod)
+        got = podman("inspect", "--format", f"{{{{(index .NetworkSettings.Networks \"{network}\").IPAddress}}}}",
+                     res.stdout.strip())
+        assert got.returncode == 0 and got.stdout.strip(), got.stderr
+        return got.stdout.strip()
+
+    def pod_logs(pods) -> str:
+        return "\n".join(f"== {p}\n{logs(p + '-' + c)}" for p, c in pods)
+
+    down()  # what an interrupted run left
+    try:
+        assert podman("network", "create", network).returncode == 0  # DNS on: pod names resolve, as Services do
+        for name, secret in kube_secrets.items():
+            path = tmp_path / f"secret-{name}.json"
+            path.write_text(kube_play.secret_json(secret, values[name]))
+            created = podman("secret", "create", name, str(path))
+            assert created.returncode == 0, created.stderr
+
+        played = podman("kube", "play", "--network", network, str(postgres_yaml), timeout=300)
+        assert played.returncode == 0, played.stderr[-3000:]
+        pg_container = f"{pg_host}-{statefulset['spec']['template']['spec']['containers'][0]['name']}"
+        probe = statefulset["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
+        deadline = time.monotonic() + 120
+        while podman("exec", pg_container, *probe).returncode != 0:  # the manifest's own readiness probe
+            assert time.monotonic() < deadline, f"PostgreSQL not ready in 120 s:\n{logs(pg_container)}"
+            time.sleep(2)
+
+        played = podman("kube", "play", "--network", network, *configmap_args, str(router_yaml), timeout=600)
+        assert played.returncode == 0, played.stderr[-3000:]
+        containers = [(pod, "router") for pod in router_pods]
+        urls = {pod: f"http://{ip(pod)}:3000" for pod in router_pods}
+        deadline = time.monotonic() + 900
+        waiting = set(router_pods)
+        while waiting:
+            assert time.monotonic() < deadline, f"not ready in 900 s: {sorted(waiting)}\n{pod_logs(containers)}"
+            for pod in sorted(waiting):
+                running = podman("container", "inspect", "--format", "{{.State.Running}}", f"{pod}-router")
+                assert running.stdout.strip() == "true", f"{pod} exited:\n{pod_logs(containers)}"
+                try:
+                    if httpx.get(f"{urls[pod]}/readyz", timeout=5).status_code == 200:
+                        waiting.discard(pod)
+                except httpx.HTTPError:
+                    pass
+            time.sleep(3)
+
+        a, b = (urls[pod] for pod in router_pods)
+        answer = httpx.post(f"{b}/v1/completions", headers={"Authorization": f"Bearer {api_key}"}, timeout=120,
+                            json={"model": "policy", "prompt": "358+64=", "temperature": 0, "max_tokens": 6})
+        assert answer.status_code == 200, answer.text
+        assert httpx.post(f"{b}/v1/completions", json={"model": "policy", "prompt": "1+1="},
+                          timeout=60).status_code == 401  # the Secret's API keys are enforced
+
+        def rollout(url: str, command: str) -> subprocess.CompletedProcess:
+            return subprocess.run([*CLI, "rollout", command, "--url", url, "--token", admin_token], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=120)
+
+        paused = rollout(a, "pause")
+        assert paused.returncode == 0, paused.stderr
+        deadline, seen = time.monotonic() + 30, ""
+        while "paused" not in seen:  # replica b reads the shared state in PostgreSQL
+            assert time.monotonic() < deadline, f"replica b did not obey the pause sent to a:\n{seen}"
+            seen = rollout(b, "status").stdout
+            time.sleep(1)
+        state = httpx.get(f"{b}/admin/rollout", headers={"Authorization": f"Bearer {admin_token}"}, timeout=30)
+        assert state.json()["state"]["status"] == "paused", state.text
+    finally:
+        down()
+    left = podman("ps", "-a", "--format", "{{.Names}}").stdout.split()
+    assert not [n for n in left if n.startswith((pg_host, deployment["metadata"]["name"]))], left
+    assert podman("pod", "exists", router_pods[0]).returncode != 0 and podman("pod", "exists", pg_host).returncode != 0

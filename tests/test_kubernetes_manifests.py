@@ -188,7 +188,7 @@ def test_the_expected_resources_and_nothing_namespaced():
     assert found == {
         ("apps/v1", "Deployment", ROUTER), ("v1", "Service", ROUTER), ("policy/v1", "PodDisruptionBudget", ROUTER),
         ("v1", "ConfigMap", ROUTER), ("v1", "Secret", "policy-bundle-secrets"),
-        ("v1", "Secret", "policy-bundle-signing"),
+        ("v1", "ConfigMap", "policy-bundle-signing"),
         ("v1", "Secret", POSTGRES), ("apps/v1", "StatefulSet", POSTGRES), ("v1", "Service", POSTGRES)}
     assert len(found) == len(DOCS), "a resource is defined twice"
     for _, doc in DOCS:
@@ -231,7 +231,7 @@ def test_router_deployment():
     env = {e["name"]: e for e in c["env"]}
     assert env["VLLM_CPU_KVCACHE_SPACE"]["value"] == "1"
     assert env["POLICY_BUNDLE_TRUSTED_KEYS"]["value"] == "/etc/policy-bundle/keys/build.key.pub"
-    assert env["POLICY_ROUTER_CONFIG"]["value"] == "/etc/policy-bundle/router.yaml"
+    assert env["POLICY_ROUTER_CONFIG"]["value"] == "/etc/policy-bundle/config/router.yaml"
     for var, key in (("POLICY_BUNDLE_STATE_URL", "state-url"), ("POLICY_BUNDLE_ADMIN_TOKEN", "admin-token"),
                      ("POLICY_BUNDLE_API_KEYS", "api-keys")):
         assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "policy-bundle-secrets", "key": key}
@@ -241,15 +241,16 @@ def test_router_deployment():
     shm = volumes[mounts["/dev/shm"]["name"]]
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
     keys = mounts["/etc/policy-bundle/keys"]
-    assert keys["readOnly"] is True and volumes[keys["name"]]["secret"]["secretName"] == "policy-bundle-signing"
-    assert mounts["/etc/policy-bundle/router.yaml"]["readOnly"] is True
+    assert keys["readOnly"] is True and volumes[keys["name"]]["configMap"]["name"] == "policy-bundle-signing"
+    config = mounts["/etc/policy-bundle/config"]  # the whole ConfigMap: a subPath mount misses its updates
+    assert config["readOnly"] is True and "subPath" not in config
 
 
 def test_every_secret_and_configmap_key_read_is_defined():
     refs = config_refs(DOCS)
     assert {(kind, name, key) for _, kind, name, key in refs} >= {
         ("Secret", "policy-bundle-secrets", "state-url"), ("Secret", "policy-bundle-secrets", "admin-token"),
-        ("Secret", "policy-bundle-secrets", "api-keys"), ("Secret", "policy-bundle-signing", "build.key.pub"),
+        ("Secret", "policy-bundle-secrets", "api-keys"), ("ConfigMap", "policy-bundle-signing", "build.key.pub"),
         ("Secret", POSTGRES, "password"), ("ConfigMap", ROUTER, "router.yaml")}
     assert missing_refs(DOCS) == []
 
