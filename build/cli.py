@@ -296,14 +296,17 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--bento", help="containerize this bento tag (default: `bentoml build` one from bentofile.yaml)")
     k.add_argument("--tag", action="append", metavar="NAME:TAG", help="another tag for the image (repeatable)")
     k.add_argument("--context", default=".", help="the checkout holding bentofile.yaml (default: .)")
-    k.add_argument("--torch-wheel", help="the torch 2.13.0+cpu wheel to ship in the bento (default: /opt/wheels/...)")
+    k.add_argument("--torch-wheel", help="the torch 2.13.0+cpu wheel to ship in the bento (default: that wheel in pip's "
+                   "find-links, PIP_FIND_LINKS, if there; else the image installs torch from PyTorch's CPU index)")
     k.add_argument("--rebuild-base", action="store_true", help="rebuild the base image even if it exists")
     k.set_defaults(func=cmd_containerize)
 
     f = sub.add_parser("check-fp16", parents=[common], help="greedy FP16 (transformers or vLLM) vs FP32 on the golden set")
-    f.add_argument("bundle")
-    f.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
-    f.add_argument("--min-agreement", type=float, default=0.95)
+    f.add_argument("bundle", help="a built bundle directory")
+    f.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="what runs the FP16 directory")
+    f.add_argument("--min-agreement", type=float, default=0.95,
+                   help="the greedy agreement with FP32 below which it exits 4")
     f.set_defaults(func=cmd_check_fp16)
     return p
 

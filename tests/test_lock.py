@@ -57,3 +57,14 @@ def test_negative_control_the_closure_follows_markers_and_extras_and_a_new_versi
     before = lock.render(dists)
     dists["lib"] = FakeDist("lib", "2.1", ["speedup; extra == 'fast'"])
     assert lock.render(dists)[0] != before[0]
+
+
+def test_the_image_torch_wheel_comes_from_pips_find_links_not_a_fixed_path(tmp_path):
+    from policy_bundle.build.containerize.bentofile import TORCH_WHEEL, default_torch_wheel
+
+    empty, links = tmp_path / "empty", tmp_path / "wheels"
+    empty.mkdir(), links.mkdir()
+    (links / TORCH_WHEEL).write_bytes(b"")
+    assert default_torch_wheel({"PIP_FIND_LINKS": f"{empty} file://{links}"}) == links / TORCH_WHEEL
+    assert default_torch_wheel({"PIP_FIND_LINKS": str(empty)}) is None  # the control: no wheel there
+    assert default_torch_wheel({"PIP_FIND_LINKS": ""}) is None

