@@ -113,14 +113,41 @@ def byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core._tokenizer)
 
 
+def sentencepiece_byte_fallback_tokenizer():
+    """A SentencePiece BPE as Llama's tokenizer.json writes one: ``\u2581`` for spaces, and a character outside the
+    vocabulary as its UTF-8 bytes, one ``<0xNN>`` token each (byte fallback): é is 2 tokens, 日 3, 🙂 4."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizer
+    trained.train_from_iterator(["plain ascii words and spaces, the policy answers", "more words"] * 20,
+                                trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"]))
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for i in range(256):  # the byte tokens are ordinary vocabulary, as in Llama's (not special: decode keeps them)
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    core = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    core.normalizer = normalizer
+    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+TOKENIZERS = {"byte-level": byte_level_tokenizer, "sentencepiece-byte-fallback": sentencepiece_byte_fallback_tokenizer}
+
+
+@pytest.mark.parametrize("make", TOKENIZERS)
 @pytest.mark.parametrize("stop", [[], ["caf"], ["é"], ["🙂 ok"]])
-def test_text_stream_equals_one_decode_for_split_utf8(stop):
+def test_text_stream_equals_one_decode_for_split_utf8(stop, make):
     from policy_bundle.quantize.text import ids_to_text
     from policy_bundle.serve.openai_api import TextStream
 
-    tok = byte_level_tokenizer()
+    tok = TOKENIZERS[make]()
     text = "naïve café 日本語 🙂 ok and plain words"
-    ids = tok(text)["input_ids"]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
     assert "\ufffd" in "".join(tok.decode([i]) for i in ids)  # pieces split characters
     stream = TextStream(tok, stop)
     pieces = []
@@ -148,15 +175,15 @@ def test_the_build_gate_scores_the_text_the_service_returns():
     assert fidelity_kwargs(load_config(None), tok)["decode"](ids) == ids_to_text(tok, ids) == "words . and spaces"
 
 
-@pytest.mark.parametrize("make", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize("make", ["byte-level", "sentencepiece", "sentencepiece-byte-fallback"])
 def test_a_long_stream_is_decoded_incrementally_and_adds_up_to_the_whole_decode(make, tmp_path):
     """The stream re-decoded the whole sequence at every token (quadratic in the answer's length); it now decodes
     each token once (tokenizers' DecodeStream) and still adds up to one decode of everything, cut characters too."""
     from policy_bundle.quantize.text import ids_to_text
     from policy_bundle.serve.openai_api import TextStream
 
-    if make == "byte-level":
-        tok = byte_level_tokenizer()
+    if make in TOKENIZERS:
+        tok = TOKENIZERS[make]()
         text = " ".join(["naïve café 日本語 🙂 ok and plain words"] * 120)
     else:
         from policy_bundle.bundle.info import load_tokenizer
@@ -169,6 +196,8 @@ def test_a_long_stream_is_decoded_incrementally_and_adds_up_to_the_whole_decode(
     assert stream._stream is not None  # the incremental path, not the whole-decode fallback
     pieces = [stream.push(i) for i in ids] + [stream.finish()]
     assert "".join(pieces) == ids_to_text(tok, ids)
-    cut = ids[:-1] + [ids[-1]] if make == "sentencepiece" else ids[:7]  # byte-level: ends inside a character
+    # the shortest prefix that ends inside a character (the word-level SentencePiece splits none: all of it)
+    cut = ids if make == "sentencepiece" else \
+        next(ids[:n] for n in range(1, len(ids)) if ids_to_text(tok, ids[:n]).endswith("\ufffd"))
     tail = TextStream(tok, [])
     assert "".join([tail.push(i) for i in cut] + [tail.finish()]) == ids_to_text(tok, cut)
