@@ -107,13 +107,17 @@ def offline_engine(model_dir: Union[str, Path], dtype: str, max_model_len: Optio
         llm.llm_engine.engine_core.shutdown()
 
 
-def async_llm_engine(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None, **extra: Any):
-    """vLLM's async engine (what a serving variant streams from), with the same arguments as ``offline_llm``."""
+def async_llm_engine(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None,
+                     stat_loggers: Optional[list] = None, **extra: Any):
+    """vLLM's async engine (what a serving variant streams from), with the same arguments as ``offline_llm``;
+    ``stat_loggers``: vLLM stat logger factories, called with its scheduler's figures at each step."""
     apply_vllm_env_defaults()
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
     patch_cpu_input_transforms()
-    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**engine_args(model_dir, dtype, max_model_len, **extra)))
+    args = AsyncEngineArgs(**engine_args(model_dir, dtype, max_model_len, **extra))
+    return AsyncLLMEngine.from_engine_args(args, stat_loggers=stat_loggers) if stat_loggers else \
+        AsyncLLMEngine.from_engine_args(args)
 
 
 def serve_cli_args(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None,

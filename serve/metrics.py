@@ -42,17 +42,18 @@ class Metrics:
                                "between consecutive tokens", labelnames=["variant"], buckets=TOKEN_BUCKETS)
         self.up = m.Gauge(name="policy_variant_up", documentation="1 while the variant's last probe found it ready "
                           "and not marked down", labelnames=["variant"], multiprocess_mode="livemostrecent")
-        self.batch = m.Gauge(name="policy_engine_batch_size", documentation="Sequences the variant's torch engine "
-                             "decodes now (every lane)", labelnames=["variant"], multiprocess_mode="livemostrecent")
+        self.batch = m.Gauge(name="policy_engine_batch_size", documentation="Sequences the variant's engine "
+                             "decodes now (the torch engine's every lane; vLLM's running requests)", labelnames=["variant"], multiprocess_mode="livemostrecent")
         self.pending = m.Gauge(name="policy_engine_pending_requests", documentation="Requests waiting in the "
-                               "variant's torch engine for a slot or KV memory", labelnames=["variant"],
+                               "variant's engine for a slot or KV memory (vLLM: its waiting queue)", labelnames=["variant"],
                                multiprocess_mode="livemostrecent")
         self.queue_wait = m.Gauge(name="policy_engine_queue_wait_seconds", documentation="How long requests waited "
                                   "in the variant's torch engine before they joined its batch (recent requests; "
                                   "quantile 0.5 and 0.99)", labelnames=["variant", "quantile"],
                                   multiprocess_mode="livemostrecent")
-        self.kv = m.Gauge(name="policy_kv_cache_bytes", documentation="The variant's torch engine's KV cache: budget, "
-                          "held (admitted sequences' worst case) and allocated", labelnames=["variant", "kind"],
+        self.kv = m.Gauge(name="policy_kv_cache_bytes", documentation="The variant's engine's KV cache: budget, "
+                          "held (the torch engine: admitted sequences' worst case; vLLM: the blocks in use) and "
+                          "allocated (the torch engine)", labelnames=["variant", "kind"],
                           multiprocess_mode="livemostrecent")
         self.inflight = m.Gauge(name="policy_inflight_requests", documentation="Requests in flight",
                                  multiprocess_mode="livemostrecent")
@@ -89,7 +90,7 @@ class Metrics:
             self.rollout.labels(status=status).set(1.0 if state.status == status else 0.0)
 
     def set_variant(self, name: str, up: bool, batch: dict) -> None:
-        """What a health probe found: up or not, and the torch engine's batch, queue and KV cache."""
+        """What a health probe found: up or not, and the engine's batch, queue and KV cache."""
         self.up.labels(variant=name).set(1.0 if up else 0.0)
         if not batch:
             return

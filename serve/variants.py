@@ -147,7 +147,8 @@ def batching_settings() -> dict:
 
 
 def engine_stats(engine) -> Optional[dict]:
-    """The batched engine's slots and peak batch (None for engines that batch on their own, e.g. vLLM)."""
+    """The engine's batch, queue and KV cache: the batched engine's slots, vLLM's scheduler (None for an engine that
+    reports none)."""
     return engine.stats() if hasattr(engine, "stats") else None
 
 

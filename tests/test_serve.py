@@ -579,6 +579,27 @@ def test_every_metric_the_dashboard_and_alert_rules_name_is_exported(good):
     assert metric_names_in_deploy() <= exported, sorted(metric_names_in_deploy() - exported)
 
 
+@needs_vllm
+def test_the_vllm_variant_exports_its_batch_queue_and_kv_cache(good):
+    """vLLM's scheduler, read through a stat logger of vLLM's own interface: the FP16 variant's batch, queue and KV
+    gauges have series as the torch engine's do (before: none), its KV budget the engine's cache (1 GiB here)."""
+    force_fp16 = {**FORCE_INT8, "x-policy-variant": "fp16"}
+    r = httpx.post(f"{good.url}/v1/completions", timeout=60, headers=force_fp16, json={
+        "model": "policy", "prompt": "12+34=", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.headers.get("x-policy-variant") in (None, "fp16"), r.text
+    deadline, found = time.monotonic() + 20, {}
+    while time.monotonic() < deadline and len(found) < 3:
+        text = httpx.get(f"{good.url}/metrics", timeout=30).text
+        found = {m[0]: float(m[1]) for m in re.findall(
+            r'^(policy_engine_batch_size\{variant="fp16"\}|policy_engine_pending_requests\{variant="fp16"\}|'
+            r'policy_kv_cache_bytes\{kind="budget",variant="fp16"\}) (\S+)$', text, re.M)}
+        time.sleep(1)
+    assert found.get('policy_kv_cache_bytes{kind="budget",variant="fp16"}') == 2**30, found
+    assert found.get('policy_engine_batch_size{variant="fp16"}') == 0.0  # idle again after the request
+    health = httpx.get(f"{good.url}/status", headers=ADMIN, timeout=30).json()["variants"]["fp16"]
+    assert health["engine"].startswith("vllm") and health["batch"]["steps"] > 0 and 0.0 <= health["batch"]["kv_usage"] < 1
+
+
 def test_restart_resumes_the_rollout_with_its_history(good, small_bundle, state):
     admin(good, "restart")
     admin(good, "promote")
