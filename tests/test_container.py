@@ -143,102 +143,11 @@ def test_containerize_an_unknown_bento_is_one_line(home):
 
 @needs_podman
 @pytest.mark.container
-def test_the_image_serves_both_variants_over_http(container):
-    for variant in ("int8", "fp16"):
-        done = complete(container["url"], variant)
-        assert done["policy_variant"] == variant and done["choices"][0]["text"] == "998"
-
-
-@needs_podman
-@pytest.mark.container
-def test_the_image_streams_a_chat_completion(container):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{container['url']}/v1", api_key="unused")
-    streamed = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34="}],
-                                              max_tokens=6, temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "46"
-
-
-@needs_podman
-@pytest.mark.container
-def test_policy_bundle_verify_passes_inside_the_image_with_the_store_entries_manifest(container, home,
-                                                                                     small_bundle):
-    from policy_bundle.bundle.manifest import manifest_hash
-
-    res = podman("exec", "-w", "/home/bentoml/bento/src", container["name"], "python", "-m", "policy_bundle.build.cli",
-                 "verify", "/home/bentoml/bento")  # src/: the bento's sources, as `bentoml serve` imports them
-    assert res.returncode == 0, res.stdout + res.stderr
-    reported = dict(re.findall(r"^ok: (\S+) matches its manifest \(sha256 (\w+)\)$", res.stdout, re.M))
-    # the image leaves out triton (1 GB nothing on a CPU runs), and its FP16 variant still answered on vLLM above
-    res = podman("exec", container["name"], "python", "-c", "import importlib.util as u; print(u.find_spec('triton'))")
-    assert res.returncode == 0 and res.stdout.strip() == "None", res.stdout + res.stderr
-    version = bundle_version(small_bundle)
-    assert set(reported) == {f"policy-int8:{version}", f"policy-fp16:{version}"}
-    for tag, sha in reported.items():  # the host store entry the image was built from
-        entry = subprocess.run([sys.executable, "-m", "bentoml", "models", "get", tag, "-o", "json"], text=True,
-                               capture_output=True, env={**os.environ, "BENTOML_HOME": str(home)}, cwd=ROOT)
-        info = json.loads(entry.stdout)
-        assert sha == info["metadata"]["manifest_sha256"] == manifest_hash(small_bundle)
-        assert info["labels"]["manifest_sha256"] == sha[:32]
-
-
-@needs_podman
-@pytest.mark.container
-def test_the_image_holds_the_locked_versions_of_the_serving_packages(container):
-    """bentofile.yaml installs requirements/serve.txt: every package it pins is in the image at that version."""
-    res = podman("exec", container["name"], "python", "-c", "import json, re; from importlib import metadata as m; "
-                 "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version "
-                 "for d in m.distributions()}))")
-    assert res.returncode == 0, res.stderr
-    found = json.loads(res.stdout)
-    pinned = dict(line.split("==", 1) for line in (ROOT / "requirements" / "serve.txt").read_text().splitlines()
-                  if line and not line.startswith("#"))
-    assert len(pinned) > 100
-    assert {name: (version, found.get(name)) for name, version in pinned.items() if found.get(name) != version} == {}
-
-
-@needs_podman
-@pytest.mark.container
-def test_a_second_containerize_reuses_the_package_layers(image, home):
-    res, seconds = containerize(home)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
-    print(f"\ncontainerize (again, new bento of the same bundle): {seconds:.0f}s", file=sys.stderr)
-    # the package install step (the image's big layer), then buildah's verdict on it
-    # (BentoML relays buildah's lines with a log prefix: "INFO: STEP 29/35: RUN ...", "INFO: --> Using cache ...")
-    assert re.search(r"RUN bash -euxo pipefail \S+/install\.sh\n[^\n]*--> Using cache", res.stderr), res.stderr[-4000:]
-
-
-@needs_podman
-@pytest.mark.container
-def test_a_rolled_back_int8_stays_rolled_back_when_the_container_is_replaced(image):
-    """The rollout state lived in the container's ephemeral HOME: a replaced container started the pair's rollout
-    over at its first step, the rolled-back INT8 included. The image keeps it in /home/bentoml/state, a volume."""
-    volume, admin = f"policy-bundle-state-{os.getpid()}", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    try:
-        for attempt in ("first", "replaced"):
-            name = f"policy-bundle-state-{os.getpid()}-{attempt}"
-            try:
-                url = run_container(image["image"], name, "-v", f"{volume}:/home/bentoml/state")
-                if attempt == "first":
-                    r = httpx.post(f"{url}/admin/rollout", headers=admin, timeout=60,
-                                   json={"action": "rollback", "reason": "container test"})
-                    assert r.status_code == 200 and r.json()["state"]["status"] == "rolled-back", r.text
-                else:
-                    state = httpx.get(f"{url}/admin/rollout", headers=admin, timeout=60).json()["state"]
-                    assert (state["status"], state["weight"]) == ("rolled-back", 0.0), state
-            finally:
-                podman("rm", "-f", "-t", "20", name)
-    finally:
-        podman("volume", "rm", "-f", volume)
-
-
-@needs_podman
-@pytest.mark.container
 def test_the_kubernetes_manifests_run_under_podman_kube_play(image, signing, tmp_path):
     """deploy/kubernetes/ played by ``podman kube play`` on the built image (tests/kube_play.py says what podman
     cannot play and what stands in for it): PostgreSQL initialised from its Secret, both router replicas ready on
-    it, a pause sent to one with ``policy-bundle rollout`` obeyed by the other, then torn down with nothing left."""
+    it, a pause sent to one with ``policy-bundle rollout`` obeyed by the other, then torn down with nothing left.
+    It comes before the tests that use ``container``, whose router would otherwise run beside these two."""
     import secrets as tokens
 
     import kube_play
@@ -343,3 +252,95 @@ def test_the_kubernetes_manifests_run_under_podman_kube_play(image, signing, tmp
     left = podman("ps", "-a", "--format", "{{.Names}}").stdout.split()
     assert not [n for n in left if n.startswith((pg_host, deployment["metadata"]["name"]))], left
     assert podman("pod", "exists", router_pods[0]).returncode != 0 and podman("pod", "exists", pg_host).returncode != 0
+
+
+@needs_podman
+@pytest.mark.container
+def test_the_image_serves_both_variants_over_http(container):
+    for variant in ("int8", "fp16"):
+        done = complete(container["url"], variant)
+        assert done["policy_variant"] == variant and done["choices"][0]["text"] == "998"
+
+
+@needs_podman
+@pytest.mark.container
+def test_the_image_streams_a_chat_completion(container):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{container['url']}/v1", api_key="unused")
+    streamed = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34="}],
+                                              max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "46"
+
+
+@needs_podman
+@pytest.mark.container
+def test_policy_bundle_verify_passes_inside_the_image_with_the_store_entries_manifest(container, home,
+                                                                                     small_bundle):
+    from policy_bundle.bundle.manifest import manifest_hash
+
+    res = podman("exec", "-w", "/home/bentoml/bento/src", container["name"], "python", "-m", "policy_bundle.build.cli",
+                 "verify", "/home/bentoml/bento")  # src/: the bento's sources, as `bentoml serve` imports them
+    assert res.returncode == 0, res.stdout + res.stderr
+    reported = dict(re.findall(r"^ok: (\S+) matches its manifest \(sha256 (\w+)\)$", res.stdout, re.M))
+    # the image leaves out triton (1 GB nothing on a CPU runs), and its FP16 variant still answered on vLLM above
+    res = podman("exec", container["name"], "python", "-c", "import importlib.util as u; print(u.find_spec('triton'))")
+    assert res.returncode == 0 and res.stdout.strip() == "None", res.stdout + res.stderr
+    version = bundle_version(small_bundle)
+    assert set(reported) == {f"policy-int8:{version}", f"policy-fp16:{version}"}
+    for tag, sha in reported.items():  # the host store entry the image was built from
+        entry = subprocess.run([sys.executable, "-m", "bentoml", "models", "get", tag, "-o", "json"], text=True,
+                               capture_output=True, env={**os.environ, "BENTOML_HOME": str(home)}, cwd=ROOT)
+        info = json.loads(entry.stdout)
+        assert sha == info["metadata"]["manifest_sha256"] == manifest_hash(small_bundle)
+        assert info["labels"]["manifest_sha256"] == sha[:32]
+
+
+@needs_podman
+@pytest.mark.container
+def test_the_image_holds_the_locked_versions_of_the_serving_packages(container):
+    """bentofile.yaml installs requirements/serve.txt: every package it pins is in the image at that version."""
+    res = podman("exec", container["name"], "python", "-c", "import json, re; from importlib import metadata as m; "
+                 "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version "
+                 "for d in m.distributions()}))")
+    assert res.returncode == 0, res.stderr
+    found = json.loads(res.stdout)
+    pinned = dict(line.split("==", 1) for line in (ROOT / "requirements" / "serve.txt").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    assert len(pinned) > 100
+    assert {name: (version, found.get(name)) for name, version in pinned.items() if found.get(name) != version} == {}
+
+
+@needs_podman
+@pytest.mark.container
+def test_a_second_containerize_reuses_the_package_layers(image, home):
+    res, seconds = containerize(home)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    print(f"\ncontainerize (again, new bento of the same bundle): {seconds:.0f}s", file=sys.stderr)
+    # the package install step (the image's big layer), then buildah's verdict on it
+    # (BentoML relays buildah's lines with a log prefix: "INFO: STEP 29/35: RUN ...", "INFO: --> Using cache ...")
+    assert re.search(r"RUN bash -euxo pipefail \S+/install\.sh\n[^\n]*--> Using cache", res.stderr), res.stderr[-4000:]
+
+
+@needs_podman
+@pytest.mark.container
+def test_a_rolled_back_int8_stays_rolled_back_when_the_container_is_replaced(image):
+    """The rollout state lived in the container's ephemeral HOME: a replaced container started the pair's rollout
+    over at its first step, the rolled-back INT8 included. The image keeps it in /home/bentoml/state, a volume."""
+    volume, admin = f"policy-bundle-state-{os.getpid()}", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        for attempt in ("first", "replaced"):
+            name = f"policy-bundle-state-{os.getpid()}-{attempt}"
+            try:
+                url = run_container(image["image"], name, "-v", f"{volume}:/home/bentoml/state")
+                if attempt == "first":
+                    r = httpx.post(f"{url}/admin/rollout", headers=admin, timeout=60,
+                                   json={"action": "rollback", "reason": "container test"})
+                    assert r.status_code == 200 and r.json()["state"]["status"] == "rolled-back", r.text
+                else:
+                    state = httpx.get(f"{url}/admin/rollout", headers=admin, timeout=60).json()["state"]
+                    assert (state["status"], state["weight"]) == ("rolled-back", 0.0), state
+            finally:
+                podman("rm", "-f", "-t", "20", name)
+    finally:
+        podman("volume", "rm", "-f", volume)
