@@ -1,7 +1,7 @@
 """Write the .pyc files of .venv/'s site-packages that policy-bundle's processes import (run by setup.sh).
 
 Where PYTHONDONTWRITEBYTECODE is set (this machine and CI), a module with no .pyc is compiled from source by
-every process that imports it, every time: a server start took 19 s instead of 11 s (2026-12-03, 2 cores).
+every process that imports it, every time: a server start took 19 s instead of 11 s (2 cores).
 Compiling the whole site-packages (uv's --compile-bytecode: 29k files) took about 35 s of setup; half of them are
 never imported here (test suites, pandas/numba/wandb/tensorboard that dependencies pull in, transformers' other
 model families), so this compiles the rest on every core, in chunks. A skipped module that is

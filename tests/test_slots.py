@@ -135,7 +135,7 @@ def test_a_batch_refuses_more_slots_than_its_limit_and_a_prefill_without_a_free_
 @pytest.mark.parametrize("which", ["fp32 policy", "int8 torchscript"])
 def test_a_step_attends_over_whole_blocks_whatever_cache_it_is_handed(which, policy, small_bundle):
     """Attention's sums depend on how many keys it runs over, masked or not: over exactly ``pos + 1`` (what the slot
-    batch handed a step until 2026-12-05) a step's logits differ from those over a longer cache (``decode_steps``' own,
+    batch once handed a step) a step's logits differ from those over a longer cache (``decode_steps``' own,
     the build's greedy; or the longest row's, in a batch). The model now attends over ``attention_len``: whole blocks
     of 32, the same for any cache at least that long, and the slot batch hands it such views. On SmolLM2-135M's INT8
     policy the old views moved logits by up to 0.52 in one step, and a row's greedy continuation beside others
