@@ -182,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = Path(args.config)
         if not config.is_file():
             raise FileNotFoundError(f"--config: {config} is not a file")
-        env["POLICY_ROUTER_CONFIG"] = str(config.resolve())
+        env["POLICY_BUNDLE_ROUTER_CONFIG"] = str(config.resolve())
     cmd = [sys.executable, "-m", "bentoml", "serve", "policy_bundle.serve.service:PolicyRouter", "--host", args.host,
            "--port", str(args.port)]
     sys.stdout.flush()
@@ -232,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
     cfs = cf.add_subparsers(dest="config_command", required=True)
     sc = cfs.add_parser("schema", parents=[common], help="the JSON Schema: keys, types, limits, defaults",
                         description="The JSON Schema (draft 2020-12) of a build config (policy-bundle build --config) "
-                                    "or of the router settings file (POLICY_ROUTER_CONFIG).")
+                                    "or of the router settings file (POLICY_BUNDLE_ROUTER_CONFIG).")
     sc.add_argument("what", choices=["build", "router"], help="which file's schema")
     sc.set_defaults(func=cmd_config_schema)
 
@@ -288,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=3000, help="port to listen on")
     sv.add_argument("--bundle-version", help="the store version to serve (POLICY_BUNDLE_VERSION; default: the newest "
                     "whole pair)")
-    sv.add_argument("--config", help="router settings YAML (POLICY_ROUTER_CONFIG)")
+    sv.add_argument("--config", help="router settings YAML (POLICY_BUNDLE_ROUTER_CONFIG)")
     sv.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("containerize", parents=[common],

@@ -130,7 +130,7 @@ def bench(bundle: Path, a, tmp: Path, variants: List[str]) -> Dict[str, dict]:
         "max_inflight": a.clients + a.decoding + 8,
         "rollout": {"golden_interval_s": 36000, "analysis_interval_s": 36000, "shadow_fraction": 0.0}}))
     env = {"POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
-           "POLICY_ROUTER_CONFIG": str(tmp / "router.yaml"), "POLICY_BUNDLE_VERSION": version, **vllm_env()}
+           "POLICY_BUNDLE_ROUTER_CONFIG": str(tmp / "router.yaml"), "POLICY_BUNDLE_VERSION": version, **vllm_env()}
     t0 = time.monotonic()
     server = Server(env, tmp / "router.log").wait_ready(900)
     tokenizer_dir = BundleLayout(bundle).fp16_dir

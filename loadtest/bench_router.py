@@ -51,7 +51,7 @@ def main() -> None:
     (tmp / "router.yaml").write_text("rollout: {golden_interval_s: 36000, analysis_interval_s: 36000, "
                                      "shadow_fraction: 0.0}\n")
     env = vllm_env(POLICY_BUNDLE_ADMIN_TOKEN=TOKEN, POLICY_BUNDLE_STATE_DIR=str(tmp / "state"),
-                   POLICY_ROUTER_CONFIG=str(tmp / "router.yaml"))
+                   POLICY_BUNDLE_ROUTER_CONFIG=str(tmp / "router.yaml"))
     servers = {"router": Server(env, tmp / "router.log"),
                "int8": Server(env, tmp / "int8.log", target="policy_bundle.serve.variants:Int8Policy")}
     for s in servers.values():

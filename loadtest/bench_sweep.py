@@ -101,7 +101,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
     env = vllm_env(POLICY_BUNDLE_ADMIN_TOKEN=TOKEN, POLICY_BUNDLE_STATE_DIR=str(tmp / "state"))
     (tmp / "router.yaml").write_text(json.dumps({"max_inflight": 64}))  # the sweep goes past the default cap
-    env["POLICY_ROUTER_CONFIG"] = str(tmp / "router.yaml")
+    env["POLICY_BUNDLE_ROUTER_CONFIG"] = str(tmp / "router.yaml")
     server = Server(env, tmp / "server.log").wait_ready(600)
     results = {}
     try:

@@ -134,7 +134,7 @@ def bench_router(bundle: Path, a, levels: List[int], tmp: Path, variants: List[s
         "max_inflight": max(levels) + 4,  # the client's concurrency + the background slots
         "rollout": {"golden_interval_s": 36000, "analysis_interval_s": 36000, "shadow_fraction": 0.0}}))
     env = {"POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
-           "POLICY_ROUTER_CONFIG": str(tmp / "router.yaml"), "POLICY_BUNDLE_VERSION": version, **vllm_env()}
+           "POLICY_BUNDLE_ROUTER_CONFIG": str(tmp / "router.yaml"), "POLICY_BUNDLE_VERSION": version, **vllm_env()}
     t0 = time.monotonic()
     server = Server(env, tmp / "router.log").wait_ready(600)
     out: Dict[str, list] = {}

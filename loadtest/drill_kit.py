@@ -97,7 +97,7 @@ def start_server(run: DrillRun, home: Path, version: str, log_name: str, interva
                                                # 4 s windows on a shared 2-core box: p99 is noise here
                                                "max_p99_latency_ratio": 10.0}}))
     env = {"BENTOML_HOME": str(home), "POLICY_BUNDLE_VERSION": version, "POLICY_BUNDLE_ADMIN_TOKEN": TOKEN,
-           "POLICY_BUNDLE_STATE_DIR": str(run.out / "state"), "POLICY_ROUTER_CONFIG": str(cfg),
+           "POLICY_BUNDLE_STATE_DIR": str(run.out / "state"), "POLICY_BUNDLE_ROUTER_CONFIG": str(cfg),
            "POLICY_BUNDLE_DISABLE_VLLM": "0" if run.fp16_engine == "vllm" else "1", **vllm_env(),
            **({"POLICY_BUNDLE_TEST_FAULT": fault} if fault else {})}
     server = Server(env, run.out / log_name).wait_ready(600 if run.fp16_engine == "vllm" else 300)

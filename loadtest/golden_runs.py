@@ -30,7 +30,7 @@ def main() -> None:
     env = vllm_env(POLICY_BUNDLE_ADMIN_TOKEN=TOKEN, POLICY_BUNDLE_STATE_DIR=str(tmp / "state"))
     rollout = {"golden_items": args.items, "golden_interval_s": 86400, "analysis_interval_s": 86400, "shadow_fraction": 0}
     (tmp / "router.yaml").write_text(json.dumps({"rollout": rollout}))  # no loop of its own: only these runs
-    env["POLICY_ROUTER_CONFIG"] = str(tmp / "router.yaml")
+    env["POLICY_BUNDLE_ROUTER_CONFIG"] = str(tmp / "router.yaml")
     server = Server(env, tmp / "server.log").wait_ready(600)
     headers = {"authorization": f"Bearer {TOKEN}"}
 

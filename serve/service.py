@@ -42,7 +42,7 @@ from policy_bundle.serve.variants import VERSION, Fp16Policy, Int8Policy
 log = logging.getLogger("policy_bundle.router")
 # The spec is BentoML's /docs.json (it merges these routes); FastAPI's own copy would be a second one.
 app = FastAPI(title="policy-bundle router", openapi_url=None, docs_url=None, redoc_url=None)
-SETTINGS = settings_or_exit()  # a bad POLICY_ROUTER_CONFIG stops start-up with one line, before anything loads
+SETTINGS = settings_or_exit()  # a bad POLICY_BUNDLE_ROUTER_CONFIG stops start-up with one line, before anything loads
 logs.configure(SETTINGS.log_format)
 
 
@@ -102,7 +102,7 @@ class PolicyRouter:
         self.metrics.set_rollout(self.controller.state)
         if not self.settings.api_keys:
             log.warning("serving without API keys: every route, /status and /metrics included, is open to whoever "
-                        "can reach this port; set POLICY_BUNDLE_API_KEYS (or api_keys in POLICY_ROUTER_CONFIG)")
+                        "can reach this port; set POLICY_BUNDLE_API_KEYS (or api_keys in POLICY_BUNDLE_ROUTER_CONFIG)")
         log.info("router up: INT8 weight %.1f%% (%s, resumed=%s), context %d tokens", self.controller.state.weight,
                  self.controller.state.status, self.controller.resumed, self.info.max_seq_len)
 

@@ -1,11 +1,20 @@
-"""Router settings: environment variables plus an optional YAML file (``POLICY_ROUTER_CONFIG``)."""
+"""Router settings: an optional YAML file (``POLICY_BUNDLE_ROUTER_CONFIG``), and every setting also from the
+environment under one prefix: ``POLICY_BUNDLE_<FIELD>``, a nested one ``POLICY_BUNDLE_<SECTION>__<FIELD>``
+(``POLICY_BUNDLE_MAX_INFLIGHT=64``, ``POLICY_BUNDLE_ROLLOUT__STEPS="[1, 5, 100]"``). A variable's value is read as
+YAML (a string field takes it as written; ``api_keys`` and ``trusted_keys`` are comma-separated), wins over the file,
+and goes through the same checks: an error names the variable, the field and the limit."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-from dataclasses import dataclass, field, replace
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import yaml
 
 from policy_bundle.quantize.decode import DECODE_THREADS
 from policy_bundle.quantize.config_schema import FieldError, check, choice, from_mapping, ranged, read_as, read_yaml
@@ -16,7 +25,7 @@ INT8_ENGINES = ("torchscript", "vllm")
 
 
 class SettingsError(ValueError):
-    """POLICY_ROUTER_CONFIG (or an env var) names an unknown field or holds a bad value."""
+    """POLICY_BUNDLE_ROUTER_CONFIG (or an env var) names an unknown field or holds a bad value."""
 
 
 NO_KEYS = ("holds no key, which would leave every route open; remove it to serve without keys (the router then "
@@ -128,32 +137,85 @@ def _env_list(env: Mapping[str, str], name: str, empty: str) -> Tuple[str, ...]:
     return items
 
 
-def _with_env(s: RouterSettings, env: Mapping[str, str]) -> RouterSettings:
-    """The environment variables that override the file (each re-checked by RouterSettings)."""
-    if env.get("POLICY_BUNDLE_STATE_DIR"):
-        s = replace(s, state_dir=Path(env["POLICY_BUNDLE_STATE_DIR"]))
-    if env.get("POLICY_BUNDLE_STATE_URL"):
-        s = replace(s, state_url=env["POLICY_BUNDLE_STATE_URL"].strip())
-    if env.get("POLICY_BUNDLE_ADMIN_TOKEN"):
-        s = replace(s, admin_token=env["POLICY_BUNDLE_ADMIN_TOKEN"])
-    if "POLICY_BUNDLE_API_KEYS" in env:  # set at all: its keys replace the file's, and none is refused, not open
-        s = replace(s, api_keys=_env_list(env, "POLICY_BUNDLE_API_KEYS", NO_KEYS))
-    if "POLICY_BUNDLE_TRUSTED_KEYS" in env:
-        s = replace(s, trusted_keys=_env_list(env, "POLICY_BUNDLE_TRUSTED_KEYS",
-                                              "names no key file (unset it to serve unsigned bundles)"))
-    if env.get("POLICY_BUNDLE_INT8_ENGINE"):
-        s = replace(s, int8_engine=env["POLICY_BUNDLE_INT8_ENGINE"].strip())
-    return s
+ENV_PREFIX = "POLICY_BUNDLE_"
+CONFIG_ENV = "POLICY_BUNDLE_ROUTER_CONFIG"
+OLD_CONFIG_ENV = "POLICY_ROUTER_CONFIG"  # the file's variable before it took the prefix: still read, with a warning
+ENV_LISTS = {"api_keys": NO_KEYS, "trusted_keys": "names no key file (unset it to serve unsigned bundles)"}
+
+
+def env_var(*path: str) -> str:
+    """The variable of the setting at ``path`` (``("rollout", "steps")`` -> ``POLICY_BUNDLE_ROLLOUT__STEPS``)."""
+    return ENV_PREFIX + "__".join(p.upper() for p in path)
+
+
+def _is_text(tp: Any) -> bool:
+    """A field whose variable is taken as written (a string, a path), not parsed as YAML."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+    return len(args) == 1 and args[0] in (str, Path)
+
+
+def env_settings(env: Mapping[str, str], cls: type = None, path: Tuple[str, ...] = ()) -> Tuple[dict, Dict[str, str]]:
+    """What the environment sets, as the settings file's mapping would hold it, and the variable behind each dotted
+    field path. A variable set empty is unset, but for ``api_keys``/``trusted_keys``: set to no item is refused."""
+    cls = cls or RouterSettings
+    values: dict = {}
+    source: Dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, here = hints[f.name], (*path, f.name)
+        if dataclasses.is_dataclass(tp):
+            inner, inner_source = env_settings(env, tp, here)
+            if inner:
+                values[f.name] = inner
+                source.update(inner_source)
+            continue
+        var = env_var(*here)
+        if var not in env or (not env[var].strip() and f.name not in ENV_LISTS):
+            continue
+        raw = env[var]
+        if f.name in ENV_LISTS and not path:
+            values[f.name] = list(_env_list(env, var, ENV_LISTS[f.name]))
+        elif _is_text(tp):
+            values[f.name] = raw.strip()
+        else:
+            try:
+                values[f.name] = yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                raise FieldError(var, f"is not a YAML value ({' '.join(str(exc).split())[:120]})") from None
+        source[".".join(here)] = var
+    return values, source
+
+
+def _merged(base: Any, over: dict) -> dict:
+    out = dict(base) if isinstance(base, dict) else {}
+    for key, value in over.items():
+        out[key] = _merged(out.get(key), value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def config_path(env: Mapping[str, str]) -> Optional[str]:
+    """The settings file: ``POLICY_BUNDLE_ROUTER_CONFIG``, else the old ``POLICY_ROUTER_CONFIG`` (with a warning)."""
+    if env.get(CONFIG_ENV):
+        return env[CONFIG_ENV]
+    if env.get(OLD_CONFIG_ENV):
+        logging.getLogger("policy_bundle.router").warning("%s is the old name of %s; it still works", OLD_CONFIG_ENV,
+                                                          CONFIG_ENV)
+        return env[OLD_CONFIG_ENV]
+    return None
 
 
 def load_settings() -> RouterSettings:
-    """Settings from the file and the environment; SettingsError names the field that is wrong."""
-    path = os.environ.get("POLICY_ROUTER_CONFIG")
+    """Settings from the file and the environment; SettingsError names the field that is wrong (and the variable,
+    when one set it)."""
+    source: Dict[str, str] = {}
     try:
-        s = from_mapping(RouterSettings, read_yaml(Path(path), "POLICY_ROUTER_CONFIG")) if path else RouterSettings()
-        return _with_env(s, os.environ)
+        path = config_path(os.environ)
+        data = read_yaml(Path(path), CONFIG_ENV) if path else {}
+        over, source = env_settings(os.environ)
+        return from_mapping(RouterSettings, _merged(data, over))
     except FieldError as exc:  # the gate thresholds' and the rollout's own checks included
-        raise SettingsError(str(exc)) from None
+        var = next((v for p, v in source.items() if exc.path == p or exc.path.startswith((p + ".", p + "["))), None)
+        raise SettingsError(f"{var}: {exc}" if var else str(exc)) from None
 
 
 def settings_or_exit() -> RouterSettings:
@@ -171,7 +233,7 @@ def router_schema() -> dict:
     """The router settings file's JSON Schema (``policy-bundle config schema router``)."""
     from policy_bundle.quantize.config_json_schema import json_schema
 
-    return json_schema(RouterSettings, "policy-bundle router settings (POLICY_ROUTER_CONFIG)")
+    return json_schema(RouterSettings, "policy-bundle router settings (POLICY_BUNDLE_ROUTER_CONFIG)")
 
 
 if __name__ == "__main__":  # the CLI (build/) runs this as a process: build/ never imports serve/

@@ -72,7 +72,7 @@ def router_config(tmp_path, name, **overrides):
 
 
 def env_for(tmp_path, name, version, admin=True, vllm=True, **cfg):
-    env = {"POLICY_ROUTER_CONFIG": str(router_config(tmp_path, name, **cfg)),
+    env = {"POLICY_BUNDLE_ROUTER_CONFIG": str(router_config(tmp_path, name, **cfg)),
            "POLICY_BUNDLE_STATE_DIR": str(tmp_path / f"{name}-state"), "POLICY_BUNDLE_VERSION": version, **vllm_env()}
     if admin:
         env["POLICY_BUNDLE_ADMIN_TOKEN"] = "test-admin-token"

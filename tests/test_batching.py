@@ -242,7 +242,7 @@ def test_served_int8_batches_concurrent_streams_and_frees_a_disconnected_ones_sl
     (tmp_path / "router.yaml").write_text("engine_lanes: 2\n")
     env = {"POLICY_BUNDLE_STATE_DIR": str(tmp_path / "state"), "POLICY_BUNDLE_VERSION": bundle_version(small_bundle),
            "POLICY_BUNDLE_DISABLE_VLLM": "1", "POLICY_BUNDLE_TEST_FAULT": "slow:factor=0.1",
-           "POLICY_ROUTER_CONFIG": str(tmp_path / "router.yaml")}
+           "POLICY_BUNDLE_ROUTER_CONFIG": str(tmp_path / "router.yaml")}
     server = Server(env, tmp_path / "int8.log", target="policy_bundle.serve.variants:Int8Policy").wait_ready()
     prompts, n = PROMPTS[:4], 14
 

@@ -69,6 +69,7 @@ def test_the_router_settings_schema_validates_the_shipped_settings_and_refuses_a
     res = run_cli("config", "schema", "router")
     assert res.returncode == 0, res.stderr
     schema = json.loads(res.stdout)
-    configmap = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
+    (configmap,) = [d for d in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
+                    if d["metadata"]["name"] == "policy-bundle-router"]
     assert errors(schema, yaml.safe_load(configmap["data"]["router.yaml"])) == []
     assert errors(schema, {"no_such_setting": 1}) and errors(schema, {"max_batch": 0})  # max_batch is at least 1

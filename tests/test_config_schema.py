@@ -116,7 +116,7 @@ def test_the_build_accepts_what_the_recipe_accepts():
 def router(tmp_path, monkeypatch, text: str):
     cfg = tmp_path / "router.yaml"
     cfg.write_text(text)
-    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(cfg))
+    monkeypatch.setenv("POLICY_BUNDLE_ROUTER_CONFIG", str(cfg))
     for name in ("POLICY_BUNDLE_INT8_ENGINE", "POLICY_BUNDLE_API_KEYS"):
         monkeypatch.delenv(name, raising=False)
     return load_settings()

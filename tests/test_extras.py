@@ -70,7 +70,7 @@ def test_a_postgresql_state_url_without_its_extra_stops_the_router_in_one_line(t
     import sys
 
     res = subprocess.run([sys.executable, "-c", "from policy_bundle.serve.settings import load_settings as l; l()"],
-                         env={**os.environ, **HIDE, "POLICY_ROUTER_CONFIG": str(config)}, capture_output=True,
+                         env={**os.environ, **HIDE, "POLICY_BUNDLE_ROUTER_CONFIG": str(config)}, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode != 0
     assert ("state_url: a postgresql+psycopg URL (rollout state shared by replicas) needs the [postgres] extra"
@@ -96,6 +96,6 @@ def test_a_postgresql_state_url_is_accepted_where_its_extra_is_installed(tmp_pat
     config = tmp_path / "router.yaml"
     config.write_text(yaml.safe_dump({"state_url": "postgresql+psycopg://u@127.0.0.1/db"}))
     res = subprocess.run([sys.executable, "-c", "from policy_bundle.serve.settings import load_settings as l; "
-                          "print(l().state_url)"], env={**os.environ, "POLICY_ROUTER_CONFIG": str(config)},
+                          "print(l().state_url)"], env={**os.environ, "POLICY_BUNDLE_ROUTER_CONFIG": str(config)},
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "postgresql+psycopg://u@127.0.0.1/db", res.stderr[-1000:]

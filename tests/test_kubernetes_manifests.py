@@ -22,7 +22,7 @@ MANIFESTS = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.37"
 NAME = "policy-bundle"
 ROUTER, POSTGRES = "policy-bundle-router", "policy-bundle-postgres"
-SETTINGS_ENV = ("POLICY_ROUTER_CONFIG", "POLICY_BUNDLE_API_KEYS", "POLICY_BUNDLE_TRUSTED_KEYS",
+SETTINGS_ENV = ("POLICY_BUNDLE_ROUTER_CONFIG", "POLICY_BUNDLE_API_KEYS", "POLICY_BUNDLE_TRUSTED_KEYS",
                 "POLICY_BUNDLE_STATE_URL", "POLICY_BUNDLE_STATE_DIR", "POLICY_BUNDLE_ADMIN_TOKEN",
                 "POLICY_BUNDLE_INT8_ENGINE")
 
@@ -231,7 +231,7 @@ def test_router_deployment():
     env = {e["name"]: e for e in c["env"]}
     assert env["VLLM_CPU_KVCACHE_SPACE"]["value"] == "1"
     assert env["POLICY_BUNDLE_TRUSTED_KEYS"]["value"] == "/etc/policy-bundle/keys/build.key.pub"
-    assert env["POLICY_ROUTER_CONFIG"]["value"] == "/etc/policy-bundle/config/router.yaml"
+    assert env["POLICY_BUNDLE_ROUTER_CONFIG"]["value"] == "/etc/policy-bundle/config/router.yaml"
     for var, key in (("POLICY_BUNDLE_STATE_URL", "state-url"), ("POLICY_BUNDLE_ADMIN_TOKEN", "admin-token"),
                      ("POLICY_BUNDLE_API_KEYS", "api-keys")):
         assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "policy-bundle-secrets", "key": key}
@@ -323,7 +323,7 @@ def test_router_config_loads_with_the_settings_loader(tmp_path, monkeypatch):
     config = tmp_path / "router.yaml"
     config.write_text(text)
     clear_settings_env(monkeypatch)
-    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(config))
+    monkeypatch.setenv("POLICY_BUNDLE_ROUTER_CONFIG", str(config))
     s = load_settings()
     want = yaml.safe_load(text)
     for key, value in want.items():
@@ -350,7 +350,7 @@ def test_router_pod_environment_loads_once_the_placeholder_key_is_replaced(tmp_p
         (tmp_path / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path.lstrip("/")).write_text(text)
     env = pod_env(c)
-    for var in ("POLICY_ROUTER_CONFIG", "POLICY_BUNDLE_TRUSTED_KEYS"):
+    for var in ("POLICY_BUNDLE_ROUTER_CONFIG", "POLICY_BUNDLE_TRUSTED_KEYS"):
         assert env[var] in files, f"{var}={env[var]} is not a file the pod's mounts provide ({sorted(files)})"
         env[var] = str(tmp_path / env[var].lstrip("/"))
     clear_settings_env(monkeypatch)

@@ -42,7 +42,7 @@ def long_server(tmp_path_factory, bentoml_home):
                                       "rollout": {"analysis_interval_s": 3600, "golden_interval_s": 3600,
                                                   "shadow_fraction": 0.0}}))
     env = {"POLICY_BUNDLE_VERSION": bundle_version(out), "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),
-           "POLICY_BUNDLE_ADMIN_TOKEN": "t", "POLICY_BUNDLE_DISABLE_VLLM": "1", "POLICY_ROUTER_CONFIG": str(config)}
+           "POLICY_BUNDLE_ADMIN_TOKEN": "t", "POLICY_BUNDLE_DISABLE_VLLM": "1", "POLICY_BUNDLE_ROUTER_CONFIG": str(config)}
     server = Server(env, tmp / "server.log").wait_ready()
     yield server
     server.stop()

@@ -1,4 +1,4 @@
-"""Rollout settings from POLICY_ROUTER_CONFIG: steps with pauses, cohort match rules, the state database URL."""
+"""Rollout settings from POLICY_BUNDLE_ROUTER_CONFIG: steps with pauses, cohort match rules, the state database URL."""
 
 import pytest
 import yaml
@@ -10,7 +10,7 @@ from policy_bundle.serve.settings import SettingsError, load_settings
 def settings_from(tmp_path, monkeypatch, body: dict):
     cfg = tmp_path / "router.yaml"
     cfg.write_text(yaml.safe_dump(body))
-    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(cfg))
+    monkeypatch.setenv("POLICY_BUNDLE_ROUTER_CONFIG", str(cfg))
     monkeypatch.delenv("POLICY_BUNDLE_STATE_URL", raising=False)
     return load_settings()
 

@@ -8,7 +8,7 @@ from policy_bundle.serve.settings import SettingsError, load_settings
 def test_int8_engine_comes_from_the_file_and_the_env_var_wins(tmp_path, monkeypatch):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("int8_engine: vllm\n")
-    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(cfg))
+    monkeypatch.setenv("POLICY_BUNDLE_ROUTER_CONFIG", str(cfg))
     monkeypatch.delenv("POLICY_BUNDLE_INT8_ENGINE", raising=False)
     assert load_settings().int8_engine == "vllm"
     monkeypatch.setenv("POLICY_BUNDLE_INT8_ENGINE", "torchscript")
@@ -21,7 +21,7 @@ def test_int8_engine_comes_from_the_file_and_the_env_var_wins(tmp_path, monkeypa
 def settings_from(tmp_path, monkeypatch, text: str):
     cfg = tmp_path / "router.yaml"
     cfg.write_text(text)
-    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(cfg))
+    monkeypatch.setenv("POLICY_BUNDLE_ROUTER_CONFIG", str(cfg))
     monkeypatch.delenv("POLICY_BUNDLE_API_KEYS", raising=False)
     return load_settings()
 
@@ -81,7 +81,7 @@ def test_api_keys_from_the_env_that_hold_no_key_are_refused_not_open(tmp_path, m
     """POLICY_BUNDLE_API_KEYS set to nothing replaced the file's keys with none, which meant open."""
     cfg = tmp_path / "router.yaml"
     cfg.write_text("api_keys: [s3cr3t]\n")
-    monkeypatch.setenv("POLICY_ROUTER_CONFIG", str(cfg))
+    monkeypatch.setenv("POLICY_BUNDLE_ROUTER_CONFIG", str(cfg))
     monkeypatch.setenv("POLICY_BUNDLE_API_KEYS", value)
     with pytest.raises(SettingsError, match=r"^POLICY_BUNDLE_API_KEYS: is set but holds no key, which would leave"):
         load_settings()
@@ -94,3 +94,58 @@ def test_api_keys_written_empty_in_the_file_are_refused(tmp_path, monkeypatch, v
     with pytest.raises(SettingsError, match=r"^api_keys: holds no key, which would leave every route open"):
         settings_from(tmp_path, monkeypatch, f"api_keys: {value}\n")
     assert settings_from(tmp_path, monkeypatch, "model_name: policy\n").api_keys == ()  # not written: open
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No POLICY_BUNDLE_* / POLICY_ROUTER_CONFIG variable from the caller's environment."""
+    import os
+
+    for var in [v for v in os.environ if v.startswith(("POLICY_BUNDLE_", "POLICY_ROUTER_"))]:
+        monkeypatch.delenv(var)
+    return monkeypatch
+
+
+def test_every_setting_also_comes_from_the_environment_under_one_prefix_and_wins_over_the_file(tmp_path, clean_env):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("max_inflight: 8\nmodel_name: from-file\nrollout:\n  min_samples: 50\n")
+    clean_env.setenv("POLICY_BUNDLE_ROUTER_CONFIG", str(cfg))
+    s = load_settings()
+    assert (s.max_inflight, s.model_name, s.rollout.min_samples) == (8, "from-file", 50)
+    for var, value in {"POLICY_BUNDLE_MAX_INFLIGHT": "64", "POLICY_BUNDLE_MODEL_NAME": "123",  # a string, as written
+                       "POLICY_BUNDLE_CHAT_CONTROL_TOKENS": "true", "POLICY_BUNDLE_KV_WAIT_S": "2.5",
+                       "POLICY_BUNDLE_ROLLOUT__STEPS": "[1, 50, 100]", "POLICY_BUNDLE_ROLLOUT__AUTO_START": "false",
+                       "POLICY_BUNDLE_VERSION": "not-a-setting"}.items():  # a variable of the prefix that is no field
+        clean_env.setenv(var, value)
+    s = load_settings()
+    assert (s.max_inflight, s.model_name, s.chat_control_tokens, s.kv_wait_s) == (64, "123", True, 2.5)
+    assert [step.weight for step in s.rollout.steps] == [1.0, 50.0, 100.0] and s.rollout.auto_start is False
+    assert s.rollout.min_samples == 50  # the file's, where no variable sets it
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("POLICY_BUNDLE_MAX_INFLIGHT", "-1", r"^POLICY_BUNDLE_MAX_INFLIGHT: max_inflight: -1 must be >= 0$"),
+    ("POLICY_BUNDLE_ROLLOUT__MAX_ERROR_RATE", "2", r"^POLICY_BUNDLE_ROLLOUT__MAX_ERROR_RATE: rollout.max_error_rate: 2"),
+    ("POLICY_BUNDLE_MAX_BATCH", "[1, ", r"^POLICY_BUNDLE_MAX_BATCH: is not a YAML value"),
+    ("POLICY_BUNDLE_REQUIRE_VLLM", "maybe", r"^POLICY_BUNDLE_REQUIRE_VLLM: require_vllm: expected bool, got str"),
+])
+def test_a_bad_variable_is_one_line_naming_it_the_field_and_the_limit(clean_env, var, value, message):
+    clean_env.setenv(var, value)
+    with pytest.raises(SettingsError, match=message):
+        load_settings()
+
+
+def test_the_old_name_of_the_settings_file_still_works_with_a_warning(tmp_path, clean_env, caplog):
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text("max_inflight: 5\n")
+    new.write_text("max_inflight: 6\n")
+    clean_env.setenv("POLICY_ROUTER_CONFIG", str(old))
+    with caplog.at_level("WARNING", logger="policy_bundle.router"):
+        assert load_settings().max_inflight == 5
+    assert [r.getMessage() for r in caplog.records] == [
+        "POLICY_ROUTER_CONFIG is the old name of POLICY_BUNDLE_ROUTER_CONFIG; it still works"]
+    caplog.clear()
+    clean_env.setenv("POLICY_BUNDLE_ROUTER_CONFIG", str(new))  # the new name wins, and nothing is said
+    with caplog.at_level("WARNING", logger="policy_bundle.router"):
+        assert load_settings().max_inflight == 6
+    assert not caplog.records

@@ -34,7 +34,7 @@ def start(tmp_path, small_bundle, name, fault, config):
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     env = {"POLICY_BUNDLE_VERSION": bundle_version(small_bundle), "POLICY_BUNDLE_STATE_DIR": str(tmp_path / name),
-           "POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_ROUTER_CONFIG": str(cfg), "POLICY_BUNDLE_DISABLE_VLLM": "1",
+           "POLICY_BUNDLE_ADMIN_TOKEN": TOKEN, "POLICY_BUNDLE_ROUTER_CONFIG": str(cfg), "POLICY_BUNDLE_DISABLE_VLLM": "1",
            "POLICY_BUNDLE_TEST_FAULT": fault}
     return Server(env, tmp_path / f"{name}.log").wait_ready()
 

@@ -23,7 +23,7 @@ def start(tmp_path, small_bundle, name, fault=None, config=None, wait=True, **en
     cfg.write_text(yaml.safe_dump(config if config is not None else {
         "rollout": {"analysis_interval_s": 0.5, "golden_interval_s": 3600, "min_samples": 10}}))
     env = {"POLICY_BUNDLE_VERSION": bundle_version(small_bundle), "POLICY_BUNDLE_STATE_DIR": str(tmp_path / name),
-           "POLICY_BUNDLE_ADMIN_TOKEN": "t", "POLICY_ROUTER_CONFIG": str(cfg), "POLICY_BUNDLE_DISABLE_VLLM": "1",
+           "POLICY_BUNDLE_ADMIN_TOKEN": "t", "POLICY_BUNDLE_ROUTER_CONFIG": str(cfg), "POLICY_BUNDLE_DISABLE_VLLM": "1",
            **({"POLICY_BUNDLE_TEST_FAULT": fault} if fault else {}), **env}
     server = Server(env, tmp_path / f"{name}.log")
     return server.wait_ready() if wait else server
