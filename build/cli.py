@@ -26,7 +26,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from policy_bundle.build.config.build_config import load_config
     from policy_bundle.build.pipeline import run_build
 
-    cfg = load_config(Path(args.config) if args.config else None, tuple(args.set or ()))
+    cfg = load_config(Path(args.config) if args.config else None, tuple(args.set or ()), env=os.environ)
     result = run_build(cfg, Path(args.out), force=args.force)
     fid = result.fidelity["int8_torchscript"]
     print(f"bundle: {result.bundle}")

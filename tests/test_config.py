@@ -1,9 +1,11 @@
 """Build config: defaults load, and every bad field is named with its value and limit."""
 
 import json
+import re
 
 import pytest
 
+from cli_helpers import run_cli
 from policy_bundle.build.config.build_config import ConfigError, config_from_dict, load_config
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.recipe_types import W8A8Recipe
@@ -113,3 +115,25 @@ def test_an_auto_candidate_can_set_its_own_w8a8_fields():
 def test_a_bad_auto_candidate_is_named(entry, message):
     with pytest.raises(ConfigError, match=message):
         load_config("build/configs/reference.yaml", (f"recipe.auto_candidates=[{entry}]",))
+
+
+def test_every_build_setting_also_comes_from_the_environment_and_set_wins():
+    env = {"POLICY_BUNDLE_BUILD__CALIBRATION__SAMPLES": "64", "POLICY_BUNDLE_BUILD__SEED": "3",
+           "POLICY_BUNDLE_BUILD__CANARY__MIN_TOP1_AGREEMENT": "0.9",  # a gate threshold, written inline in canary:
+           "POLICY_BUNDLE_BUILD__EXPORT__ONNX": "", "POLICY_BUNDLE_VERSION": "not a build setting"}
+    cfg = load_config(None, (), env=env)
+    assert (cfg.calibration.samples, cfg.seed, cfg.canary.gate.min_top1_agreement) == (64, 3, 0.9)
+    assert load_config(None, ("calibration.samples=80",), env=env).calibration.samples == 80  # --set wins
+    assert load_config(None, (), env={}).calibration.samples is None  # the control: unset without the variable
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", r"^POLICY_BUNDLE_BUILD__CALIBRATION__SAMPLES: calibration.samples: 0 is out of range \[1, 100000\]$"),
+    ("[1,", r"^POLICY_BUNDLE_BUILD__CALIBRATION__SAMPLES: calibration.samples: '\[1,' is not a YAML value"),
+])
+def test_a_bad_build_variable_is_one_cli_line_naming_it_and_the_limit(value, message):
+    res = run_cli("build", "--out", "/nonexistent/never-written",
+                  env={"POLICY_BUNDLE_BUILD__CALIBRATION__SAMPLES": value})
+    assert res.returncode == 3 and "Traceback" not in res.stderr, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert re.search(message, line.removeprefix("error: ")), line

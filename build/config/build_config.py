@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
@@ -236,13 +236,35 @@ def _apply_override(data: dict, override: str) -> None:
         raise ConfigError(f"--set {key}: {raw!r} is not a YAML value ({str(exc).splitlines()[0]})") from None
 
 
-def load_config(path: Optional[Path], overrides: Tuple[str, ...] = ()) -> BuildConfig:
-    """Read, override (``section.field=value``) and validate a build config."""
+BUILD_ENV_PREFIX = "POLICY_BUNDLE_BUILD__"
+
+
+def env_overrides(env: Mapping[str, str]) -> Tuple[Tuple[str, str], ...]:
+    """``POLICY_BUNDLE_BUILD__<SECTION>__<FIELD>=value`` (a top-level field: ``POLICY_BUNDLE_BUILD__<FIELD>``) as
+    (variable, ``section.field=value``) overrides, by name; a variable set empty is unset."""
+    return tuple((name, f"{name[len(BUILD_ENV_PREFIX):].lower().replace('__', '.')}={value}")
+                 for name, value in sorted(env.items()) if name.startswith(BUILD_ENV_PREFIX) and value.strip())
+
+
+def load_config(path: Optional[Path], overrides: Tuple[str, ...] = (),
+                env: Optional[Mapping[str, str]] = None) -> BuildConfig:
+    """Read, override and validate a build config: the file, then the environment's ``POLICY_BUNDLE_BUILD__*``
+    variables (``env``), then ``overrides`` (``section.field=value``, the CLI's ``--set``). An error from a variable
+    names it."""
     try:
         data = read_yaml(Path(path), "config file") if path is not None else {}
     except FieldError as exc:
         raise ConfigError(str(exc)) from None
-    return config_from_dict(data, overrides)
+    from_env = env_overrides(env or {})
+    try:
+        return config_from_dict(data, tuple(o for _, o in from_env) + tuple(overrides))
+    except ConfigError as exc:
+        text = str(exc)
+        var = next((v for v, o in from_env if text.startswith((o.partition("=")[0] + ":", o.partition("=")[0] + ".",
+                                                                f"--set {o.partition('=')[0]}:"))), None)
+        if var is None or any(text.startswith(o.partition("=")[0]) for o in overrides):  # --set's own, not the var's
+            raise
+        raise ConfigError(f"{var}: {text.removeprefix('--set ')}") from None
 
 
 def config_from_dict(data: dict, overrides: Tuple[str, ...] = ()) -> BuildConfig:
