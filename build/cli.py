@@ -63,6 +63,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+BUILD_DEFAULTS_HEADER = """Every build config key at its default, with its type and limit: made by `policy-bundle config defaults build`
+from the config's own fields (a test checks it is current and reads back to the defaults). Not a config to build
+with: copy the keys you change. A null is resolved at build time from the policy (docs/build.md); the main job's
+config is build/configs/reference.yaml."""
+
+
+def cmd_config_defaults(args: argparse.Namespace) -> int:
+    """Every key of the build config or the router settings at its default, as YAML with its limits as comments."""
+    import subprocess
+
+    if args.what == "build":
+        from policy_bundle.build.config.build_config import BuildConfig
+        from policy_bundle.quantize.config_json_schema import defaults_yaml
+
+        print(defaults_yaml(BuildConfig, BUILD_DEFAULTS_HEADER), end="")
+        return EXIT_OK
+    # serve/ in a process of its own, as for the schema
+    res = subprocess.run([sys.executable, "-m", "policy_bundle.serve.settings", "--defaults"], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"the router settings' defaults: {res.stderr.strip()[-300:]}")
+    print(res.stdout, end="")
+    return EXIT_OK
+
+
 def cmd_config_schema(args: argparse.Namespace) -> int:
     """The JSON Schema of the build config or the router settings: the keys, types, limits and defaults the readers
     enforce (``quantize.config_schema.json_schema``), for editors and CI checks of a config file."""
@@ -235,6 +260,11 @@ def parser() -> argparse.ArgumentParser:
                                     "or of the router settings file (POLICY_BUNDLE_ROUTER_CONFIG).")
     sc.add_argument("what", choices=["build", "router"], help="which file's schema")
     sc.set_defaults(func=cmd_config_schema)
+    dc = cfs.add_parser("defaults", parents=[common], help="every key with its default, type and limit, as YAML",
+                        description="A config file holding every key at its default, each with its type and limit "
+                                    "as a comment (build/configs/defaults.yaml is the build's, made by this).")
+    dc.add_argument("what", choices=["build", "router"], help="which file's defaults")
+    dc.set_defaults(func=cmd_config_defaults)
 
     r = sub.add_parser("rollout", parents=[common],
                        help="operate the served rollout over the router's admin API (status, history, promote, ...)",

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 from typing import Any, Dict
 
-from policy_bundle.quantize.config_schema import CHOICES, LOW_OPEN, RANGE, READ, _hints, _keys
+from policy_bundle.quantize.config_schema import CHOICES, LOW_OPEN, RANGE, READ, FieldError, _hints, _keys, read_field
 
 
 JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string", Path: "string"}
@@ -91,3 +91,71 @@ def _type_schema(tp: Any, meta: Any = None) -> dict:
     if tp in JSON_TYPES:
         return {"type": JSON_TYPES[tp], **_limits(meta)}
     return {}
+
+
+def defaults_yaml(cls: type, header: str) -> str:
+    """Every key of ``cls``'s YAML with its default, each with its type and limit as a comment: a config file that
+    ``from_mapping(cls, ...)`` reads back to ``cls()`` (a test checks both). ``header``: the comment lines on top."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    _defaults_lines(cls, "", lines)
+    return "\n".join(lines) + "\n"
+
+
+def _defaults_lines(cls: type, indent: str, lines: list) -> None:
+    for key, (holder, owner) in _keys(cls).items():
+        f = next(f for f in dataclasses.fields(owner) if f.name == key)
+        tp = _hints(owner)[key]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(tp) and dataclasses.is_dataclass(default):
+            lines.append(f"{indent}{key}:")
+            _defaults_lines(tp, indent + "  ", lines)
+            continue
+        plain = _yaml_form(default)
+        value = "{}" if plain == {} else _flow(plain)
+        comment = _comment(tp, f.metadata)
+        line = f"{key}: {value}" + (f"  # {comment}" if comment else "")
+        try:  # a default that cannot be written as a value (keys configured to none are refused): left unset
+            read_field(owner, key, plain, key)
+        except FieldError:
+            line = f"# {key}: unset by default  # {comment or 'see its reader'}"
+        lines.append(indent + line)
+
+
+def _yaml_form(value: Any) -> Any:
+    """``value`` as its YAML reads back: a dataclass as its mapping, a path as a string, tuples as lists."""
+    from policy_bundle.quantize.config_schema import to_mapping
+
+    if dataclasses.is_dataclass(value):
+        return {k: _yaml_form(v) for k, v in to_mapping(value).items()}
+    if isinstance(value, (tuple, list)):
+        return [_yaml_form(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _yaml_form(v) for k, v in value.items()}
+    return str(value) if isinstance(value, Path) else value
+
+
+def _flow(value: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
+
+
+def _comment(tp: Any, meta: Any) -> str:
+    """The field's type and limit in words: ``integer in [1, 4096], or null``."""
+    schema = _type_schema(tp, meta) if not meta.get(READ) else _limits(meta)
+    optional = "anyOf" in schema
+    if optional:
+        schema = schema["anyOf"][0]
+    kind = schema.get("type", "")
+    if "enum" in schema:
+        text = " | ".join(str(v) for v in schema["enum"])
+    elif "minimum" in schema or "exclusiveMinimum" in schema:
+        lo = schema.get("minimum", schema.get("exclusiveMinimum"))
+        bracket = "(" if "exclusiveMinimum" in schema else "["
+        text = f"{kind} in {bracket}{lo}, {schema['maximum']}]" if "maximum" in schema else \
+            f"{kind} {'>' if bracket == '(' else '>='} {lo}"
+    elif kind == "array" and "items" in schema:
+        text = f"list of {schema['items'].get('type', 'values')}"
+    else:
+        text = kind
+    return f"{text}, or null" if optional and text else text

@@ -236,7 +236,17 @@ def router_schema() -> dict:
     return json_schema(RouterSettings, "policy-bundle router settings (POLICY_BUNDLE_ROUTER_CONFIG)")
 
 
+ROUTER_DEFAULTS_HEADER = """Every router setting at its default, with its type and limit (`policy-bundle config defaults router`): the
+keys of POLICY_BUNDLE_ROUTER_CONFIG, each also POLICY_BUNDLE_<FIELD> (nested: POLICY_BUNDLE_<SECTION>__<FIELD>)."""
+
+
 if __name__ == "__main__":  # the CLI (build/) runs this as a process: build/ never imports serve/
     import json
+    import sys
 
-    print(json.dumps(router_schema(), indent=2))
+    if sys.argv[1:] == ["--defaults"]:
+        from policy_bundle.quantize.config_json_schema import defaults_yaml
+
+        print(defaults_yaml(RouterSettings, ROUTER_DEFAULTS_HEADER), end="")
+    else:
+        print(json.dumps(router_schema(), indent=2))

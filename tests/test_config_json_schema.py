@@ -73,3 +73,27 @@ def test_the_router_settings_schema_validates_the_shipped_settings_and_refuses_a
                     if d["metadata"]["name"] == "policy-bundle-router"]
     assert errors(schema, yaml.safe_load(configmap["data"]["router.yaml"])) == []
     assert errors(schema, {"no_such_setting": 1}) and errors(schema, {"max_batch": 0})  # max_batch is at least 1
+
+
+def test_the_committed_defaults_file_is_what_the_config_fields_give_and_reads_back_to_the_defaults():
+    """build/configs/defaults.yaml is `policy-bundle config defaults build`'s output now (so its values are the real
+    defaults, and a changed default leaves it stale: this fails), and read back it is ``BuildConfig()``."""
+    from policy_bundle.build.config.build_config import BuildConfig
+    from policy_bundle.quantize.config_schema import from_mapping
+
+    res = run_cli("config", "defaults", "build")
+    assert res.returncode == 0, res.stderr
+    committed = (ROOT / "build" / "configs" / "defaults.yaml").read_text()
+    assert committed == res.stdout, "stale: policy-bundle config defaults build > build/configs/defaults.yaml"
+    assert from_mapping(BuildConfig, yaml.safe_load(committed)) == BuildConfig()
+    assert "samples: null  # integer in [1, 100000], or null" in committed  # each key with its type and limit
+
+
+def test_the_router_defaults_read_back_to_the_router_defaults():
+    from policy_bundle.quantize.config_schema import from_mapping
+    from policy_bundle.serve.settings import RouterSettings
+
+    res = run_cli("config", "defaults", "router")
+    assert res.returncode == 0, res.stderr
+    assert from_mapping(RouterSettings, yaml.safe_load(res.stdout)) == RouterSettings()
+    assert "\n# api_keys: unset by default" in res.stdout  # a default that cannot be written as a value
