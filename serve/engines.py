@@ -233,7 +233,7 @@ class SchedulerSnapshot:
                     snap.steps += 1
 
             def log_engine_initialized(self):
-                pass
+                """vLLM's start-up report: nothing here records it."""
 
         return Recorder
 
