@@ -69,22 +69,27 @@ with: copy the keys you change. A null is resolved at build time from the policy
 config is build/configs/reference.yaml."""
 
 
-def cmd_config_defaults(args: argparse.Namespace) -> int:
-    """Every key of the build config or the router settings at its default, as YAML with its limits as comments."""
+def _router_settings_output(what: str, *args: str) -> int:
+    """Print what ``python -m policy_bundle.serve.settings ARGS`` prints: the router's settings live in serve/, which
+    build/ never imports, so it answers in a process of its own."""
     import subprocess
 
-    if args.what == "build":
-        from policy_bundle.build.config.build_config import BuildConfig
-        from policy_bundle.quantize.config_json_schema import defaults_yaml
-
-        print(defaults_yaml(BuildConfig, BUILD_DEFAULTS_HEADER), end="")
-        return EXIT_OK
-    # serve/ in a process of its own, as for the schema
-    res = subprocess.run([sys.executable, "-m", "policy_bundle.serve.settings", "--defaults"], capture_output=True,
-                         text=True)
+    res = subprocess.run([sys.executable, "-m", "policy_bundle.serve.settings", *args], capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"the router settings' defaults: {res.stderr.strip()[-300:]}")
+        print(f"error: the router settings' {what}: {res.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return EXIT_ERROR
     print(res.stdout, end="")
+    return EXIT_OK
+
+
+def cmd_config_defaults(args: argparse.Namespace) -> int:
+    """Every key of the build config or the router settings at its default, as YAML with its limits as comments."""
+    if args.what == "router":
+        return _router_settings_output("defaults", "--defaults")
+    from policy_bundle.build.config.build_config import BuildConfig
+    from policy_bundle.quantize.config_json_schema import defaults_yaml
+
+    print(defaults_yaml(BuildConfig, BUILD_DEFAULTS_HEADER), end="")
     return EXIT_OK
 
 
@@ -92,20 +97,13 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     """The JSON Schema of the build config or the router settings: the keys, types, limits and defaults the readers
     enforce (``quantize.config_schema.json_schema``), for editors and CI checks of a config file."""
     import json
-    import subprocess
 
-    if args.what == "build":
-        from policy_bundle.build.config.build_config import BuildConfig
-        from policy_bundle.quantize.config_json_schema import json_schema
+    if args.what == "router":
+        return _router_settings_output("schema")
+    from policy_bundle.build.config.build_config import BuildConfig
+    from policy_bundle.quantize.config_json_schema import json_schema
 
-        print(json.dumps(json_schema(BuildConfig, "policy-bundle build config"), indent=2))
-        return EXIT_OK
-    # the router's settings live in serve/, which build/ never imports: ask it in a process of its own
-    res = subprocess.run([sys.executable, "-m", "policy_bundle.serve.settings"], capture_output=True, text=True)
-    if res.returncode != 0:
-        print(f"error: the router settings schema: {res.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-        return EXIT_ERROR
-    print(res.stdout, end="")
+    print(json.dumps(json_schema(BuildConfig, "policy-bundle build config"), indent=2))
     return EXIT_OK
 
 

@@ -70,7 +70,9 @@ def run_oneshot(python: Path, source: Path, out: Path, seqs: list, max_len: int,
         if line.startswith("[llmc]") or "Quantizing" in line or "error" in line.lower():
             print("  " + line.rstrip()[:200], flush=True)
         last = line
-    if proc.wait() != 0:
+    rc = proc.wait()
+    Path(f.name).unlink(missing_ok=True)
+    if rc != 0:
         sys.exit(f"error: llm-compressor's oneshot failed: {last.strip()[:300]}")
     return json.loads(last)
 

@@ -212,6 +212,61 @@ def to_mapping(obj: Any) -> dict:
     return out
 
 
+def _is_text(tp: Any) -> bool:
+    """A field whose environment variable is taken as written (a string, a path), not read as YAML."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+    return len(args) == 1 and args[0] in (str, Path)
+
+
+def env_mapping(cls: type, prefix: str, env: Dict[str, str], readers: Optional[Dict[str, Reader]] = None
+                ) -> "tuple[dict, Dict[str, str]]":
+    """What ``env`` sets of dataclass ``cls``'s YAML, and the variable behind each dotted key: ``<prefix><KEY>``, a
+    section's ``<prefix><SECTION>__<KEY>`` (an inline field's keys under their section, as the YAML writes them).
+    A value is read as YAML, a string or path field's taken as written, a key in ``readers`` by
+    ``reader(variable, raw)``; a variable set empty is unset (but for a reader's key). FieldError names the
+    variable of a value that is not YAML."""
+    values: dict = {}
+    source: Dict[str, str] = {}
+    for key, (_, owner) in _keys(cls).items():
+        tp, var = _hints(owner)[key], prefix + key.upper()
+        if dataclasses.is_dataclass(tp):
+            inner, inner_source = env_mapping(tp, var + "__", env)
+            if inner:
+                values[key] = inner
+                source.update({f"{key}.{k}": v for k, v in inner_source.items()})
+            continue
+        if var not in env or (not env[var].strip() and key not in (readers or {})):
+            continue
+        raw = env[var]
+        if key in (readers or {}):
+            values[key] = readers[key](var, raw)
+        elif _is_text(tp):
+            values[key] = raw.strip()
+        else:
+            try:
+                values[key] = yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                raise FieldError(var, f"{raw!r} is not a YAML value ({str(exc).splitlines()[0]})") from None
+        source[key] = var
+    return values, source
+
+
+def merged(base: Any, over: dict) -> Any:
+    """``base`` (a mapping, or nothing) with ``over``'s keys on top, sections merged key by key; a ``base`` that is
+    not a mapping is returned as it is, for its reader to refuse."""
+    if base is not None and not isinstance(base, dict):
+        return base
+    out = dict(base or {})
+    for key, value in over.items():
+        out[key] = merged(out.get(key), value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def variable_of(path: str, source: Dict[str, str]) -> Optional[str]:
+    """The variable behind the field at dotted ``path`` (or inside it), from ``env_mapping``'s sources."""
+    return next((v for p, v in source.items() if path == p or path.startswith((p + ".", p + "["))), None)
+
+
 def read_yaml(path: Path, what: str) -> Any:
     """The YAML document in ``path`` (an empty file: {}); FieldError(``what``) says why it cannot be read."""
     path = Path(path)

@@ -116,8 +116,7 @@ def async_llm_engine(model_dir: Union[str, Path], dtype: str, max_model_len: Opt
 
     patch_cpu_input_transforms()
     args = AsyncEngineArgs(**engine_args(model_dir, dtype, max_model_len, **extra))
-    return AsyncLLMEngine.from_engine_args(args, stat_loggers=stat_loggers) if stat_loggers else \
-        AsyncLLMEngine.from_engine_args(args)
+    return AsyncLLMEngine.from_engine_args(args, stat_loggers=stat_loggers)
 
 
 def serve_cli_args(model_dir: Union[str, Path], dtype: str, max_model_len: Optional[int] = None,

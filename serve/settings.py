@@ -6,18 +6,16 @@ and goes through the same checks: an error names the variable, the field and the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-import yaml
 
 from policy_bundle.quantize.decode import DECODE_THREADS
-from policy_bundle.quantize.config_schema import FieldError, check, choice, from_mapping, ranged, read_as, read_yaml
+from policy_bundle.quantize.config_schema import (FieldError, check, choice, env_mapping, from_mapping, merged, ranged,
+                                                 read_as, read_yaml, variable_of)
 from policy_bundle.quantize.extras import MissingExtra, require
 from policy_bundle.serve.rollout_types import RolloutConfig
 
@@ -140,57 +138,15 @@ def _env_list(env: Mapping[str, str], name: str, empty: str) -> Tuple[str, ...]:
 ENV_PREFIX = "POLICY_BUNDLE_"
 CONFIG_ENV = "POLICY_BUNDLE_ROUTER_CONFIG"
 OLD_CONFIG_ENV = "POLICY_ROUTER_CONFIG"  # the file's variable before it took the prefix: still read, with a warning
+_warned_old_name: list = []
 ENV_LISTS = {"api_keys": NO_KEYS, "trusted_keys": "names no key file (unset it to serve unsigned bundles)"}
 
 
-def env_var(*path: str) -> str:
-    """The variable of the setting at ``path`` (``("rollout", "steps")`` -> ``POLICY_BUNDLE_ROLLOUT__STEPS``)."""
-    return ENV_PREFIX + "__".join(p.upper() for p in path)
-
-
-def _is_text(tp: Any) -> bool:
-    """A field whose variable is taken as written (a string, a path), not parsed as YAML."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
-    return len(args) == 1 and args[0] in (str, Path)
-
-
-def env_settings(env: Mapping[str, str], cls: type = None, path: Tuple[str, ...] = ()) -> Tuple[dict, Dict[str, str]]:
+def env_settings(env: Mapping[str, str]) -> Tuple[dict, Dict[str, str]]:
     """What the environment sets, as the settings file's mapping would hold it, and the variable behind each dotted
-    field path. A variable set empty is unset, but for ``api_keys``/``trusted_keys``: set to no item is refused."""
-    cls = cls or RouterSettings
-    values: dict = {}
-    source: Dict[str, str] = {}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp, here = hints[f.name], (*path, f.name)
-        if dataclasses.is_dataclass(tp):
-            inner, inner_source = env_settings(env, tp, here)
-            if inner:
-                values[f.name] = inner
-                source.update(inner_source)
-            continue
-        var = env_var(*here)
-        if var not in env or (not env[var].strip() and f.name not in ENV_LISTS):
-            continue
-        raw = env[var]
-        if f.name in ENV_LISTS and not path:
-            values[f.name] = list(_env_list(env, var, ENV_LISTS[f.name]))
-        elif _is_text(tp):
-            values[f.name] = raw.strip()
-        else:
-            try:
-                values[f.name] = yaml.safe_load(raw)
-            except yaml.YAMLError as exc:
-                raise FieldError(var, f"is not a YAML value ({' '.join(str(exc).split())[:120]})") from None
-        source[".".join(here)] = var
-    return values, source
-
-
-def _merged(base: Any, over: dict) -> dict:
-    out = dict(base) if isinstance(base, dict) else {}
-    for key, value in over.items():
-        out[key] = _merged(out.get(key), value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    field path. ``api_keys``/``trusted_keys`` are comma-separated, and set to no item is refused, not unset."""
+    readers = {name: (lambda var, raw, why=why: list(_env_list({var: raw}, var, why))) for name, why in ENV_LISTS.items()}
+    return env_mapping(RouterSettings, ENV_PREFIX, dict(env), readers)
 
 
 def config_path(env: Mapping[str, str]) -> Optional[str]:
@@ -198,8 +154,10 @@ def config_path(env: Mapping[str, str]) -> Optional[str]:
     if env.get(CONFIG_ENV):
         return env[CONFIG_ENV]
     if env.get(OLD_CONFIG_ENV):
-        logging.getLogger("policy_bundle.router").warning("%s is the old name of %s; it still works", OLD_CONFIG_ENV,
-                                                          CONFIG_ENV)
+        if not _warned_old_name:
+            _warned_old_name.append(True)  # once per process: the settings are read at each service's start
+            logging.getLogger("policy_bundle.router").warning("%s is the old name of %s; it still works",
+                                                              OLD_CONFIG_ENV, CONFIG_ENV)
         return env[OLD_CONFIG_ENV]
     return None
 
@@ -212,16 +170,14 @@ def load_settings() -> RouterSettings:
         path = config_path(os.environ)
         data = read_yaml(Path(path), CONFIG_ENV) if path else {}
         over, source = env_settings(os.environ)
-        return from_mapping(RouterSettings, _merged(data, over))
+        return from_mapping(RouterSettings, merged(data, over))
     except FieldError as exc:  # the gate thresholds' and the rollout's own checks included
-        var = next((v for p, v in source.items() if exc.path == p or exc.path.startswith((p + ".", p + "["))), None)
+        var = variable_of(exc.path, source)
         raise SettingsError(f"{var}: {exc}" if var else str(exc)) from None
 
 
 def settings_or_exit() -> RouterSettings:
     """``load_settings`` for a server's start-up: a bad setting is one log line and exit, not a traceback."""
-    import logging
-
     try:
         return load_settings()
     except SettingsError as exc:

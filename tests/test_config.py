@@ -125,11 +125,15 @@ def test_every_build_setting_also_comes_from_the_environment_and_set_wins():
     assert (cfg.calibration.samples, cfg.seed, cfg.canary.gate.min_top1_agreement) == (64, 3, 0.9)
     assert load_config(None, ("calibration.samples=80",), env=env).calibration.samples == 80  # --set wins
     assert load_config(None, (), env={}).calibration.samples is None  # the control: unset without the variable
+    # a string field takes the value as written (YAML would make 2024 an integer), a misspelt variable is refused
+    assert load_config(None, (), env={"POLICY_BUNDLE_BUILD__NAME": "2024"}).name == "2024"
+    with pytest.raises(ConfigError, match=r"^POLICY_BUNDLE_BUILD__CALIBRATION__SMAPLES: names no build setting"):
+        load_config(None, (), env={"POLICY_BUNDLE_BUILD__CALIBRATION__SMAPLES": "64"})
 
 
 @pytest.mark.parametrize("value, message", [
     ("0", r"^POLICY_BUNDLE_BUILD__CALIBRATION__SAMPLES: calibration.samples: 0 is out of range \[1, 100000\]$"),
-    ("[1,", r"^POLICY_BUNDLE_BUILD__CALIBRATION__SAMPLES: calibration.samples: '\[1,' is not a YAML value"),
+    ("[1,", r"^POLICY_BUNDLE_BUILD__CALIBRATION__SAMPLES: '\[1,' is not a YAML value"),
 ])
 def test_a_bad_build_variable_is_one_cli_line_naming_it_and_the_limit(value, message):
     res = run_cli("build", "--out", "/nonexistent/never-written",

