@@ -28,7 +28,7 @@ import json
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import yaml
 
@@ -39,12 +39,18 @@ POSTGRES_IMAGE = "localhost/policy-bundle-postgres-standin:bookworm"
 LABEL = "policy-bundle.standin"
 
 
-def documents() -> List[dict]:
-    return [d for f in sorted(MANIFESTS.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+def load_documents() -> List[Tuple[str, dict]]:
+    """(file name, document) for every non-empty YAML document under deploy/kubernetes/."""
+    docs = []
+    for path in sorted(MANIFESTS.glob("*.yaml")):
+        with open(path, encoding="utf-8") as f:
+            docs.extend((path.name, doc) for doc in yaml.safe_load_all(f) if doc is not None)
+    return docs
 
 
-def by_kind(docs: List[dict], kind: str) -> Dict[str, dict]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+def by_kind_in(docs, kind: str) -> Dict[str, dict]:
+    """``docs`` ((file name, document) pairs) of ``kind`` by name."""
+    return {doc["metadata"]["name"]: doc for _, doc in docs if doc["kind"] == kind}
 
 
 def ensure_postgres_image(podman: Callable[..., subprocess.CompletedProcess]) -> str:

@@ -152,10 +152,10 @@ def test_the_kubernetes_manifests_run_under_podman_kube_play(image, signing, tmp
 
     import kube_play
 
-    docs = kube_play.documents()
-    configmaps, kube_secrets = kube_play.by_kind(docs, "ConfigMap"), kube_play.by_kind(docs, "Secret")
-    (deployment,) = kube_play.by_kind(docs, "Deployment").values()
-    (statefulset,) = kube_play.by_kind(docs, "StatefulSet").values()
+    docs = kube_play.load_documents()
+    configmaps, kube_secrets = kube_play.by_kind_in(docs, "ConfigMap"), kube_play.by_kind_in(docs, "Secret")
+    (deployment,) = kube_play.by_kind_in(docs, "Deployment").values()
+    (statefulset,) = kube_play.by_kind_in(docs, "StatefulSet").values()
     password, admin_token, api_key = tokens.token_hex(12), tokens.token_hex(16), tokens.token_hex(16)
     pg_host = statefulset["spec"]["serviceName"]
     values = {  # what the operator writes in place of secrets.yaml's placeholders (deploy/kubernetes/README.md)

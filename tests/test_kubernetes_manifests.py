@@ -16,8 +16,9 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions, major_minor
 
+from kube_play import by_kind_in, load_documents
+
 ROOT = Path(__file__).resolve().parents[1]
-MANIFESTS = ROOT / "deploy" / "kubernetes"
 # the newest Kubernetes release kubernetes-validate 1.37 ships schemas for; every document is checked against it
 KUBERNETES_VERSION = "1.37"
 NAME = "policy-bundle"
@@ -27,20 +28,7 @@ SETTINGS_ENV = ("POLICY_BUNDLE_ROUTER_CONFIG", "POLICY_BUNDLE_API_KEYS", "POLICY
                 "POLICY_BUNDLE_INT8_ENGINE")
 
 
-def load_documents() -> list[tuple[str, dict]]:
-    """(file name, document) for every non-empty YAML document under deploy/kubernetes/."""
-    docs = []
-    for path in sorted(MANIFESTS.glob("*.yaml")):
-        with open(path, encoding="utf-8") as f:
-            docs.extend((path.name, doc) for doc in yaml.safe_load_all(f) if doc is not None)
-    return docs
-
-
 DOCS = load_documents()
-
-
-def by_kind_in(docs, kind: str) -> dict[str, dict]:
-    return {doc["metadata"]["name"]: doc for _, doc in docs if doc["kind"] == kind}
 
 
 def by_kind(kind: str) -> dict[str, dict]:
