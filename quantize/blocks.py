@@ -3,7 +3,10 @@ decoder block (``quantize/model.py`` puts them together)."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import copy
+import threading
+from contextlib import contextmanager
+from typing import Iterator, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -256,15 +259,31 @@ class MLP(nn.Module):
         return torch.cat([self.forward(p).reshape(-1, x.shape[1]) for p in part_views(x, sizes, rows)])
 
 
+NARROW = (torch.bfloat16, torch.float16)  # weight dtypes a block may keep as its source stored them
+
+
 class Block(nn.Module):
+    """One decoder layer. ``narrow``: its weights are kept as a 16-bit source stored them (``hf_weights.load_policy``:
+    bfloat16 or float16, mapped from the file, half float32's bytes) and widened to float32 for each call, one layer
+    at a time (``widened``): widening is exact, so every output is bitwise a float32 copy's. Eager only: a module to
+    be converted or scripted is widened first (``widen_narrow``)."""
+
     def __init__(self, cfg: PolicyConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        self.narrow = False
 
     def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        if self.narrow and not torch.jit.is_scripting():
+            return self._widened_forward(x, cos, sin, mask, start_pos, k_cache, v_cache)
+        return self._forward(x, cos, sin, mask, start_pos, k_cache, v_cache)
+
+    def _forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, k_cache, v_cache)
@@ -273,10 +292,89 @@ class Block(nn.Module):
     def forward_rows(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
     ) -> Tensor:
+        if self.narrow and not torch.jit.is_scripting():
+            return self._widened_rows(x, cos, sin, mask, pos, k_cache, v_cache)
+        return self._forward_rows(x, cos, sin, mask, pos, k_cache, v_cache)
+
+    def _forward_rows(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
         x = x + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
                       masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
+        if self.narrow and not torch.jit.is_scripting():
+            return self._widened_parts(x, sizes, rows, cos, sin, masks, pos, starts, ks, vs)
+        return self._forward_parts(x, sizes, rows, cos, sin, masks, pos, starts, ks, vs)
+
+    def _forward_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
+                       masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
         x = x + self.self_attn.forward_parts(self.input_layernorm(x), sizes, rows, cos, sin, masks, pos, starts, ks, vs)
         return x + self.mlp.forward_parts(self.post_attention_layernorm(x), sizes, rows)
+
+    @torch.jit.unused
+    def _widened_forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor,
+                         v_cache: Tensor) -> Tensor:
+        with widened(self):
+            return self._forward(x, cos, sin, mask, start_pos, k_cache, v_cache)
+
+    @torch.jit.unused
+    def _widened_rows(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor,
+                      v_cache: Tensor) -> Tensor:
+        with widened(self):
+            return self._forward_rows(x, cos, sin, mask, pos, k_cache, v_cache)
+
+    @torch.jit.unused
+    def _widened_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
+                       masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
+        with widened(self):
+            return self._forward_parts(x, sizes, rows, cos, sin, masks, pos, starts, ks, vs)
+
+
+_WIDENING = threading.RLock()  # one widened call at a time per process: the swap is the module's state
+
+
+@contextmanager
+def widened(block: Block) -> Iterator[Block]:
+    """``block`` with float32 copies of its 16-bit parameters for the duration (its own tensors put back after). Calls
+    from several threads take turns (a server that runs requests on threads widens at load instead)."""
+    with _WIDENING:
+        saved = [(mod, name, p) for mod in block.modules() for name, p in mod._parameters.items()
+                 if p is not None and p.dtype in NARROW]
+        for mod, name, p in saved:
+            mod._parameters[name] = nn.Parameter(p.detach().float(), requires_grad=False)
+        try:
+            yield block
+        finally:
+            for mod, name, p in saved:
+                mod._parameters[name] = p
+
+
+def shared_copy(policy: nn.Module) -> nn.Module:
+    """A new module tree over the same parameters and buffers: modules may be swapped and tensors reassigned in it
+    without touching ``policy``, and nothing is copied."""
+    memo = {id(t): t for t in [*policy.parameters(), *policy.buffers()]}
+    return copy.deepcopy(policy, memo)
+
+
+def widened_copy(model: nn.Module) -> nn.Module:
+    """A ``shared_copy`` of ``model`` with its 16-bit parameters widened (``widen_narrow``): for an exporter that traces
+    the whole model; ``model`` keeps its own."""
+    return widen_narrow(shared_copy(model))
+
+
+def widen_narrow(model: nn.Module) -> nn.Module:
+    """In place: every 16-bit parameter of ``model`` replaced by a float32 copy (a tensor shared by several modules
+    stays shared) and no block ``narrow``. For a module about to be converted, scripted or exported, whose code reads
+    weights outside the blocks' calls. With ``shared_copy`` first, the source model keeps its 16-bit tensors."""
+    wide: dict = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.dtype in NARROW:
+                if id(p) not in wide:
+                    wide[id(p)] = nn.Parameter(p.detach().float(), requires_grad=False)
+                mod._parameters[name] = wide[id(p)]
+        if isinstance(mod, Block):
+            mod.narrow = False
+    return model

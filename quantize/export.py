@@ -10,6 +10,7 @@ from typing import List
 import torch
 from torch import Tensor, nn
 
+from policy_bundle.quantize.blocks import widened_copy
 from policy_bundle.quantize.hf_weights import save_hf_weights
 from policy_bundle.quantize.model import FullSequence, Policy, PolicyConfig
 from policy_bundle.quantize.w8a8 import fuse_projections, mark_batchable, stabilize_float_linears
@@ -52,7 +53,7 @@ def export_onnx_fp32(policy: Policy, out: Path, example: Tensor) -> Path:
     """Full-sequence forward (tokens [B, T] -> logits [B, T, V]) with dynamic batch and length."""
     batch, seq = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("seq", min=2, max=policy.max_seq_len)
     torch.onnx.export(
-        FullSequence(policy).eval(),
+        FullSequence(widened_copy(policy)).eval(),
         (example,),
         str(out),
         dynamo=True,

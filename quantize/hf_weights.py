@@ -10,6 +10,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from policy_bundle.quantize.blocks import NARROW
 from policy_bundle.quantize.model import Policy, PolicyConfig, UnsupportedModelError, rope_tables
 from policy_bundle.quantize.safetensors_io import mapped_tensors, read_header, shapes_of, write_streaming
 
@@ -32,9 +33,11 @@ def _hf_key(ours: str) -> str:
 def load_policy(path: Path | str, max_seq_len: Optional[int] = None, layers: Optional[Sequence[int]] = None) -> Policy:
     """Load a Llama/Qwen2/Qwen3 HF directory (safetensors) into an FP32 ``Policy`` in eval mode.
 
-    Float32 weights are views of a private memory map of the files (``quantize.safetensors_io``): loading reads
-    nothing, and the process holds only the pages its forwards touch. Float16/bfloat16 weights are widened one
-    tensor at a time (never a second whole copy). ``layers``: only these decoder layers get weights (the others stay
+    Weights are views of a private memory map of the files (``quantize.safetensors_io``): loading reads nothing, and
+    the process holds only the pages its forwards touch. A 16-bit source's decoder-layer linears stay in their own
+    dtype, mapped, and each block widens them for its own call (``blocks.Block.narrow``: exact, so bitwise a float32
+    copy's outputs, with one layer's float32 weights alive at a time); the rest (embedding, head, norms, biases: a
+    few percent of a real LM) is widened here. ``layers``: only these decoder layers get weights (the others stay
     on the meta device, holding nothing): a process that works on a share of the layers."""
     path = Path(path)
     cfg = load_hf_config(path, max_seq_len)
@@ -57,8 +60,11 @@ def load_policy(path: Path | str, max_seq_len: Optional[int] = None, layers: Opt
                 continue
             raise UnsupportedModelError(f"{path}: weight {key!r} missing from safetensors")
         t = weights.pop(key)
-        state[name] = t if t.dtype == torch.float32 else t.float()
+        narrow = t.dtype in NARROW and name.startswith("layers.") and t.dim() == 2
+        state[name] = t if t.dtype == torch.float32 or narrow else t.float()
     policy.load_state_dict(state, strict=False, assign=True)
+    for block in policy.layers:
+        block.narrow = any(p.dtype in NARROW for p in block.parameters())
     if cfg.tie_embeddings:
         policy.lm_head.weight = policy.embed_tokens.weight
     cos, sin = rope_tables(cfg)

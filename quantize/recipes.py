@@ -31,6 +31,7 @@ from torch.ao.quantization import (
     per_channel_dynamic_qconfig,
 )
 
+from policy_bundle.quantize.blocks import widen_narrow
 from policy_bundle.quantize.config_schema import FieldError, check, choice, ranged
 from policy_bundle.quantize.model import KV_CACHES, full_logits
 
@@ -194,7 +195,7 @@ def prepare(policy: nn.Module, recipe: RecipeConfig) -> nn.Module:
     the build reports activation ranges for every recipe.
     """
     torch.backends.quantized.engine = recipe.backend
-    model = copy.deepcopy(policy).eval()
+    model = widen_narrow(copy.deepcopy(policy)).eval()  # torch.ao reads float32 weights outside the blocks' calls
     model.qconfig = None
     qconfig = static_qconfig(recipe)
     for name in selected_linears(model, recipe):

@@ -22,6 +22,8 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 from torch import Tensor, nn
 
+from policy_bundle.quantize.blocks import shared_copy, widen_narrow
+
 ChannelStats = Dict[str, Tensor]  # linear name -> max |x_j| over calibration data, per input channel
 
 
@@ -67,7 +69,7 @@ def merge_channel_stats(parts: List[ChannelStats]) -> ChannelStats:
 def group_scale(policy: nn.Module, producer: str, consumers: List[str], x_max: Tensor, alpha: float) -> Tensor:
     """SmoothQuant's s for one group from its input's per-channel max |x| (per producer channel)."""
     mods = dict(policy.named_modules())
-    w_max = torch.cat([mods[c].weight.detach().abs() for c in consumers], dim=0).amax(dim=0)
+    w_max = torch.cat([mods[c].weight.detach().float().abs() for c in consumers], dim=0).amax(dim=0)
     if producer.endswith("v_proj"):  # GQA: one s per kv channel, shared by the query heads reading it
         attn = mods[producer.rsplit(".", 1)[0]]
         rep = attn.n_heads // attn.n_kv_heads
@@ -86,9 +88,15 @@ def smoothing_scales(policy: nn.Module, stats: ChannelStats, alpha: float) -> Di
 
 @torch.no_grad()
 def apply_smoothing(policy: nn.Module, scales: Dict[str, Tensor]) -> nn.Module:
-    """A function-preserving copy of ``policy`` with X / s folded into producers and s into consumers."""
-    model = copy.deepcopy(policy)
+    """A function-preserving copy of ``policy`` with X / s folded into producers and s into consumers: a new module
+    tree whose smoothed tensors are new float32 ones (computed as in place in float32, a 16-bit weight widened first)
+    and whose others (embedding, head) are ``policy``'s own."""
+    model = shared_copy(policy)
     mods = dict(model.named_modules())
+
+    def put(mod: nn.Module, name: str, value: Tensor) -> None:
+        setattr(mod, name, nn.Parameter(value, requires_grad=False))
+
     for producer, consumers in smoothing_groups(model):
         s = scales[producer].to(torch.float32)
         prod = mods[producer]
@@ -99,14 +107,14 @@ def apply_smoothing(policy: nn.Module, scales: Dict[str, Tensor]) -> nn.Module:
         else:
             s_in = s
         if isinstance(prod, nn.Linear):  # up_proj / v_proj: divide output rows
-            prod.weight.div_(s.unsqueeze(1))
+            put(prod, "weight", prod.weight.detach().float() / s.unsqueeze(1))
             if prod.bias is not None:
-                prod.bias.div_(s)
+                put(prod, "bias", prod.bias.detach().float() / s)
         else:  # RMSNorm: divide its weight
-            prod.weight.div_(s)
+            put(prod, "weight", prod.weight.detach().float() / s)
         for c in consumers:
-            mods[c].weight.mul_(s_in.unsqueeze(0))
-    return model
+            put(mods[c], "weight", mods[c].weight.detach().float() * s_in.unsqueeze(0))
+    return widen_narrow(model)
 
 
 def make_outlier_model(policy: nn.Module, channels: int = 4, factor: float = 100.0, seed: int = 0) -> nn.Module:

@@ -15,13 +15,13 @@ kept in float (the accuracy fallback re-converts without touching the data again
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from policy_bundle.quantize.blocks import shared_copy, widen_narrow  # noqa: F401 (shared_copy: public here too)
 from policy_bundle.quantize.gptq import gptq_quantize
 from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
 from policy_bundle.quantize.sensitivity import layer_sensitivity
@@ -126,14 +126,7 @@ class W8A8Plan:
         elif self.int16_rows and isinstance(embed, nn.Embedding) and not tied:
             model.embed_tokens = Int16Embedding.from_float(embed)
         # a tied model whose head stays float keeps its float embedding: the float rows are there anyway
-        return model.eval()
-
-
-def shared_copy(policy: nn.Module) -> nn.Module:
-    """A new module tree over the same parameters and buffers: modules may be swapped and tensors reassigned in it
-    without touching ``policy``, and nothing is copied."""
-    memo = {id(t): t for t in [*policy.parameters(), *policy.buffers()]}
-    return copy.deepcopy(policy, memo)
+        return widen_narrow(model).eval()  # the linears kept float, from a 16-bit source: float32 (scripted, exported)
 
 
 @torch.no_grad()

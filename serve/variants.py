@@ -384,12 +384,14 @@ class Fp16Policy:
                 log.error("refusing to start: require_vllm is set and vLLM did not load: %s", exc)
                 raise SystemExit(f"policy-bundle: require_vllm: vLLM did not load ({type(exc).__name__}: {exc})"[:500]) \
                     from None
+            from policy_bundle.quantize.blocks import widen_narrow
             from policy_bundle.quantize.hf_weights import load_policy
 
             self.fallback_reason = f"{type(exc).__name__}: {exc}"[:300] + \
                 "; serving the FP16 weights with our policy module (FP32)"
             log.warning("FP16 variant: %s", self.fallback_reason)
-            self.engine = policy_engine(load_policy(path, max_seq_len=self.max_seq_len), self.max_seq_len,
+            # widened whole: a served decode step should not widen every layer again, and requests run on threads
+            self.engine = policy_engine(widen_narrow(load_policy(path, max_seq_len=self.max_seq_len)), self.max_seq_len,
                                         "policy-module-fp32", **batching_settings())
         self.ready = False
 

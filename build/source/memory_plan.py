@@ -3,9 +3,9 @@ expected peak over every process the build starts, and the machine's limit. A bu
 in one line before it starts (``BuildMemoryError``), naming the figure and the limit.
 
 The figures are estimates from the policy's shape (read from config.json and the safetensors headers, nothing
-loaded): float32 weights resident in the controller (a float32 source is memory-mapped, a 16-bit one widened, in
-the controller and in every calibration actor that loads the whole model), a
-decoder layer's Hessians (float64, one per input group) and GPTQ temporaries, the calibration set's hidden states
+loaded): the weights resident in the controller (memory-mapped: a 16-bit source's decoder layers stay 16-bit and one
+layer at a time is widened to float32 for its call; the embedding and head are widened at load, in the controller and
+in every calibration actor that loads the whole model), a decoder layer's Hessians (float64, one per input group) and GPTQ temporaries, the calibration set's hidden states
 (a layer's input and output), the int8 policy the gate converts, the gate's teacher-forced batch (its float32 logits
 and their double-precision log-softmax copies, ``TEACHER_FORCED_TOKENS`` positions: the reference's logits live in a
 file, ``quantize/reference_logits.py``), and a fixed share per process for Python, torch and Monarch. ``docs/benchmarks.md`` has the measured peaks beside them.
@@ -33,7 +33,7 @@ class BuildMemoryError(BuildError, MemoryError):
 class MemoryPlan:
     params: int
     source_bytes: int  # the safetensors data
-    weights: int  # float32 weights resident in the controller
+    weights: int  # the weights resident in the controller (a 16-bit source's layers at 16 bits, the rest float32)
     layer_working_set: int  # one layer's Hessians + GPTQ temporaries + hidden states in and out
     int8_model: int  # the converted policy the gate runs (int8 weights, their packed copy, float embedding)
     gate_batch: int  # one teacher-forced batch's logits and the KL's copies of them
@@ -45,7 +45,7 @@ class MemoryPlan:
     def line(self) -> str:
         g = lambda b: f"{b / 2**30:.2f} GB"  # noqa: E731
         return (f"memory plan: {self.params / 1e6:.0f}M parameters, weights {g(self.source_bytes)} on disk, "
-                f"{g(self.weights)} float32 in the controller; one layer's working set {g(self.layer_working_set)}; "
+                f"{g(self.weights)} in the controller; one layer's working set {g(self.layer_working_set)}; "
                 f"int8 policy {g(self.int8_model)}; gate batch {g(self.gate_batch)}; actors {g(self.actors)}; expected peak {g(self.peak)} over all "
                 f"processes; limit {g(self.limit) if self.limit else 'unknown'} ({self.limit_source})")
 
@@ -60,7 +60,12 @@ def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:
     embed = pc.vocab_size * pc.dim
     params = pc.n_layers * per_layer + embed * (1 if pc.tie_embeddings else 2)
     source = sum(hf_weight_bytes(policy_dir).values())
-    weights = params * 4
+    # a 16-bit source's layers stay 16-bit (``quantize.blocks.Block.narrow``), one widened at a time; its embedding
+    # and head are widened at load
+    narrow = source < 0.75 * params * 4
+    head = embed * 4 * (1 if pc.tie_embeddings else 2)
+    weights = pc.n_layers * per_layer * (2 if narrow else 4) + head
+    widened = per_layer * 4 if narrow else 0
     widest = max(pc.dim, q, pc.intermediate_size)
     hessians = 8 * (2 * pc.dim**2 + q**2 + pc.intermediate_size**2)
     gptq = 8 * 3 * max(pc.intermediate_size * pc.dim, min(embed, 4096 * pc.dim))  # weight, codes, a block's errors
@@ -70,15 +75,15 @@ def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:
     # float32 logits of a batch, a double copy of both sides' log-softmax (vLLM's check: its own and the reference's)
     gate = TEACHER_FORCED_TOKENS * pc.vocab_size * (4 + 2 * 8)
     if procs:
-        # Every actor maps the whole model for the rollouts: a float32 source's pages are
-        # the page cache's, shared with the controller's map; a 16-bit source is widened to float32 in each actor.
-        whole = weights if source < 0.75 * weights else 0
+        # Every actor maps the whole model for the rollouts: the mapped pages are the page cache's, shared with the
+        # controller's map; a 16-bit source's embedding and head are widened in each actor, and a layer per call.
+        whole = head + widened if narrow else 0
         share = -(-pc.n_layers // procs)
         actors = procs * (ACTOR_BASE + max(whole, 4 * share * per_layer + layer))
-        controller = PROCESS_BASE + weights + int8_model + max(hidden, gate)
+        controller = PROCESS_BASE + weights + widened + int8_model + max(hidden, gate)
     else:
         actors = 0
-        controller = PROCESS_BASE + weights + max(layer + params, int8_model + max(hidden, gate))  # the plan's int8
+        controller = PROCESS_BASE + weights + widened + max(layer + params, int8_model + max(hidden, gate))
     limit, source_name = memory_limit()
     return MemoryPlan(params, source, weights, layer, int8_model, gate, actors, controller + actors, limit, source_name)
 
@@ -87,7 +92,7 @@ def check_memory(plan: MemoryPlan) -> None:
     """Refuse a build whose expected peak exceeds the limit, in one line."""
     if plan.limit is not None and plan.peak > plan.limit:
         raise BuildMemoryError(f"memory: this build would need about {plan.peak / 2**30:.1f} GB at its peak "
-                               f"({plan.params / 1e6:.0f}M parameters: {plan.weights / 2**30:.1f} GB of float32 weights, "
+                               f"({plan.params / 1e6:.0f}M parameters: {plan.weights / 2**30:.1f} GB of weights in memory, "
                                f"{plan.layer_working_set / 2**30:.2f} GB per layer, {plan.actors / 2**30:.1f} GB in "
                                f"calibration actors), more than the {plan.limit / 2**30:.1f} GB this machine allows "
                                f"({plan.limit_source}); use a machine with more memory or calibration.procs: 0")
