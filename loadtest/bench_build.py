@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -84,7 +85,10 @@ def resident(pid: int) -> Tuple[int, int, bool]:
     return val.get("Rss", 0), val.get("Pss", 0), "vllm" in cmd.lower() or "EngineCore" in cmd
 
 
-def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = None) -> dict:
+def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = None,
+              stop_after: Optional[float] = None) -> dict:
+    """Run the build, sampling memory every second; ``stop_after`` seconds: stop it there (its process group) and
+    report what it reached."""
     env = {**os.environ, **(extra_env or {})}
     cmd = [sys.executable, "-m", "policy_bundle.build.cli", "build", "--config", str(config), "--out", str(out),
            "--force"]
@@ -93,8 +97,14 @@ def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = No
     stages: Dict[str, Dict[str, int]] = {}  # the build's stage -> its peaks (RSS, PSS, the CLI alone)
     last = t0
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         while proc.poll() is None:
+            if stop_after is not None and time.monotonic() - t0 > stop_after and "stopped" not in peak:
+                peak["stopped"] = f"stopped at {(time.monotonic() - t0) / 60:.1f} min in {current_stage(log)}"
+                print(f"[bench] {peak['stopped']}", flush=True)
+                os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its actors
+                proc.wait()
+                break
             if time.monotonic() - last >= 30:  # the peaks so far and the build's own last line, every 30 s
                 last = time.monotonic()
                 lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
@@ -121,7 +131,9 @@ def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = No
     peak["stages"] = stages
     peak["rc"] = proc.returncode
     manifest = out / "bundle.json"
-    if manifest.is_file():
+    if "stopped" in peak:
+        peak["verdict"] = peak["stopped"]
+    elif manifest.is_file():
         m = json.loads(manifest.read_text())
         peak["verdict"] = m.get("canary", {}).get("verdict")
         peak["fp32_layers"] = len(m.get("recipe", {}).get("fp32_layers", []))
@@ -153,6 +165,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=[*SHAPES, "smollm2"], default="0.6b")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--procs", type=int, default=None, help="calibration.procs (default: the build's default)")
+    ap.add_argument("--stop-after", type=float, default=None, metavar="MIN",
+                    help="stop the build after this many minutes and report the stages it reached")
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "policy-bundle" / "bench-build")
     args = ap.parse_args()
     from policy_bundle.loadtest.real_lm import smollm2_dir
@@ -166,7 +180,8 @@ def main() -> None:
     weights = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     tag = f"{args.shape}-{args.dtype}-procs{args.procs}"
     cfg = write_config(args.work / f"{tag}.yaml", source, args.procs)
-    r = run_build(cfg, args.work / f"bundle-{tag}", args.work / f"{tag}.log")
+    r = run_build(cfg, args.work / f"bundle-{tag}", args.work / f"{tag}.log",
+                  stop_after=None if args.stop_after is None else args.stop_after * 60)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "?")
     print("| policy | source | procs | build time | peak RSS, all build processes | peak PSS | CLI alone | "
