@@ -94,10 +94,15 @@ def save_hf_weights(policy: Policy, cfg: PolicyConfig, out: Path, dtype: torch.d
     state = {_hf_key(name): t for name, t in policy.state_dict().items()
              if not (name == "lm_head.weight" and cfg.tie_embeddings)}
     write_streaming(out / "model.safetensors", shapes_of(state.items(), dtype), state.__getitem__, {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2))
+
+
+def hf_config_dict(cfg: PolicyConfig, dtype: torch.dtype) -> dict:
+    """config.json of an HF directory whose weights are stored in ``dtype``."""
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     hf["dtype"] = hf["torch_dtype"]
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    return hf
 
 
 def init_random_policy(cfg: PolicyConfig, seed: int) -> Policy:

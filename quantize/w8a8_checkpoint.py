@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from policy_bundle.quantize.export import write_serving_files
 from policy_bundle.quantize.fbgemm_int8 import quantize_weight
 from policy_bundle.quantize.model import Policy, PolicyConfig
-from policy_bundle.quantize.hf_weights import save_hf_weights
+from policy_bundle.quantize.hf_weights import hf_config_dict
+from policy_bundle.quantize.safetensors_io import write_streaming
 from policy_bundle.quantize.w8a8_transforms import add_rotations, hf_name
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one matmul each in vLLM
@@ -71,41 +72,67 @@ def vllm_float_linears(policy: nn.Module, quantized: Iterable[str]) -> List[str]
 
 
 def export_w8a8_checkpoint(float_policy: Policy, cfg: PolicyConfig, int8: Int8Weights, source_dir: Path, out: Path,
-                           dtype: torch.dtype, rot_blocks: Optional[Dict[str, int]] = None) -> List[str]:
+                           dtype: torch.dtype, rot_blocks: Optional[Dict[str, int]] = None,
+                           tensor_of: Optional[Callable[[str], Tensor]] = None) -> List[str]:
     """Write the HF directory (config.json with ``quantization_config``, model.safetensors, tokenizer,
     generation_config); returns the linears kept in float.
 
-    ``float_policy`` holds every float weight (smoothing already folded in); ``int8`` the quantized
-    linears' weights. Linears ``vllm_float_linears`` keeps in float are written from ``float_policy``.
+    ``float_policy`` holds every float weight (smoothing already folded in), or ``tensor_of`` (parameter name ->
+    tensor) gives them from it as they are written (``w8a8_plan.smoothed_tensors``: no smoothed copy of the model);
+    ``int8`` the quantized linears' weights. Linears ``vllm_float_linears`` keeps in float are written from the float
+    weights. The file is written one tensor at a time (``safetensors_io.write_streaming``).
     ``rot_blocks``: the quantized linears whose ``int8`` weight is of a rotated input (linear -> Hadamard block,
     ``W8A8Plan.rot_blocks``); vLLM rotates their inputs online (``quantize.w8a8_transforms``). vLLM's transforms
     assert their layer has no bias (Qwen2's q/k/v have one), so a rotated linear with a bias, and its fused
     siblings, get nearest rounding of their unrotated (smoothed) float weight instead, and no transform.
     """
-    from safetensors.torch import load_file, save_file
-
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    params = {n: p for n, p in float_policy.state_dict(keep_vars=True).items()
+              if not (n == "lm_head.weight" and cfg.tie_embeddings)}
+    value = tensor_of or (lambda n: params[n].detach())
     rot_blocks = {n: b for n, b in (rot_blocks or {}).items() if b}
     biased = with_fused_siblings(n for n in int8 if float_policy.get_submodule(n).bias is not None) & set(rot_blocks)
-    int8 = {n: (quantize_weight(float_policy.get_submodule(n).weight.detach().float()) if n in biased else w)
-            for n, w in int8.items()}
+    int8 = {n: (quantize_weight(value(n + ".weight").float()) if n in biased else w) for n, w in int8.items()}
     floating = vllm_float_linears(float_policy, int8)
-    save_hf_weights(float_policy, cfg, out, dtype)
-    tensors = load_file(str(out / "model.safetensors"))
-    for name, (q, scales) in int8.items():
-        if name in floating:
-            continue
-        key = hf_name(name) + ".weight"
-        tensors[key] = q.to(torch.int8).contiguous()
-        tensors[key + "_scale"] = scales.float().reshape(-1, 1).contiguous()
+    file = _LazyCheckpoint()
+    for name, p in params.items():
+        module = name.rpartition(".")[0]
+        if name.endswith(".weight") and module in int8 and module not in floating:
+            q, scales = int8[module]
+            file.plan(hf_name(name), tuple(q.shape), torch.int8, lambda q=q: q.to(torch.int8))
+            file.plan(hf_name(name) + "_scale", (q.shape[0], 1), torch.float32,
+                      lambda s=scales: s.float().reshape(-1, 1))
+        else:
+            file.plan(hf_name(name), tuple(p.shape), dtype, lambda name=name: value(name).to(dtype))
     rotated = {n: (float_policy.get_submodule(n).in_features, b) for n, b in rot_blocks.items()
                if n in int8 and n not in set(floating) | biased}
-    transforms = add_rotations(tensors, rotated, dtype) if rotated else None
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf = json.loads((out / "config.json").read_text())
+    transforms = add_rotations(file, rotated, dtype) if rotated else None
+    write_streaming(out / "model.safetensors", file.shapes, file.__getitem__, {"format": "pt"})
+    hf = hf_config_dict(cfg, dtype)
     hf["quantization_config"] = quantization_config([hf_name(n) for n in floating]).to_dict()
     if transforms:
         hf["quantization_config"]["transform_config"] = transforms
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     write_serving_files(cfg, Path(source_dir), out)
     return floating
+
+
+class _LazyCheckpoint(dict):
+    """The checkpoint's tensors by key, each made when read (``plan``) unless set (``add_rotations`` replaces a few
+    and adds its transforms); ``shapes`` is what ``write_streaming`` writes, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self.makers: Dict[str, Callable[[], Tensor]] = {}
+
+    def plan(self, key: str, shape: Tuple[int, ...], dtype: torch.dtype, make: Callable[[], Tensor]) -> None:
+        self.shapes[key], self.makers[key] = (tuple(shape), dtype), make
+
+    def __getitem__(self, key: str) -> Tensor:
+        return super().__getitem__(key) if dict.__contains__(self, key) else self.makers[key]()
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        super().__setitem__(key, value)
+        self.shapes[key] = (tuple(value.shape), value.dtype)

@@ -222,6 +222,29 @@ def smoothed_weight(policy: nn.Module, name: str, producer: str, scales: Dict[st
     return w
 
 
+def smoothed_tensors(policy: nn.Module, scales: Dict[str, Tensor]) -> Callable[[str], Tensor]:
+    """(parameter name) -> that tensor of ``policy`` as ``smooth_kept_float`` with nothing quantized leaves it
+    (bitwise: the same operations in the same order), computed when asked: a writer streams the smoothed model one
+    tensor at a time instead of holding a smoothed float32 copy of it. Tensors smoothing leaves alone come back as
+    they are (a 16-bit layer weight 16-bit)."""
+    producers = {c: p for p, cs in smoothing_groups(policy) for c in cs if p in scales}
+    params = dict(policy.named_parameters(remove_duplicate=False))
+
+    def tensor_of(name: str) -> Tensor:
+        module, _, kind = name.rpartition(".")
+        t = params[name].detach()
+        if kind == "weight" and isinstance(policy.get_submodule(module), nn.Linear):
+            if module in producers or module in scales:
+                return smoothed_weight(policy, module, producers.get(module, ""), scales)
+        elif kind == "bias" and module in scales:
+            return t / scales[module].to(torch.float32)
+        elif kind == "weight" and module in scales:  # a norm producing a group
+            return t / scales[module].to(torch.float32)
+        return t
+
+    return tensor_of
+
+
 def _group_rotation(policy: nn.Module, producer: str, groups: Dict[str, List[str]],
                     max_block: int) -> Optional[Tuple[int, Tensor]]:
     """The Hadamard block and dense rotation of a group's (smoothed) input, or None: no rotation asked, or no

@@ -5,7 +5,7 @@ widened to float32 at load, in the controller and in every actor that loads the 
 import pytest
 
 from policy_bundle.build.config.build_config import load_config
-from policy_bundle.build.source.memory_plan import ACTOR_BASE, BuildMemoryError, check_memory, plan_memory
+from policy_bundle.build.source.memory_plan import BuildMemoryError, check_memory, plan_memory
 
 
 def tiny_qwen3(out, dtype):

