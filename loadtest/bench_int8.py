@@ -22,6 +22,7 @@ from policy_bundle.loadtest.bench_models import bench_models
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import decode_tokens_per_s
 from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
+from policy_bundle.quantize.blocks import widen_narrow
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.script_runner import load_torchscript
 from policy_bundle.quantize.slots import SlotBatch
@@ -124,7 +125,7 @@ def worker(args) -> None:
     r, vocab, seq, plen, new = args.repeats, args.vocab, args.seq, args.prompt_len, args.new_tokens
     batch = float("nan")  # decode tok/s of BATCH_ROWS sequences together (KV-cache engines only)
     if args.worker in ("fp32 eager", "int8 torchscript"):
-        module = (load_policy(Path(args.artifact), max_seq_len=128) if args.worker == "fp32 eager"
+        module = (widen_narrow(load_policy(Path(args.artifact), max_seq_len=128)) if args.worker == "fp32 eager"
                   else load_torchscript(Path(args.artifact)))
         dec = decode_tps(module, plen, new, vocab, r)
         fwd = forward_tps(lambda x: module.prefill(x, *module.new_cache(x.shape[0], x.shape[1])), 8, seq, vocab, r)

@@ -27,6 +27,7 @@ from policy_bundle.loadtest.real_lm import smollm2_dir
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.decode import greedy_generate
 from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
+from policy_bundle.quantize.blocks import widen_narrow
 from policy_bundle.quantize.hf_weights import load_policy
 from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
 from policy_bundle.quantize.sensitivity import sensitivity_probe
@@ -95,7 +96,7 @@ def main() -> None:
         print(f"[bench] {name}: top-1 {rep.top1_agreement:.4f}, KL {rep.kl_mean:.4g}, greedy {same}/10, "
               f"{tps:.1f} tok/s", flush=True)
 
-    fp16 = load_policy(path, max_seq_len=256)
+    fp16 = widen_narrow(load_policy(path, max_seq_len=256))  # float32 tensors to round in place
     with torch.no_grad():
         for p in fp16.parameters():
             p.copy_(p.half().float())

@@ -333,10 +333,12 @@ class Block(nn.Module):
 
 
 _WIDENING = threading.RLock()  # one widened call at a time per process: the swap is the module's state
-# The float32 buffers a block is widened into, by (the parameter's name in its block, shape): one block's worth, kept.
-# Widening into fresh memory costs a page fault per 4 KB on every call (1.7B shape: the 1.4G layer weights of a decode
-# step, 3.9x a float32 copy's decode time); into these buffers, a copy.
+# The float32 buffers a block is widened into, by (nesting depth, the parameter's name in its block, shape): one block's
+# worth, kept (a block widened inside another's call, by a hook, gets its own). Widening into fresh memory costs a page
+# fault per 4 KB on every call (1.7B shape: the 1.4G layer weights of a decode step, 3.9x a float32 copy's decode
+# time); into these buffers, a copy.
 _SCRATCH: dict = {}
+_DEPTH = [0]  # widened calls open (under _WIDENING)
 
 
 @contextmanager
@@ -347,13 +349,16 @@ def widened(block: Block) -> Iterator[Block]:
         saved = [(f"{path}.{name}", mod, name, p) for path, mod in block.named_modules()
                  for name, p in mod._parameters.items() if p is not None and p.dtype in NARROW]
         for key, mod, name, p in saved:
-            buf = _SCRATCH.get((key, p.shape))
+            buf = _SCRATCH.get((_DEPTH[0], key, p.shape))
             if buf is None:
-                buf = _SCRATCH[(key, p.shape)] = torch.empty(p.shape, dtype=torch.float32)
+                with torch.inference_mode(False):  # a normal tensor: copied into in and out of inference mode
+                    buf = _SCRATCH[(_DEPTH[0], key, p.shape)] = torch.empty(p.shape, dtype=torch.float32)
             mod._parameters[name] = nn.Parameter(buf.copy_(p.detach()), requires_grad=False)
+        _DEPTH[0] += 1
         try:
             yield block
         finally:
+            _DEPTH[0] -= 1
             for _, mod, name, p in saved:
                 mod._parameters[name] = p
 

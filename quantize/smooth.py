@@ -125,7 +125,7 @@ def make_outlier_model(policy: nn.Module, channels: int = 4, factor: float = 100
     residual channels of each RMSNorm weight are multiplied by ``factor`` with the matching columns
     of the linears reading it divided (q/k/v and gate/up inputs get outliers too).
     """
-    model = copy.deepcopy(policy)
+    model = widen_narrow(copy.deepcopy(policy))  # scaled in float32, as the function it preserves is computed
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for block in model.layers:

@@ -142,7 +142,7 @@ def smooth_kept_float(model: nn.Module, scales: Dict[str, Tensor], quantized: se
         prod = model.get_submodule(producer)
         if isinstance(prod, nn.Linear):
             if producer not in quantized:
-                prod.weight = nn.Parameter(prod.weight / s.unsqueeze(1), requires_grad=False)
+                prod.weight = nn.Parameter(prod.weight.float() / s.unsqueeze(1), requires_grad=False)
             if prod.bias is not None:
                 prod.bias = nn.Parameter(prod.bias / s, requires_grad=False)
         else:
@@ -150,7 +150,7 @@ def smooth_kept_float(model: nn.Module, scales: Dict[str, Tensor], quantized: se
         for c in consumers:
             if c not in quantized:
                 lin = model.get_submodule(c)
-                lin.weight = nn.Parameter(lin.weight * s_in.unsqueeze(0), requires_grad=False)
+                lin.weight = nn.Parameter(lin.weight.float() * s_in.unsqueeze(0), requires_grad=False)
 
 
 Progress = Callable[[str], None]

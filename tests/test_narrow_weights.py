@@ -130,3 +130,31 @@ def test_threads_running_one_narrow_policy_each_get_the_float32_copys_logits(sou
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda i: full_logits(narrow, tokens(40 + i)), range(8)))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_narrow_policy_runs_in_and_out_of_inference_mode_and_nested(sources):
+    """The kept float32 buffers are normal tensors (a first call under ``torch.inference_mode`` does not make them
+    inference tensors that a later call could not copy into), and a block run inside another's widened call (a hook)
+    gets buffers of its own: the outer block's weights are not overwritten mid-call."""
+    narrow, wide, _ = sources
+    from policy_bundle.quantize import blocks
+
+    blocks._SCRATCH.clear()
+    with torch.inference_mode():
+        full_logits(narrow, tokens(50))
+    with torch.no_grad():
+        assert torch.equal(full_logits(narrow, tokens(51)), full_logits(wide, tokens(51)))
+    seen = []
+
+    def inner(module, args):  # block 0's MLP runs block 1 on its own input
+        x = args[0]
+        seen.append(narrow.layers[1].forward(x, *narrow._chunk_tables(x.shape[1], 0, narrow.new_cache(x.shape[0], 32)[0]),
+                                             0, *(c[1] for c in narrow.new_cache(x.shape[0], 32))))
+
+    handle = narrow.layers[0].mlp.register_forward_pre_hook(inner)
+    try:
+        with torch.no_grad():
+            assert torch.equal(full_logits(narrow, tokens(52)), full_logits(wide, tokens(52)))
+    finally:
+        handle.remove()
+    assert seen
