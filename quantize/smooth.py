@@ -86,34 +86,46 @@ def smoothing_scales(policy: nn.Module, stats: ChannelStats, alpha: float) -> Di
             for producer, consumers in smoothing_groups(policy)}
 
 
+def input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
+    """The per-input-channel divisor the consumers see (GQA: a kv channel's s for each query head)."""
+    if not producer.endswith("v_proj"):
+        return s
+    attn = policy.get_submodule(producer.rsplit(".", 1)[0])
+    rep = attn.n_heads // attn.n_kv_heads
+    return s.view(attn.n_kv_heads, 1, attn.head_dim).expand(-1, rep, -1).reshape(-1)
+
+
 @torch.no_grad()
-def apply_smoothing(policy: nn.Module, scales: Dict[str, Tensor]) -> nn.Module:
-    """A function-preserving copy of ``policy`` with X / s folded into producers and s into consumers: a new module
-    tree whose smoothed tensors are new float32 ones (computed as in place in float32, a 16-bit weight widened first)
-    and whose others (embedding, head) are ``policy``'s own."""
-    model = shared_copy(policy)
-    mods = dict(model.named_modules())
-
-    def put(mod: nn.Module, name: str, value: Tensor) -> None:
-        setattr(mod, name, nn.Parameter(value, requires_grad=False))
-
+def fold_smoothing(model: nn.Module, scales: Dict[str, Tensor], quantized: frozenset = frozenset()) -> None:
+    """X / s folded into each group's producer and s into its consumers, in ``model`` (a ``shared_copy``: out of
+    place, new float32 tensors, a 16-bit weight widened first) for the norms, the producers' biases and the weights of
+    the linears not in ``quantized`` (an int8 linear's weight comes from its plan). A producer absent from ``scales``
+    has s = 1: its division and product would be exact."""
     for producer, consumers in smoothing_groups(model):
+        if producer not in scales:
+            continue
         s = scales[producer].to(torch.float32)
-        prod = mods[producer]
-        if producer.endswith("v_proj"):
-            attn = mods[producer.rsplit(".", 1)[0]]
-            rep = attn.n_heads // attn.n_kv_heads
-            s_in = s.view(attn.n_kv_heads, 1, attn.head_dim).expand(-1, rep, -1).reshape(-1)
-        else:
-            s_in = s
+        s_in = input_scale(model, producer, s)
+        prod = model.get_submodule(producer)
         if isinstance(prod, nn.Linear):  # up_proj / v_proj: divide output rows
-            put(prod, "weight", prod.weight.detach().float() / s.unsqueeze(1))
+            if producer not in quantized:
+                prod.weight = nn.Parameter(prod.weight.float() / s.unsqueeze(1), requires_grad=False)
             if prod.bias is not None:
-                put(prod, "bias", prod.bias.detach().float() / s)
+                prod.bias = nn.Parameter(prod.bias.float() / s, requires_grad=False)
         else:  # RMSNorm: divide its weight
-            put(prod, "weight", prod.weight.detach().float() / s)
+            prod.weight = nn.Parameter(prod.weight.float() / s, requires_grad=False)
         for c in consumers:
-            put(mods[c], "weight", mods[c].weight.detach().float() * s_in.unsqueeze(0))
+            if c not in quantized:
+                lin = model.get_submodule(c)
+                lin.weight = nn.Parameter(lin.weight.float() * s_in.unsqueeze(0), requires_grad=False)
+
+
+def apply_smoothing(policy: nn.Module, scales: Dict[str, Tensor]) -> nn.Module:
+    """A function-preserving copy of ``policy`` with X / s folded into producers and s into consumers
+    (``fold_smoothing``): a new module tree whose smoothed tensors are new float32 ones and whose others (embedding,
+    head) are ``policy``'s own."""
+    model = shared_copy(policy)
+    fold_smoothing(model, scales)
     return widen_narrow(model)
 
 

@@ -25,20 +25,11 @@ from policy_bundle.quantize.blocks import shared_copy, widen_narrow  # noqa: F40
 from policy_bundle.quantize.gptq import gptq_quantize
 from policy_bundle.quantize.linear_stats import HEAD_GROUP, LinearStats
 from policy_bundle.quantize.sensitivity import layer_sensitivity
-from policy_bundle.quantize.smooth import group_scale, smoothing_groups
+from policy_bundle.quantize.smooth import fold_smoothing, group_scale, input_scale, smoothing_groups
 from policy_bundle.quantize.w8a8 import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotated_weight,
                                          rotation_block, rotation_matrix)
 from policy_bundle.quantize.w8a8_head import (Int8Embedding, Int8RescoredHead, Int16Embedding,
                                              quantize_rows_int12, quantize_rows_int16)
-
-
-def _input_scale(policy: nn.Module, producer: str, s: Tensor) -> Tensor:
-    """The per-input-channel divisor the consumers see (GQA: a kv channel's s for each query head)."""
-    if not producer.endswith("v_proj"):
-        return s
-    attn = policy.get_submodule(producer.rsplit(".", 1)[0])
-    rep = attn.n_heads // attn.n_kv_heads
-    return s.view(attn.n_kv_heads, 1, attn.head_dim).expand(-1, rep, -1).reshape(-1)
 
 
 def relative_output_error(x: Tensor, weight: Tensor, q_weight: Tensor, s_in: Optional[Tensor] = None,
@@ -103,7 +94,7 @@ class W8A8Plan:
         holds new ones only for what smoothing changes and stays float (norms, biases, float linears)."""
         model = shared_copy(policy)
         if self.scales:
-            smooth_kept_float(model, self.scales, set(quantized))
+            fold_smoothing(model, self.scales, set(quantized))
         embed = getattr(model, "embed_tokens", None)
         tied = isinstance(embed, nn.Embedding) and getattr(model.get_submodule("lm_head"), "weight", None) is embed.weight
         # int12 rows are a rescored head's (``head_topk`` > 0): a tied embedding is those rows (as with int16 rows);
@@ -127,30 +118,6 @@ class W8A8Plan:
             model.embed_tokens = Int16Embedding.from_float(embed)
         # a tied model whose head stays float keeps its float embedding: the float rows are there anyway
         return widen_narrow(model).eval()  # the linears kept float, from a 16-bit source: float32 (scripted, exported)
-
-
-@torch.no_grad()
-def smooth_kept_float(model: nn.Module, scales: Dict[str, Tensor], quantized: set) -> None:
-    """``apply_smoothing`` on a ``shared_copy``, out of place: new tensors for the norms, the producers' biases and the
-    weights of the linears that stay float (a quantized linear's weight comes from the plan); the same operations in
-    the same order, so bitwise the same values."""
-    for producer, consumers in smoothing_groups(model):
-        if producer not in scales:
-            continue  # s = 1: the division and the product would be exact
-        s = scales[producer].to(torch.float32)
-        s_in = _input_scale(model, producer, s)
-        prod = model.get_submodule(producer)
-        if isinstance(prod, nn.Linear):
-            if producer not in quantized:
-                prod.weight = nn.Parameter(prod.weight.float() / s.unsqueeze(1), requires_grad=False)
-            if prod.bias is not None:
-                prod.bias = nn.Parameter(prod.bias / s, requires_grad=False)
-        else:
-            prod.weight = nn.Parameter(prod.weight / s, requires_grad=False)
-        for c in consumers:
-            if c not in quantized:
-                lin = model.get_submodule(c)
-                lin.weight = nn.Parameter(lin.weight.float() * s_in.unsqueeze(0), requires_grad=False)
 
 
 Progress = Callable[[str], None]
@@ -186,7 +153,7 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
             progress(f"smoothing search {i + 1}/{len(work)}: {producer} alpha {alpha}")
     for i, (producer, mine) in enumerate(work.items()):
         st = stats[producer]
-        s_in = _input_scale(policy, producer, plan.scales.get(producer, torch.ones(_channels(policy, producer, mine))))
+        s_in = input_scale(policy, producer, plan.scales.get(producer, torch.ones(_channels(policy, producer, mine))))
         xs = st.sample / s_in
         h = None
         if rounding == "gptq" and st.hessian is not None:
@@ -216,14 +183,14 @@ def smoothed_weight(policy: nn.Module, name: str, producer: str, scales: Dict[st
     rows divided by that group's s, in that order (bitwise ``apply_smoothing``'s)."""
     w = policy.get_submodule(name).weight.detach().float()
     if producer in scales:
-        w = w * _input_scale(policy, producer, scales[producer].to(torch.float32)).unsqueeze(0)
+        w = w * input_scale(policy, producer, scales[producer].to(torch.float32)).unsqueeze(0)
     if name in scales:
         w = w / scales[name].to(torch.float32).unsqueeze(1)
     return w
 
 
 def smoothed_tensors(policy: nn.Module, scales: Dict[str, Tensor]) -> Callable[[str], Tensor]:
-    """(parameter name) -> that tensor of ``policy`` as ``smooth_kept_float`` with nothing quantized leaves it
+    """(parameter name) -> that tensor of ``policy`` as ``smooth.fold_smoothing`` leaves it
     (bitwise: the same operations in the same order), computed when asked: a writer streams the smoothed model one
     tensor at a time instead of holding a smoothed float32 copy of it. Tensors smoothing leaves alone come back as
     they are (a 16-bit layer weight 16-bit)."""
@@ -287,7 +254,7 @@ def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max:
     for alpha in (None, *alphas):
         s = (torch.ones(_channels(policy, producer, consumers)) if alpha is None
              else group_scale(policy, producer, consumers, x_max, alpha))
-        s_in = _input_scale(policy, producer, s)
+        s_in = input_scale(policy, producer, s)
         err = 0.0
         for w in weights:
             ws = w * s_in.unsqueeze(0)
@@ -320,7 +287,7 @@ def unsmoothed_swap(policy: nn.Module, plan: W8A8Plan) -> Callable[[str, nn.Modu
         if s_out is not None and module.bias is not None:
             module.bias = nn.Parameter(module.bias / s_out.float(), requires_grad=False)
         inner = plan.quantized_module(name, module)
-        return UnsmoothedSwap(inner, None if s_in is None else _input_scale(policy, producers[name], s_in.float()),
+        return UnsmoothedSwap(inner, None if s_in is None else input_scale(policy, producers[name], s_in.float()),
                               None if s_out is None else s_out.float())
 
     return swapped
