@@ -1,128 +1,125 @@
-"""The JSON Schema of a config dataclass (``policy-bundle config schema``), made from the same field metadata the YAML
-reader enforces (``quantize/config_schema.py``): keys, types, limits, choices and defaults, for editors and CI checks
-of a config file."""
+"""The JSON Schema of a config model (``policy-bundle config schema``) and its defaults file (``policy-bundle config
+defaults``), both made by pydantic from the models the readers validate with (``quantize/config_schema.py``): keys,
+types, limits, choices, defaults and each field's help, for editors, CI checks of a config file and people."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import typing
+import textwrap
 from pathlib import Path
 from typing import Any, Dict
 
-from policy_bundle.quantize.config_schema import CHOICES, LOW_OPEN, RANGE, READ, FieldError, _hints, _keys, read_field
+from pydantic import TypeAdapter
 
+from policy_bundle.quantize.config_schema import INLINE, FieldError, _fields, _hints, _keys, _unwrap_optional, read_field
 
-JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string", Path: "string"}
+WIDTH = 118  # a defaults file's comment lines wrap here
 
 
 def json_schema(cls: type, title: str = "") -> dict:
     """A JSON Schema (draft 2020-12) of the YAML that ``from_mapping(cls, ...)`` reads: every key with its type, its
-    limit (``minimum``/``maximum``, ``enum``), its default where it has a plain one, nested sections, no unknown key.
-    A field with its own reader (``read_as``) accepts what the reader accepts: the schema names no type for it."""
-    schema = _object_schema(cls)
+    limit (``minimum``/``maximum``, ``enum``), its default where it has a plain one, its help (``description``),
+    nested sections written out (no ``$ref``), inline sections' keys as their section's own, no unknown key. A field
+    with its own reader (``read_as``) accepts what the reader accepts: the schema names no type for it."""
+    raw = TypeAdapter(cls).json_schema(mode="validation")
+    defs = raw.pop("$defs", {})
+    schema = _flatten(_resolved(raw, defs), cls)
+    schema.pop("title", None)
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **({"title": title} if title else {}), **schema}
 
 
-def _object_schema(cls: type) -> dict:
-    props: Dict[str, Any] = {}
+def _resolved(node: Any, defs: Dict[str, Any]) -> Any:
+    """``node`` with every ``{"$ref": "#/$defs/X"}`` replaced by a copy of X (a ref's own keys kept beside it)."""
+    if isinstance(node, list):
+        return [_resolved(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = copy.deepcopy(defs[node["$ref"].rsplit("/", 1)[-1]])
+        return _resolved({**target, **{k: v for k, v in node.items() if k != "$ref"}}, defs)
+    return {k: _resolved(v, defs) for k, v in node.items()}
+
+
+def _section(node: dict) -> dict:
+    """The object schema inside a field's schema (an Optional section's non-null branch)."""
+    if "anyOf" in node:
+        return next((s for s in node["anyOf"] if s.get("type") == "object"), node)
+    return node
+
+
+def _flatten(schema: dict, cls: type) -> dict:
+    """``schema`` of model ``cls`` with inline fields' keys moved into it (its own keys win), nested sections too,
+    and pydantic's generated titles dropped (the keys are their names)."""
+    props = schema.get("properties", {})
+    out: Dict[str, Any] = {}
     for key, (holder, owner) in _keys(cls).items():
-        f = next(f for f in dataclasses.fields(owner) if f.name == key)
-        props[key] = _field_schema(owner, f)
-    return {"type": "object", "properties": props, "additionalProperties": False}
-
-
-def _field_schema(cls: type, f: dataclasses.Field) -> dict:
-    tp = _hints(cls)[f.name]
-    if f.metadata.get(READ):
-        out: dict = {"description": "read by its own reader (see docs/build.md)"}
-    else:
-        out = _type_schema(tp, f.metadata)
-    default = f.default if f.default is not dataclasses.MISSING else (
-        f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
-    if default is not dataclasses.MISSING and not dataclasses.is_dataclass(default):
-        plain = _plain(default)
-        if plain is not dataclasses.MISSING:
-            out["default"] = plain
-    return out
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as JSON, or MISSING where it has no plain JSON form."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (tuple, list)):
-        items = [_plain(v) for v in value]
-        return dataclasses.MISSING if dataclasses.MISSING in items else items
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        items = {k: _plain(v) for k, v in value.items()}
-        return dataclasses.MISSING if dataclasses.MISSING in items.values() else items
-    return dataclasses.MISSING
-
-
-def _limits(meta: Any) -> dict:
-    out: dict = {}
-    if RANGE in meta:
-        lo, hi = meta[RANGE]
-        out["exclusiveMinimum" if meta.get(LOW_OPEN) else "minimum"] = lo
-        if hi is not None:
-            out["maximum"] = hi
-    if CHOICES in meta:
-        out["enum"] = [_plain(c) for c in meta[CHOICES]]
-    return out
-
-
-def _type_schema(tp: Any, meta: Any = None) -> dict:
-    meta = meta or {}
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:
-        inner = [a for a in args if a is not type(None)]
-        return {"anyOf": [_type_schema(inner[0], meta), {"type": "null"}]} if len(inner) == 1 else {}
-    if dataclasses.is_dataclass(tp):
-        return _object_schema(tp)
-    if origin is dict:
-        return {"type": "object", "additionalProperties": _type_schema(args[1])}
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return {"type": "array", "items": {**_type_schema(args[0]), **_limits(meta)}}
-        return {"type": "array", "prefixItems": [_type_schema(a) for a in args], "minItems": len(args),
-                "maxItems": len(args)}
-    if tp in JSON_TYPES:
-        return {"type": JSON_TYPES[tp], **_limits(meta)}
-    return {}
+        if holder is None:
+            prop = props[key]
+        else:
+            prop = _section(props[holder])["properties"][key]
+        prop = dict(prop)
+        prop.pop("title", None)
+        inner = _unwrap_optional(_hints(owner)[key])
+        if dataclasses.is_dataclass(inner):
+            target = _section(prop)
+            flat = _flatten(target, inner)
+            if target is prop:
+                prop = {**flat, **{k: v for k, v in prop.items() if k not in ("properties", "title")}}
+                prop["properties"] = flat["properties"]
+            else:
+                prop["anyOf"] = [flat if s is target else s for s in prop["anyOf"]]
+        out[key] = prop
+    result = {k: v for k, v in schema.items() if k not in ("properties", "title", "required")}
+    return {**result, "type": "object", "properties": out, "additionalProperties": False}
 
 
 def defaults_yaml(cls: type, header: str) -> str:
-    """Every key of ``cls``'s YAML with its default, each with its type and limit as a comment: a config file that
-    ``from_mapping(cls, ...)`` reads back to ``cls()`` (a test checks both). ``header``: the comment lines on top."""
+    """Every key of ``cls``'s YAML with its default: its help as comment lines above it, its type and limit as a
+    comment after it. A config file that ``from_mapping(cls, ...)`` reads back to ``cls()`` (a test checks both).
+    ``header``: the comment lines on top."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
-    _defaults_lines(cls, "", lines)
+    _defaults_lines(cls, json_schema(cls), "", lines)
     return "\n".join(lines) + "\n"
 
 
-def _defaults_lines(cls: type, indent: str, lines: list) -> None:
+def _default_of(owner: type, key: str) -> Any:
+    f = _fields(owner)[key]
+    info = owner.__pydantic_fields__[key]
+    if f.metadata.get(INLINE) or f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return info.get_default(call_default_factory=True)
+
+
+def _help_lines(text: str, indent: str) -> list:
+    width = WIDTH - len(indent) - 2
+    return [f"{indent}# {line}" for line in textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)]
+
+
+def _defaults_lines(cls: type, schema: dict, indent: str, lines: list) -> None:
     for key, (holder, owner) in _keys(cls).items():
-        f = next(f for f in dataclasses.fields(owner) if f.name == key)
+        prop = schema["properties"][key]
         tp = _hints(owner)[key]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = _default_of(owner, key)
+        if prop.get("description"):
+            lines.extend(_help_lines(prop["description"], indent))
         if dataclasses.is_dataclass(tp) and dataclasses.is_dataclass(default):
             lines.append(f"{indent}{key}:")
-            _defaults_lines(tp, indent + "  ", lines)
+            _defaults_lines(tp, _section(prop), indent + "  ", lines)
             continue
         plain = _yaml_form(default)
         value = "{}" if plain == {} else _flow(plain)
-        comment = _comment(tp, f.metadata)
+        comment = _comment(prop)
         line = f"{key}: {value}" + (f"  # {comment}" if comment else "")
         try:  # a default that cannot be written as a value (keys configured to none are refused): left unset
             read_field(owner, key, plain, key)
         except FieldError:
-            line = f"# {key}: unset by default  # {comment or 'see its reader'}"
+            line = f"# {key}: unset by default" + (f"  # {comment}" if comment else "")
         lines.append(indent + line)
 
 
 def _yaml_form(value: Any) -> Any:
-    """``value`` as its YAML reads back: a dataclass as its mapping, a path as a string, tuples as lists."""
+    """``value`` as its YAML reads back: a model as its mapping, a path as a string, tuples as lists."""
     from policy_bundle.quantize.config_schema import to_mapping
 
     if dataclasses.is_dataclass(value):
@@ -140,12 +137,11 @@ def _flow(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
 
 
-def _comment(tp: Any, meta: Any) -> str:
-    """The field's type and limit in words: ``integer in [1, 4096], or null``."""
-    schema = _type_schema(tp, meta) if not meta.get(READ) else _limits(meta)
-    optional = "anyOf" in schema
+def _comment(schema: dict) -> str:
+    """The field's type and limit in words, from its schema: ``integer in [1, 4096], or null``."""
+    optional = "anyOf" in schema and any(s.get("type") == "null" for s in schema["anyOf"])
     if optional:
-        schema = schema["anyOf"][0]
+        schema = next(s for s in schema["anyOf"] if s.get("type") != "null")
     kind = schema.get("type", "")
     if "enum" in schema:
         text = " | ".join(str(v) for v in schema["enum"])
@@ -155,7 +151,11 @@ def _comment(tp: Any, meta: Any) -> str:
         text = f"{kind} in {bracket}{lo}, {schema['maximum']}]" if "maximum" in schema else \
             f"{kind} {'>' if bracket == '(' else '>='} {lo}"
     elif kind == "array" and "items" in schema:
-        text = f"list of {schema['items'].get('type', 'values')}"
+        items = schema["items"]
+        text = f"list of {items.get('type', 'values')}"
+        inner = _comment(items) if ("enum" in items or "minimum" in items or "exclusiveMinimum" in items) else ""
+        if inner:
+            text = f"list, each {inner}"
     else:
         text = kind
     return f"{text}, or null" if optional and text else text

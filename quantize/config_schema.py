@@ -1,38 +1,48 @@
-"""Typed config dataclasses: each field's limit declared on the field, checked on construction and on reading YAML.
+"""Config models: pydantic dataclasses whose fields declare their limit and their help, one-line errors.
 
-    @dataclass(frozen=True)
+    @config_model("section")
     class Section:
-        alpha: float = ranged(0.5, 0.0, 1.0)
-        mode: str = choice("fast", ("fast", "exact"))
+        alpha: float = ranged(0.5, 0.0, 1.0, help="how much to migrate")
+        mode: str = choice("fast", ("fast", "exact"), help="the search")
 
-        def __post_init__(self) -> None:
-            check(self, "section")  # Section(alpha=2.0) fails as the YAML does
+    Section(alpha=2.0)                                # FieldError: section.alpha: 2.0 is out of range [0.0, 1.0]
+    from_mapping(Section, {"alpha": 2}, "section")    # FieldError: section.alpha: 2 is out of range [0.0, 1.0]
 
-    from_mapping(Section, {"alpha": 2}, "section")  # FieldError: section.alpha: 2 is out of range [0.0, 1.0]
+The build config (``build/config/build_config.py``), the router settings (``serve/settings.py``) and the library's
+``RecipeConfig`` and ``GateThresholds`` are such models: pydantic validates them, whether built in Python or read
+from YAML, and publishes their JSON Schema (``quantize/config_json_schema.py``) with each field's type, limit,
+default and help. They stay frozen dataclasses, so the code that holds them reads attributes and calls
+``dataclasses.replace`` as before.
 
-The build config (``build/config/build_config.py``) and the router settings (``serve/settings.py``) read their
-YAML through ``from_mapping``; each turns ``FieldError`` into its own exception. A field whose YAML form is not its
-Python type (a list of steps that may be plain numbers, one key or a list of keys) declares a reader with
-``read_as``; a section that writes a library dataclass's fields as its own keys declares it with ``inline``.
-``quantize/config_json_schema.py`` publishes the same fields, types, limits and defaults as a JSON Schema.
+What this module adds to pydantic: a YAML value is validated strictly (``"3"`` is not an int, ``true`` not a
+number), every error is one line, ``path: problem``, naming the field as the YAML writes it and its limit
+(``FieldError``, or the model's own subclass), and an unknown key lists the known ones. A field whose YAML form is
+not its Python type (a list of steps that may be plain numbers, one key or a list of keys) declares a reader with
+``read_as``; a section that writes a library model's fields as its own keys declares it with ``inline``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import json
+import re
 import typing
-from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Type, TypeVar
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic_core import PydanticCustomError
 
 T = TypeVar("T")
 Reader = Callable[[str, Any], Any]  # (field path, YAML value) -> the field's value
-RANGE, LOW_OPEN, CHOICES, READ, INLINE = "range", "low_open", "choices", "read", "inline"
+INLINE = "inline"
 PLURALS = {str: "strings", int: "integers", float: "numbers", bool: "booleans"}
+MODEL_CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+# YAML 1.1 reads an exponent without a dot ("1e-9") as a string: such a string is the number it spells
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class FieldError(ValueError):
@@ -46,35 +56,9 @@ class FieldError(ValueError):
         return f"{self.path}: {self.problem}" if self.path else self.problem
 
 
-def ranged(default: Any, lo: float, hi: Optional[float] = None, *, low_open: bool = False,
-           read: Optional[Reader] = None) -> Any:
-    """A number field within [lo, hi] ((lo, hi] with ``low_open``; no upper limit when ``hi`` is None). On a
-    tuple field the limit holds for each element; None passes (an unset Optional field)."""
-    return _field(default, {RANGE: (lo, hi), LOW_OPEN: low_open}, read)
-
-
-def choice(default: Any, options: Sequence[Any], *, read: Optional[Reader] = None) -> Any:
-    """A field that holds one of ``options``."""
-    return _field(default, {CHOICES: tuple(options)}, read)
-
-
-def read_as(reader: Reader, default: Any) -> Any:
-    """A field whose YAML value ``reader(path, value)`` turns into the field's value (in place of its type)."""
-    return _field(default, {}, reader)
-
-
-def inline(cls: type) -> Any:
-    """A field holding dataclass ``cls`` whose fields are written as the enclosing mapping's own keys (a key of
-    the enclosing dataclass itself wins over an inlined one of the same name)."""
-    return field(default_factory=cls, metadata={INLINE: True})
-
-
-def _field(default: Any, meta: dict, read: Optional[Reader]) -> Any:
-    return field(default=default, metadata={**meta, READ: read} if read else meta)
-
-
-def _join(path: str, name: Any) -> str:
-    return f"{path}.{name}" if path else str(name)
+def _problem(problem: str, sub: str = "") -> PydanticCustomError:
+    """A field's own error inside pydantic's validation; ``sub`` continues the field's path (``[1]``, ``.pause``)."""
+    return PydanticCustomError("policy_bundle_field", "{problem}", {"problem": problem, "sub": sub})
 
 
 def _got(value: Any) -> str:
@@ -87,31 +71,138 @@ def _limit_text(lo: float, hi: Optional[float], low_open: bool) -> str:
     return f"is out of range {'(' if low_open else '['}{lo}, {hi}]"
 
 
-def _check_value(path: str, value: Any, meta: Any, error: Type[FieldError], optional: bool = False) -> None:
+def _each(value: Any, one: Callable[[Any, str], Any]) -> Any:
+    """``one(value, sub)`` on a scalar, or on each element of a list/tuple (``sub`` is ``[i]``; a list comes back
+    as the tuple its field holds)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(one(v, f"[{i}]") for i, v in enumerate(value))
+    return one(value, "")
+
+
+def _range_check(lo: float, hi: Optional[float], low_open: bool) -> Callable[[Any], Any]:
+    def one(v: Any, sub: str) -> Any:
+        if isinstance(v, str) and _EXPONENT.fullmatch(v.strip()):
+            v = float(v)
+        if isinstance(v, bool):
+            raise _problem(f"expected a number, got {_got(v)}", sub)
+        if isinstance(v, (int, float)):
+            above = v > lo if low_open else v >= lo  # NaN is neither above nor below: it fails
+            if not (above and (hi is None or v <= hi)):
+                raise _problem(f"{v!r} {_limit_text(lo, hi, low_open)}", sub)
+        return v  # None and non-numbers: the type says what is expected
+
+    return lambda value: _each(value, one)
+
+
+def _choice_check(options: tuple) -> Callable[[Any], Any]:
+    kinds = tuple({type(o) for o in options})
+
+    def one(v: Any, sub: str) -> Any:
+        if isinstance(v, kinds) and not isinstance(v, bool) and v not in options:
+            raise _problem(f"{v!r} is not one of {list(options)}", sub)
+        return v
+
+    return lambda value: _each(value, one)
+
+
+def _into_value_schema(limits: dict) -> Callable[[dict], None]:
+    """A ``json_schema_extra`` that puts ``limits`` on the field's value (inside an Optional, on a list's items)."""
+
+    def extra(schema: dict) -> None:
+        target = schema
+        if "anyOf" in target:
+            target = next((s for s in target["anyOf"] if s.get("type") != "null"), target)
+        if target.get("type") == "array" and isinstance(target.get("items"), dict):
+            target = target["items"]
+        target.update(limits)
+
+    return extra
+
+
+def ranged(default: Any, lo: float, hi: Optional[float] = None, *, low_open: bool = False, help: str = "") -> Any:
+    """A number field within [lo, hi] ((lo, hi] with ``low_open``; no upper limit when ``hi`` is None). On a
+    tuple field the limit holds for each element; None passes (an unset Optional field)."""
+    limits: Dict[str, Any] = {"exclusiveMinimum" if low_open else "minimum": lo}
+    if hi is not None:
+        limits["maximum"] = hi
+    info = Field(default, description=help or None, json_schema_extra=_into_value_schema(limits))
+    info.metadata.append(BeforeValidator(_range_check(lo, hi, low_open)))
+    return info
+
+
+def choice(default: Any, options: Sequence[Any], *, read: Optional[Reader] = None, help: str = "") -> Any:
+    """A field that holds one of ``options`` (read by ``read`` first, when the YAML writes it otherwise)."""
+    options = tuple(options)
+    check = _choice_check(options)
+    info = Field(default, description=help or None, json_schema_extra=_into_value_schema({"enum": list(options)}))
+    if read is None:
+        info.metadata.append(BeforeValidator(check))
+    else:
+        info.metadata.append(PlainValidator(lambda v: check(_not_none(_read_with(read, v))),
+                                            json_schema_input_type=type(options[0])))
+    return info
+
+
+def _not_none(value: Any) -> Any:
     if value is None:
-        if optional:  # an unset Optional field
-            return
-        raise error(path, "expected a value, got None")
-    if isinstance(value, tuple) and (RANGE in meta or CHOICES in meta):
-        for i, v in enumerate(value):
-            _check_value(f"{path}[{i}]", v, meta, error)
-        return
-    if RANGE in meta:
-        (lo, hi), low_open = meta[RANGE], meta[LOW_OPEN]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise error(path, f"expected a number, got {_got(value)}")
-        above = value > lo if low_open else value >= lo  # NaN is neither above nor below: it fails
-        if not (above and (hi is None or value <= hi)):
-            raise error(path, f"{value!r} {_limit_text(lo, hi, low_open)}")
-    if CHOICES in meta and value not in meta[CHOICES]:
-        raise error(path, f"{value!r} is not one of {list(meta[CHOICES])}")
+        raise _problem("expected a value, got None")
+    return value
 
 
-def check(obj: Any, path: str = "", error: Type[FieldError] = FieldError) -> None:
-    """Raise ``error`` for the first field of dataclass ``obj`` outside its declared limit (call it from
-    ``__post_init__``; ``path`` is the object's place in the config, e.g. ``recipe``)."""
-    for f in dataclasses.fields(obj):
-        _check_value(_join(path, f.name), getattr(obj, f.name), f.metadata, error, _optional(type(obj), f.name))
+def _read_with(reader: Reader, value: Any) -> Any:
+    try:
+        return reader("", value)
+    except FieldError as exc:  # the reader names its sub-path after an empty one: "[0].pause", ""
+        raise _problem(exc.problem, exc.path) from None
+
+
+def read_as(reader: Reader, default: Any, *, help: str = "") -> Any:
+    """A field whose YAML value ``reader(path, value)`` turns into the field's value (in place of its type); the
+    reader also takes the field's own Python value (a caller that builds the model in code)."""
+    info = Field(default, description=help or None)
+    info.metadata.append(PlainValidator(lambda v: _read_with(reader, v)))
+    return info
+
+
+def setting(default: Any = None, *, help: str, default_factory: Any = None) -> Any:
+    """A field with no limit of its own beyond its type: its default (or ``default_factory``) and its help."""
+    if default_factory is not None:
+        return Field(default_factory=default_factory, description=help)
+    return Field(default, description=help)
+
+
+def inline(cls: type) -> Any:
+    """A field holding model ``cls`` whose fields are written as the enclosing mapping's own keys (a key of
+    the enclosing model itself wins over an inlined one of the same name)."""
+    return dataclasses.field(default_factory=cls, metadata={INLINE: True})
+
+
+def config_model(path: str = "", error: Type[FieldError] = FieldError) -> Callable[[Type[T]], Type[T]]:
+    """Make ``cls`` a frozen pydantic dataclass (no unknown field) whose construction in Python fails as its YAML
+    does: ``error`` naming ``path.field`` and the limit. ``path`` is the model's place in its config file."""
+
+    def wrap(cls: Type[T]) -> Type[T]:
+        model = pydantic_dataclass(frozen=True, config=MODEL_CONFIG)(cls)
+        validated_init = model.__init__
+
+        @functools.wraps(validated_init)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                validated_init(self, *args, **kwargs)
+            except ValidationError as exc:
+                raise field_error(exc, model, path, error) from None
+
+        model.__init__ = __init__
+        model.__config_path__ = path
+        return model
+
+    return wrap
+
+
+def _join(path: str, name: Any) -> str:
+    if isinstance(name, int):
+        return f"{path}[{name}]"
+    return f"{path}.{name}" if path else str(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,55 +210,20 @@ def _hints(cls: type) -> Dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _optional(cls: type, name: str) -> bool:
-    """Field ``name`` of ``cls`` may hold None (``Optional[X]``, or typed ``Any``)."""
-    tp = _hints(cls)[name]
-    return tp is Any or (typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp))
+def _fields(cls: type) -> Dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
 
 
-def _read(path: str, value: Any, tp: Any) -> Any:
-    """``value`` as type ``tp`` (ints widen to float; a string becomes a Path), or FieldError naming the type."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:  # Optional[X]
-        if value is None and type(None) in args:
-            return None
-        return _read(path, value, next(a for a in args if a is not type(None)))
-    if dataclasses.is_dataclass(tp):
-        return from_mapping(tp, value, path)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise FieldError(path, f"expected a mapping, got {_got(value)}")
-        return {_read(path, k, args[0]): _read(_join(path, k), v, args[1]) for k, v in value.items()}
-    if origin is tuple:
-        same = len(args) == 2 and args[1] is Ellipsis
-        if not isinstance(value, (list, tuple)) or not same and len(value) != len(args):
-            what = f"a list of {PLURALS.get(args[0], f'{args[0]} values')}" if same else f"a list of {len(args)}"
-            raise FieldError(path, f"expected {what}, got {_got(value)}")
-        return tuple(_read(f"{path}[{i}]", v, args[0] if same else args[i]) for i, v in enumerate(value))
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-9" (no dot) as a string
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is Path and isinstance(value, str):
-        return Path(value)
-    if tp is not Any and (isinstance(value, bool) != (tp is bool) or not isinstance(value, tp)):
-        raise FieldError(path, f"expected {getattr(tp, '__name__', tp)}, got {_got(value)}")
-    return value
-
-
-def read_field(cls: type, name: str, value: Any, path: str) -> Any:
-    """One field of dataclass ``cls`` from its YAML value: its reader or its type, then its limit."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    reader = f.metadata.get(READ)
-    out = reader(path, value) if reader else _read(path, value, _hints(cls)[name])
-    _check_value(path, value if out == value else out, f.metadata, FieldError, _optional(cls, name))  # as written
-    return out
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) is typing.Union:
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return inner[0] if len(inner) == 1 else tp
+    return tp
 
 
 def _keys(cls: type) -> Dict[str, tuple]:
-    """Every key ``cls`` reads -> (the inline field holding it, or None; the dataclass that declares it)."""
-    own = {f.name for f in dataclasses.fields(cls)}
+    """Every key ``cls`` reads -> (the inline field holding it, or None; the model that declares it)."""
+    own = set(_fields(cls))
     keys: Dict[str, tuple] = {}
     for f in dataclasses.fields(cls):
         if f.metadata.get(INLINE):
@@ -178,28 +234,133 @@ def _keys(cls: type) -> Dict[str, tuple]:
     return keys
 
 
+def _unknown(path: str, cls: type, key: Any) -> FieldError:
+    return FieldError(_join(path, key), f"unknown field (known: {', '.join(sorted(_keys(cls)))})")
+
+
+def _nested(data: Any, cls: type, path: str) -> Any:
+    """The YAML mapping ``data`` of model ``cls`` with its inlined keys moved under their field, as pydantic reads
+    it; an unknown key is refused here, with the known ones. A value that is not a mapping is left to the type."""
+    if not isinstance(data, dict):
+        return data
+    keys = _keys(cls)
+    unknown = sorted(str(k) for k in set(data) - set(keys))
+    if unknown:
+        raise _unknown(path, cls, unknown[0])
+    out: Dict[str, Any] = {}
+    for key, value in data.items():
+        holder, owner = keys[key]
+        tp = _unwrap_optional(_hints(owner)[key])
+        if dataclasses.is_dataclass(tp):
+            value = _nested(value, tp, _join(path, key))
+        if holder is None:
+            out[key] = value
+        else:
+            out.setdefault(holder, {})[key] = value
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
 def from_mapping(cls: Type[T], data: Any, path: str = "") -> T:
-    """Dataclass ``cls`` from a YAML mapping (None: every default); nested dataclasses read with dotted paths.
-    FieldError names the field: an unknown key (with the known ones), the wrong type, or a value off its limit."""
+    """Model ``cls`` from a YAML mapping (None: every default), validated strictly; FieldError names the field
+    (dotted from ``path``): an unknown key (with the known ones), the wrong type, or a value off its limit."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise FieldError(path or "config", f"expected a mapping, got {type(data).__name__}")
-    keys = _keys(cls)
-    unknown = sorted(str(k) for k in set(data) - set(keys))
-    if unknown:
-        raise FieldError(_join(path, unknown[0]), f"unknown field (known: {', '.join(sorted(keys))})")
-    own: Dict[str, Any] = {}
-    inlined: Dict[str, dict] = {f.name: {} for f in dataclasses.fields(cls) if f.metadata.get(INLINE)}
-    for name, value in data.items():
-        holder, owner = keys[name]
-        (own if holder is None else inlined[holder])[name] = read_field(owner, name, value, _join(path, name))
-    return cls(**own, **{name: _hints(cls)[name](**kw) for name, kw in inlined.items()})
+    text = json.dumps(_nested(data, cls, path), default=str)  # YAML's dates and such: as the strings they print
+    try:
+        return _adapter(cls).validate_json(text, strict=True)
+    except ValidationError as exc:
+        raise field_error(exc, cls, path) from None
+
+
+def read_field(cls: type, name: str, value: Any, path: str) -> Any:
+    """One field of model ``cls`` from its YAML value, validated as ``from_mapping`` would (the rest at defaults)."""
+    if name not in _fields(cls):
+        raise _unknown(path.rpartition(".")[0], cls, name)
+    try:
+        obj = _adapter(cls).validate_json(json.dumps({name: value}, default=str), strict=True)
+    except ValidationError as exc:
+        raise field_error(exc, cls, path.rpartition(".")[0] if "." in path else "") from None
+    return getattr(obj, name)
+
+
+_EXPECTED = {"int_type": "int", "int_parsing": "int", "int_from_float": "int", "float_type": "float",
+             "float_parsing": "float", "bool_type": "bool", "bool_parsing": "bool", "string_type": "str",
+             "path_type": "a path"}
+_LISTS = ("tuple_type", "list_type", "iterable_type")
+_MAPPINGS = ("dict_type", "dataclass_type", "dataclass_exact_type", "model_type", "dataclass_args_type")
+
+
+def _walk(cls: type, loc: tuple, prefix: str) -> "tuple[str, Any, Any]":
+    """The dotted YAML path of pydantic's ``loc`` in model ``cls`` (inline fields are not written), the type at it
+    and the model that holds its last part."""
+    path, tp, owner = prefix, cls, cls
+    for part in loc:
+        inner = _unwrap_optional(tp)
+        if isinstance(part, str) and dataclasses.is_dataclass(inner) and part in _fields(inner):
+            owner, tp = inner, _hints(inner)[part]
+            if not _fields(inner)[part].metadata.get(INLINE):
+                path = _join(path, part)
+            continue
+        origin, args = typing.get_origin(inner), typing.get_args(inner)
+        if isinstance(part, int) and origin is tuple:
+            tp = args[0] if len(args) == 2 and args[1] is Ellipsis else args[part] if part < len(args) else Any
+        elif origin is dict:
+            tp = args[1]
+        else:
+            tp = Any
+        path = _join(path, part)
+    return path, tp, owner
+
+
+def _expected_list(tp: Any) -> str:
+    args = typing.get_args(_unwrap_optional(tp))
+    if len(args) == 2 and args[1] is Ellipsis:
+        name = getattr(args[0], "__name__", args[0])
+        return f"a list of {PLURALS.get(args[0], f'{name} values')}"
+    return f"a list of {len(args)}" if args else "a list"
+
+
+def field_error(exc: ValidationError, cls: type, prefix: str = "", error: Type[FieldError] = FieldError) -> Exception:
+    """pydantic's first error as one line: ``error(path, problem)`` in the YAML's words; an error the model's own
+    ``__post_init__`` raised is that error itself."""
+    e = exc.errors()[0]
+    ctx = e.get("ctx") or {}
+    if e["type"] == "value_error" and isinstance(ctx.get("error"), Exception):
+        own = ctx["error"]  # raised by a __post_init__ with its own path
+        return error(own.path, own.problem) if type(own) is FieldError and error is not FieldError else own
+    loc = tuple(e["loc"])
+    if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        path, _, _ = _walk(cls, loc[:-1], prefix)
+        holder = _unwrap_optional(_walk(cls, loc[:-1], prefix)[1]) if loc[:-1] else cls
+        keys = sorted(_keys(holder)) if dataclasses.is_dataclass(holder) else []
+        return error(_join(path, loc[-1]), f"unknown field (known: {', '.join(keys)})")
+    path, tp, _ = _walk(cls, loc, prefix)
+    if e["type"] == "policy_bundle_field":
+        return error(path + ctx.get("sub", ""), ctx["problem"])
+    value = e.get("input")
+    if e["type"] in ("missing", "missing_argument", "missing_keyword_only_argument"):
+        return error(path, "expected a value")
+    if value is None:
+        return error(path, "expected a value, got None")
+    if e["type"] in _MAPPINGS:
+        return error(path, f"expected a mapping, got {type(value).__name__}")
+    if e["type"] in _LISTS:
+        return error(path, f"expected {_expected_list(tp)}, got {_got(value)}")
+    if e["type"] in _EXPECTED:
+        return error(path, f"expected {_EXPECTED[e['type']]}, got {_got(value)}")
+    return error(path, f"{value!r}: {e['msg'][0].lower()}{e['msg'][1:]}")
 
 
 def to_mapping(obj: Any) -> dict:
-    """The YAML shape of dataclass ``obj`` (inline fields flattened into it): ``from_mapping`` reads it back."""
-    own = {f.name for f in dataclasses.fields(obj)}
+    """The YAML shape of model ``obj`` (inline fields flattened into it): ``from_mapping`` reads it back."""
+    own = set(_fields(type(obj)))
     out: dict = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -220,7 +381,7 @@ def _is_text(tp: Any) -> bool:
 
 def env_mapping(cls: type, prefix: str, env: Dict[str, str], readers: Optional[Dict[str, Reader]] = None
                 ) -> "tuple[dict, Dict[str, str]]":
-    """What ``env`` sets of dataclass ``cls``'s YAML, and the variable behind each dotted key: ``<prefix><KEY>``, a
+    """What ``env`` sets of model ``cls``'s YAML, and the variable behind each dotted key: ``<prefix><KEY>``, a
     section's ``<prefix><SECTION>__<KEY>`` (an inline field's keys under their section, as the YAML writes them).
     A value is read as YAML, a string or path field's taken as written, a key in ``readers`` by
     ``reader(variable, raw)``; a variable set empty is unset (but for a reader's key). FieldError names the

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from policy_bundle.quantize.config_schema import FieldError, check, ranged
+from policy_bundle.quantize.config_schema import FieldError, config_model, ranged
 from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, threads
 from policy_bundle.quantize.model import full_logits
 from policy_bundle.quantize.percentile import percentile
@@ -176,21 +176,22 @@ class ThresholdError(FieldError):
     """A gate threshold outside its range (NaN, a bool or a non-number too): the field, the value and the range."""
 
 
-@dataclass(frozen=True)
+@config_model("", ThresholdError)
 class GateThresholds:
     """Limits a candidate must meet. KL rejects; task reward ranks (and rejects large drops).
 
     Each range is the one definition the build's config and the router's settings both check: an agreement of 5
     or a KL limit of 1e9 would make every gate fail or pass whatever the candidate."""
 
-    max_reward_drop: float = ranged(0.02, 0.0, 1.0)
-    min_top1_agreement: float = ranged(0.95, 0.0, 1.0)
-    max_kl_mean: float = ranged(0.05, 0.0, 100.0)
-    max_kl_p99: float = ranged(0.5, 0.0, 100.0)
-    min_greedy_agreement: float = ranged(0.90, 0.0, 1.0)
-
-    def __post_init__(self) -> None:
-        check(self, "", ThresholdError)
+    max_reward_drop: float = ranged(0.02, 0.0, 1.0, help=(
+        "the most the task reward may drop against float (a task policy's; a general LM has no reward)"))
+    min_top1_agreement: float = ranged(0.95, 0.0, 1.0, help=(
+        "the least share of held-out positions whose top-1 next token equals float's"))
+    max_kl_mean: float = ranged(0.05, 0.0, 100.0, help=(
+        "the largest mean KL divergence (nats) of the next-token distribution from float's"))
+    max_kl_p99: float = ranged(0.5, 0.0, 100.0, help="the largest 99th-percentile KL divergence (nats) from float's")
+    min_greedy_agreement: float = ranged(0.90, 0.0, 1.0, help=(
+        "the least share of held-out prompts whose greedy answer equals float's, token for token"))
 
 
 @dataclass

@@ -13,15 +13,16 @@ says which fields its handler reads. ``typed`` is the one place where a scheme n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any, ClassVar, Dict, Tuple, Type, TypeVar
 
+from policy_bundle.quantize.config_schema import config_model
 from policy_bundle.quantize.recipes import SCHEMES, RecipeConfig, RecipeError
 
 W8A8_SCHEMES = ("w8a8", "smooth-w8a8")
 
 
-@dataclass(frozen=True)
+@config_model("recipe", RecipeError)
 class _FamilyRecipe(RecipeConfig):
     """A family's config type: ``RecipeConfig``'s checks, and a scheme of the family's own."""
 
@@ -35,13 +36,13 @@ class _FamilyRecipe(RecipeConfig):
                               f"({list(self.schemes)})")
 
 
-@dataclass(frozen=True)
+@config_model("recipe", RecipeError)
 class TorchAoRecipe(_FamilyRecipe):
     schemes: ClassVar[Tuple[str, ...]] = tuple(s for s in SCHEMES if s not in W8A8_SCHEMES)
     onnx_carries_activations: ClassVar[bool] = True  # onnxruntime's static QDQ keeps per-tensor scales too
 
 
-@dataclass(frozen=True)
+@config_model("recipe", RecipeError)
 class W8A8Recipe(_FamilyRecipe):
     schemes: ClassVar[Tuple[str, ...]] = W8A8_SCHEMES
     onnx_carries_activations: ClassVar[bool] = False  # per-token scales: onnxruntime's static INT8 has none

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -32,7 +31,7 @@ from torch.ao.quantization import (
 )
 
 from policy_bundle.quantize.blocks import widen_narrow
-from policy_bundle.quantize.config_schema import FieldError, check, choice, ranged
+from policy_bundle.quantize.config_schema import FieldError, choice, config_model, ranged, setting
 from policy_bundle.quantize.model import KV_CACHES, full_logits
 
 SCHEMES = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic", "w8a8", "smooth-w8a8")
@@ -46,34 +45,47 @@ class RecipeError(FieldError):
     """A recipe field holds a value outside what the recipe supports."""
 
 
-@dataclass(frozen=True)
+@config_model("recipe", RecipeError)
 class RecipeConfig:
-    scheme: str = choice("static", SCHEMES)
-    backend: str = choice("x86", BACKENDS)
-    # 7-bit activations avoid int16 overflow in x86/fbgemm kernels; qnnpack does not need it.
-    reduce_range: bool = True
-    skip: Tuple[str, ...] = ("embed_tokens", "lm_head")
-    fp32_layers: Tuple[str, ...] = field(default_factory=tuple)  # accuracy fallback keeps these in float
-    smooth_alpha: float = ranged(0.65, 0.0, 1.0)  # SmoothQuant migration strength (smooth-* schemes)
-    overrides: Tuple[Tuple[str, str], ...] = ()  # (layer pattern, mode): e.g. ("down_proj", "weight-only")
-    # w8a8 / smooth-w8a8 (quantize.w8a8_plan): per-token int8 activations, int8 weights
-    outlier_ratio: float = ranged(8.0, 0.0, 10_000.0)  # rows whose max |x| exceeds this x the median run in float
-    smooth_alphas: Tuple[float, ...] = ranged((0.3, 0.4, 0.5, 0.6, 0.7, 0.8), 0.0, 1.0)  # searched per group
-    rounding: str = choice("gptq", ROUNDINGS)  # gptq: error-feedback rounding on the calibration Hessians
-    gptq_damp: float = ranged(0.01, 0.0, 1.0, low_open=True)  # GPTQ dampening, a fraction of the mean diagonal
-    lm_head_topk: int = ranged(64, 0, 4096)  # an int8 lm_head rescores each row's top-k logits in float; 0: off
-    rotation_block: int = ranged(512, 0, 4096)  # w8a8: Hadamard blocks up to this size (a power of two); 0: off
-    # w8a8 with a rescored int8 head: the vocabulary rows kept beside it for its top-k rescoring, which a tied embedding
-    # is too (whatever ``skip`` says of it), as int12: the head's own int8 rows and a 4-bit residual per element (no
-    # float copy: SmolLM2-135M's policy.ts 256 -> 160 MB; an untied embedding in int12 unless skipped); float32; or
-    # int16, a scale per row (``quantize.w8a8_head``)
-    vocab_rows: str = choice("int12", VOCAB_ROWS)
-    # the served KV cache: bfloat16 (half float32's bytes a token; its keys and values rounded as written) or float32.
-    # The gate measures the candidate with it, so a cache that costs accuracy fails the gate like a layer would
-    kv_cache: str = choice("bfloat16", KV_CACHES)
+    """Which linears become INT8 and how: one recipe of the quantize library."""
+
+    scheme: str = choice("static", SCHEMES, help=(
+        "static: per-tensor int8 activations from calibration (torch.ao); dynamic: activations quantized per batch "
+        "at run time; weight-only: int8 weights, float activations; w8a8: per-token int8 activations and int8 "
+        "weights (the recipes that pass on pretrained LMs); smooth-*: the same after SmoothQuant smoothing"))
+    backend: str = choice("x86", BACKENDS, help="torch.ao's quantized engine for the torch.ao schemes")
+    reduce_range: bool = setting(True, help=(
+        "7-bit activations, which avoid int16 overflow in the x86/fbgemm kernels (qnnpack does not need it)"))
+    skip: Tuple[str, ...] = setting(("embed_tokens", "lm_head"), help=(
+        "module name patterns kept in float (w8a8 without embed_tokens here: an int8 embedding, the tied head's "
+        "rows)"))
+    fp32_layers: Tuple[str, ...] = setting(default_factory=tuple, help=(
+        "linears kept in float by the accuracy fallback (the build fills it; a config may name some itself)"))
+    smooth_alpha: float = ranged(0.65, 0.0, 1.0, help="SmoothQuant migration strength of the smooth-* torch.ao schemes")
+    overrides: Tuple[Tuple[str, str], ...] = setting((), help=(
+        "(layer pattern, mode) pairs, e.g. (down_proj, weight-only); a mode is static, dynamic, weight-only, w8a8 "
+        "or fp32"))
+    outlier_ratio: float = ranged(8.0, 0.0, 10_000.0, help=(
+        "w8a8: a linear's input rows (tokens) whose max |x| exceeds this many times the median row's are outlier "
+        "rows, run in float; 0: none"))
+    smooth_alphas: Tuple[float, ...] = ranged((0.3, 0.4, 0.5, 0.6, 0.7, 0.8), 0.0, 1.0, help=(
+        "smooth-w8a8: the migration strengths searched for each group of linears that share an input"))
+    rounding: str = choice("gptq", ROUNDINGS, help=(
+        "w8a8 weight rounding: gptq (error-feedback rounding on the calibration Hessians) or nearest"))
+    gptq_damp: float = ranged(0.01, 0.0, 1.0, low_open=True, help=(
+        "GPTQ dampening added to the Hessian's diagonal, a fraction of its mean"))
+    lm_head_topk: int = ranged(64, 0, 4096, help=(
+        "an int8 lm_head rescores each row's top-k logits in float; 0: no rescoring"))
+    rotation_block: int = ranged(512, 0, 4096, help=(
+        "w8a8: Hadamard rotation blocks up to this size (0 or a power of two); 0: no rotation"))
+    vocab_rows: str = choice("int12", VOCAB_ROWS, help=(
+        "w8a8 with an int8 head: the vocabulary rows kept beside it for its top-k rescoring (and the tied "
+        "embedding's): int12 (the head's int8 rows and a 4-bit residual each), int16 (a scale per row) or float32"))
+    kv_cache: str = choice("bfloat16", KV_CACHES, help=(
+        "the served INT8 policy's KV cache: bfloat16 (half float32's bytes a token) or float32; the gate measures "
+        "the candidate with it"))
 
     def __post_init__(self) -> None:
-        check(self, "recipe", RecipeError)
         for pattern, mode in self.overrides:
             if mode not in MODES:
                 raise RecipeError(f"recipe.overrides.{pattern}", f"{mode!r} is not one of {list(MODES)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Tuple
 
-from policy_bundle.quantize.config_schema import FieldError, check, ranged, read_as
+from policy_bundle.quantize.config_schema import FieldError, config_model, ranged, read_as, setting
 from policy_bundle.quantize.fidelity import GateThresholds
 
 VARIANT_NAMES = ("int8", "fp16")
@@ -33,13 +33,15 @@ class MatchRule:
 
 
 def _listed(path: str, value: Any) -> list:
-    if not isinstance(value, list):
+    if not isinstance(value, (list, tuple)):
         raise FieldError(path, "must be a list")
-    return value
+    return list(value)
 
 
 def _step(where: str, value: Any) -> RolloutStep:
     """A weight, or ``{weight: W, pause_s: S}``, or ``{weight: W, pause: indefinite}`` (waits for promote)."""
+    if isinstance(value, RolloutStep):
+        return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return RolloutStep(float(value))
     if not isinstance(value, dict) or set(value) - {"weight", "pause_s", "pause"} or "weight" not in value:
@@ -55,6 +57,8 @@ def _step(where: str, value: Any) -> RolloutStep:
 
 def _rule(where: str, value: Any) -> MatchRule:
     """``{header: NAME, value: V, variant: int8|fp16}`` or the same with ``cookie: NAME``."""
+    if isinstance(value, MatchRule):
+        return value
     if not isinstance(value, dict) or set(value) - {"header", "cookie", "value", "variant"}:
         raise FieldError(where, f"{value!r} is not {{header | cookie, value, variant}}")
     if not all(isinstance(value.get(k, ""), str) for k in ("header", "cookie", "value", "variant")) \
@@ -76,28 +80,42 @@ def read_match_rules(path: str, value: Any) -> Tuple[MatchRule, ...]:
 DEFAULT_STEPS = tuple(RolloutStep(w) for w in (1.0, 5.0, 25.0, 50.0, 100.0))
 
 
-@dataclass(frozen=True)
+@config_model("rollout")
 class RolloutConfig:
-    steps: Tuple[RolloutStep, ...] = read_as(read_steps, DEFAULT_STEPS)
-    analysis_interval_s: float = ranged(30.0, 0.0)
-    sync_interval_s: float = ranged(1.0, 0.0)  # how often a replica re-reads the shared state
-    min_samples: int = ranged(20, 1)  # INT8-served requests (or golden items) an analysis needs
-    failure_limit: int = ranged(2, 1)  # failed analyses in a row before rolling back to 0 %
-    inconclusive_limit: int = ranged(5, 1)  # inconclusive analyses in a row before the rollout pauses for an operator
-    consecutive_error_limit: int = ranged(4, 1)  # metric-source errors in a row (golden canary runs) before an abort
-    max_error_rate: float = ranged(0.05, 0.0, 1.0)  # fails when even the rate's lower bound (at ``confidence``) is above
-    max_p99_latency_ratio: float = ranged(3.0, 0.0)  # INT8 p99 / FP16 p99
-    min_latency_samples: int = ranged(100, 1)  # per variant before the p99 ratio is judged (p99 of fewer: their max)
-    thresholds: Optional[GateThresholds] = None  # None: the bundle's own gate thresholds
-    confidence: float = ranged(0.95, 0.5, 0.9999)  # two-sided confidence of the bound on the shadow flip rate
-    shadow_fraction: float = ranged(0.2, 0.0, 1.0)
-    golden_interval_s: float = ranged(60.0, 0.0)
-    golden_items: int = ranged(16, 0)
-    auto_start: bool = True
-    match: Tuple[MatchRule, ...] = read_as(read_match_rules, ())
+    """The live canary: INT8's traffic share rises step by step while analyses of its traffic pass."""
+
+    steps: Tuple[RolloutStep, ...] = read_as(read_steps, DEFAULT_STEPS, help=(
+        "INT8's share of traffic (%) at each step, rising strictly within (0, 100]: a number, or {weight, pause_s: "
+        "seconds} to stay at least that long, or {weight, pause: indefinite} to wait for an operator's promote"))
+    analysis_interval_s: float = ranged(30.0, 0.0, help="seconds between analyses of the current step")
+    sync_interval_s: float = ranged(1.0, 0.0, help="how often a replica re-reads the shared rollout state (s)")
+    min_samples: int = ranged(20, 1, help="INT8-served requests (or golden items) an analysis needs")
+    failure_limit: int = ranged(2, 1, help="failed analyses in a row before rolling back to 0 %")
+    inconclusive_limit: int = ranged(5, 1, help=(
+        "inconclusive analyses in a row before the rollout pauses for an operator"))
+    consecutive_error_limit: int = ranged(4, 1, help=(
+        "metric-source errors in a row (golden canary runs) before an abort"))
+    max_error_rate: float = ranged(0.05, 0.0, 1.0, help=(
+        "INT8's error rate above which an analysis fails (judged on the rate's lower bound at confidence)"))
+    max_p99_latency_ratio: float = ranged(3.0, 0.0, help="the largest INT8 p99 latency over FP16's p99")
+    min_latency_samples: int = ranged(100, 1, help=(
+        "requests per variant before the p99 ratio is judged (the p99 of fewer: their max)"))
+    thresholds: Optional[GateThresholds] = setting(None, help=(
+        "the golden canary's fidelity limits; unset: the bundle's own gate thresholds"))
+    confidence: float = ranged(0.95, 0.5, 0.9999, help=(
+        "two-sided confidence of the bounds on the shadow flip rate and the error rate"))
+    shadow_fraction: float = ranged(0.2, 0.0, 1.0, help=(
+        "share of greedy client requests also sent to the other variant in the background, to compare their tokens"))
+    golden_interval_s: float = ranged(60.0, 0.0, help="seconds between golden canary runs (the bundle's held-out items)")
+    golden_items: int = ranged(16, 0, help=(
+        "golden items (the bundle's held-out prompts and float completions) each golden canary run sends to both "
+        "variants"))
+    auto_start: bool = setting(True, help="start the rollout when the router starts (false: wait for an operator)")
+    match: Tuple[MatchRule, ...] = read_as(read_match_rules, (), help=(
+        "cohort rules, each {header: NAME | cookie: NAME, value: V, variant: int8 | fp16}: matching requests always "
+        "go to that variant"))
 
     def __post_init__(self) -> None:
-        check(self, "rollout")
         steps = tuple(s if isinstance(s, RolloutStep) else RolloutStep(float(s)) for s in self.steps)
         object.__setattr__(self, "steps", steps)
         if not steps:

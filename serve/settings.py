@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 
 from policy_bundle.quantize.decode import DECODE_THREADS
-from policy_bundle.quantize.config_schema import (FieldError, check, choice, env_mapping, from_mapping, merged, ranged,
-                                                 read_as, read_yaml, variable_of)
+from policy_bundle.quantize.config_schema import (FieldError, choice, config_model, env_mapping, from_mapping, merged,
+                                                 ranged, read_as, read_yaml, setting, variable_of)
 from policy_bundle.quantize.extras import MissingExtra, require
 from policy_bundle.serve.rollout_types import RolloutConfig
 
@@ -51,53 +50,63 @@ def _paths(path: str, value: Any) -> Tuple[str, ...]:
     return tuple(p.strip() for p in paths)
 
 
-@dataclass(frozen=True)
+@config_model("")
 class RouterSettings:
-    state_dir: Path = Path(os.path.expanduser("~/.cache/policy-bundle/router"))
-    # POLICY_BUNDLE_STATE_URL: the rollout database shared by replicas (SQLAlchemy URL, e.g.
-    # postgresql+psycopg://user@host/db); unset = sqlite:///<state_dir>/rollout.sqlite (one process)
-    state_url: Optional[str] = None
-    admin_token: Optional[str] = None  # POLICY_BUNDLE_ADMIN_TOKEN; unset = admin API disabled
-    # POLICY_BUNDLE_API_KEYS (comma-separated); unset = open, with a warning at each start; set to none = refused
-    api_keys: Tuple[str, ...] = read_as(_api_keys, ())
-    # POLICY_BUNDLE_TRUSTED_KEYS (comma-separated): Ed25519 public keys (``policy-bundle keygen``); set, the router
-    # and its variants serve only store entries whose manifest one of them signed (unset: integrity only)
-    trusted_keys: Tuple[str, ...] = read_as(_paths, ())
-    model_name: str = "policy"
-    sticky_salt: str = "policy-bundle"
-    max_inflight: int = ranged(32, 0)  # calls in flight (client, shadow, golden); beyond this: 429 with Retry-After
-    background_slots: int = ranged(2, 0)  # of those, the most shadow + golden-canary calls at once
-    max_batch: int = ranged(32, 1)  # sequences the INT8 (TorchScript) engine decodes at once, over all its lanes
-    prefill_chunk: int = ranged(64, 1)  # prompt tokens prefilled per decode step while others decode (long prompts)
-    # intra-op threads of a torch engine's decode thread (engines.py says why); the default is what the build's gate
-    # decoded with (quantize.decode.DECODE_THREADS): another count rounds otherwise and rows depend on their batch
-    engine_threads: int = ranged(DECODE_THREADS, 1, 256)
-    # decode threads (lanes) of a torch engine (INT8 TorchScript, the FP fallback), each its own batch and KV cache
-    # on the one loaded module, sharing max_batch (serve/lanes.py); 0 = one per engine_threads usable cores, at most
-    # one per 8 of max_batch
-    engine_lanes: int = ranged(0, 0, 256)
-    # KV-cache bytes a torch engine (INT8 TorchScript, the FP fallback) may hold over all its lanes; a request is
-    # admitted when its worst case (prompt + max_tokens) fits beside the others', else it waits up to kv_wait_s, then
-    # 429 + Retry-After; one that could never fit is a 400 naming max_tokens. 0: a tenth of the memory limit (256 MiB
-    # to 8 GiB). vLLM's own is VLLM_CPU_KVCACHE_SPACE.
-    kv_cache_bytes: int = ranged(0, 0)
-    kv_wait_s: float = ranged(20.0, 0.0)
-    request_timeout_s: float = ranged(60.0, 0.0)
-    health_interval_s: float = ranged(1.0, 0.0)  # variant health probes; a variant that fails one gets no new traffic
-    health_timeout_s: float = ranged(3.0, 0.0)
-    max_body_bytes: int = ranged(65536, 0)
-    # a control token's text typed into a chat message (<|im_end|>) is that control token, not text: only for
-    # clients that build turns themselves and are trusted to
-    chat_control_tokens: bool = False
-    require_vllm: bool = False  # the FP16 variant refuses to start on the fallback engine
-    # POLICY_BUNDLE_INT8_ENGINE; "vllm" serves the bundle's int8-vllm/ W8A8 dir
-    int8_engine: str = choice("torchscript", INT8_ENGINES)
-    # the service's own log lines: one JSON object each, with the request id (serve/logs.py), or text
-    log_format: str = choice("json", ("json", "text"))
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The router's settings: the keys of POLICY_BUNDLE_ROUTER_CONFIG, each also POLICY_BUNDLE_<FIELD>."""
+
+    state_dir: Path = setting(Path(os.path.expanduser("~/.cache/policy-bundle/router")), help=(
+        "where one router keeps its rollout state when state_url is unset"))
+    state_url: Optional[str] = setting(None, help=(
+        "the rollout database shared by replicas, a SQLAlchemy URL (postgresql+psycopg://user@host/db: the postgres "
+        "extra); unset: sqlite:///<state_dir>/rollout.sqlite, one process"))
+    admin_token: Optional[str] = setting(None, help="bearer token of the admin API (/admin/*); unset: the admin API is off")
+    api_keys: Tuple[str, ...] = read_as(_api_keys, (), help=(
+        "bearer keys a client must send (one, or a list; POLICY_BUNDLE_API_KEYS is comma-separated); unset: open, "
+        "with a warning at each start; written but empty: refused"))
+    trusted_keys: Tuple[str, ...] = read_as(_paths, (), help=(
+        "Ed25519 public key files (policy-bundle keygen); set, the router and its variants serve only store entries "
+        "whose manifest one of them signed; unset: integrity only"))
+    model_name: str = setting("policy", help="the model name the OpenAI endpoints answer to and report")
+    sticky_salt: str = setting("policy-bundle", help=(
+        "salt of the hash that keeps a user (the body's user, or the x-policy-user header) on one variant while the weight "
+        "holds"))
+    max_inflight: int = ranged(32, 0, help=(
+        "calls in flight (client, shadow, golden); beyond this: 429 with Retry-After"))
+    background_slots: int = ranged(2, 0, help="of max_inflight, the most shadow and golden-canary calls at once")
+    max_batch: int = ranged(32, 1, help=(
+        "sequences the INT8 (TorchScript) engine decodes at once, over all its lanes"))
+    prefill_chunk: int = ranged(64, 1, help=(
+        "prompt tokens prefilled per decode step while other sequences decode (long prompts)"))
+    engine_threads: int = ranged(DECODE_THREADS, 1, 256, help=(
+        "intra-op threads of a torch engine's decode thread; the default is what the build's gate decoded with "
+        "(another count rounds otherwise, and a row's tokens would depend on its batch)"))
+    engine_lanes: int = ranged(0, 0, 256, help=(
+        "decode threads (lanes) of a torch engine, each its own batch and KV cache on the one loaded module, "
+        "sharing max_batch; 0: one per engine_threads usable cores, at most one per 8 of max_batch"))
+    kv_cache_bytes: int = ranged(0, 0, help=(
+        "KV-cache bytes a torch engine (INT8 TorchScript, the FP fallback) may hold over all its lanes; a request is "
+        "admitted when its worst case (prompt + max_tokens) fits beside the others', else it waits up to kv_wait_s, "
+        "then 429 + Retry-After; one that could never fit is a 400 naming max_tokens. 0: a tenth of the memory "
+        "limit (256 MiB to 8 GiB). vLLM's own is VLLM_CPU_KVCACHE_SPACE"))
+    kv_wait_s: float = ranged(20.0, 0.0, help="seconds a request waits for KV-cache room before a 429")
+    request_timeout_s: float = ranged(60.0, 0.0, help=(
+        "seconds a variant may take to a request's first token and to each next one before the router gives up "
+        "on it (a plain call: to the whole answer)"))
+    health_interval_s: float = ranged(1.0, 0.0, help=(
+        "seconds between variant health probes; a variant that fails one gets no new traffic"))
+    health_timeout_s: float = ranged(3.0, 0.0, help="seconds a health probe may take")
+    max_body_bytes: int = ranged(65536, 0, help="the largest request body; larger: 413")
+    chat_control_tokens: bool = setting(False, help=(
+        "a control token's text typed into a chat message (<|im_end|>) is that control token, not text: only for "
+        "clients that build turns themselves and are trusted to"))
+    require_vllm: bool = setting(False, help="the FP16 variant refuses to start on the fallback engine (no vLLM)")
+    int8_engine: str = choice("torchscript", INT8_ENGINES, help=(
+        "the INT8 variant's engine: torchscript (the bundle's policy.ts) or vllm (its int8-vllm/ W8A8 directory)"))
+    log_format: str = choice("json", ("json", "text"), help=(
+        "the service's own log lines: one JSON object each, with the request id, or text"))
+    rollout: RolloutConfig = setting(default_factory=RolloutConfig, help="the staged canary rollout of INT8")
 
     def __post_init__(self) -> None:
-        check(self)
         if self.state_url:  # its database driver, now: a replica's first request would fail
             _check_driver(self.state_url)
         for p in self.trusted_keys:  # read now: a key that cannot be read stops start-up, not the first request

@@ -97,3 +97,65 @@ def test_the_router_defaults_read_back_to_the_router_defaults():
     assert res.returncode == 0, res.stderr
     assert from_mapping(RouterSettings, yaml.safe_load(res.stdout)) == RouterSettings()
     assert "\n# api_keys: unset by default" in res.stdout  # a default that cannot be written as a value
+
+
+def undocumented(schema, path=""):
+    """The dotted keys of ``schema`` (sections walked into, an Optional section's object too) with no help."""
+    missing = []
+    for key, sub in schema["properties"].items():
+        if not (sub.get("description") or "").strip():
+            missing.append(f"{path}{key}")
+        section = next((s for s in sub.get("anyOf", [sub]) if s.get("type") == "object" and "properties" in s), None)
+        if section is not None:
+            missing += undocumented(section, f"{path}{key}.")
+    return missing
+
+
+def test_every_setting_has_help_in_the_schema_and_in_the_defaults_file(build_schema):
+    """Each key of the build config and the router settings says what it does: a ``description`` in the JSON Schema
+    and comment lines above it in the defaults file. A model with a field declared without help is caught (the
+    control)."""
+    from policy_bundle.quantize.config_json_schema import json_schema
+    from policy_bundle.quantize.config_schema import config_model, ranged, setting
+
+    router = json.loads(run_cli("config", "schema", "router").stdout)
+    assert undocumented(build_schema) == [] and undocumented(router) == []
+    assert len(build_schema["properties"]["recipe"]["properties"]) > 15  # the inline recipe's keys are walked too
+
+    @config_model("probe")
+    class Probe:
+        told: int = ranged(1, 0, help="documented")
+        nested: BuildConfig = setting(default_factory=BuildConfig, help="a section")
+        bare: int = 3
+
+    assert undocumented(json_schema(Probe)) == ["bare"]
+
+    committed = (ROOT / "build" / "configs" / "defaults.yaml").read_text()
+    assert ("  # calibration actors per host on the Monarch mesh; 0: in this process, no mesh\n  procs: 2  # integer in "
+            "[0, 256]\n") in committed
+
+
+def test_the_config_models_are_pydantic_models_that_check_themselves_in_python_too():
+    """One validation system: the build config's sections, the library's recipe and gate thresholds and the router
+    settings are pydantic dataclasses; built in code they refuse what their YAML refuses, in the same words."""
+    from pydantic.dataclasses import is_pydantic_dataclass
+
+    from policy_bundle.build.config import build_config as bc
+    from policy_bundle.quantize.config_schema import FieldError
+    from policy_bundle.quantize.fidelity import GateThresholds
+    from policy_bundle.quantize.recipes import RecipeConfig
+    from policy_bundle.serve.rollout_types import RolloutConfig
+    from policy_bundle.serve.settings import RouterSettings
+
+    models = [BuildConfig, bc.PolicySection, bc.PromptsSection, bc.RolloutsSection, bc.CalibrationSection,
+              bc.RecipeSection, bc.CanarySection, bc.ExportSection, bc.RegisterSection, bc.TorchtitanSection,
+              RecipeConfig, GateThresholds, RouterSettings, RolloutConfig]
+    assert all(is_pydantic_dataclass(m) for m in models)
+    with pytest.raises(FieldError, match=r"^calibration.procs: 300 is out of range \[0, 256\]$"):
+        bc.CalibrationSection(procs=300)
+    with pytest.raises(ConfigError, match=r"^calibration.procs: 300 is out of range \[0, 256\]$"):
+        config_from_dict({"calibration": {"procs": 300}})
+    with pytest.raises(ConfigError, match=r"^calibration.procs: expected int, got str '3'$"):
+        config_from_dict({"calibration": {"procs": "3"}})  # a YAML string is not a number, however it reads
+    with pytest.raises(FieldError, match=r"^rollout.golden_itemz: unknown field \(known: analysis_interval_s, "):
+        RolloutConfig(golden_items=3, golden_itemz=4)

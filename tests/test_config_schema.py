@@ -2,38 +2,35 @@
 and the build and the router name the field and its limit."""
 
 import pickle
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import pytest
 
 from policy_bundle.build.config.build_config import ConfigError, load_config
-from policy_bundle.quantize.config_schema import FieldError, check, choice, from_mapping, inline, ranged, to_mapping
+from policy_bundle.quantize.config_schema import (FieldError, choice, config_model, from_mapping, inline, ranged, setting,
+                                                  to_mapping)
 from policy_bundle.quantize.fidelity import GateThresholds, ThresholdError
 from policy_bundle.quantize.recipes import RecipeConfig, RecipeError
 from policy_bundle.serve.settings import SettingsError, load_settings
 
 
-@dataclass(frozen=True)
+@config_model("outer.inner")
 class Inner:
-    alpha: float = ranged(0.5, 0.0, 1.0)
-    mode: str = choice("fast", ("fast", "exact"))
-    sizes: Tuple[int, ...] = ranged((1, 2), 1, None)
-
-    def __post_init__(self) -> None:
-        check(self, "outer.inner")
+    alpha: float = ranged(0.5, 0.0, 1.0, help="a")
+    mode: str = choice("fast", ("fast", "exact"), help="m")
+    sizes: Tuple[int, ...] = ranged((1, 2), 1, None, help="s")
 
 
-@dataclass(frozen=True)
+@config_model("outer")
 class Outer:
-    name: str = "x"
-    inner: Inner = Inner()
-    spare: Optional[Inner] = None
+    name: str = setting("x", help="n")
+    inner: Inner = setting(default_factory=Inner, help="i")
+    spare: Optional[Inner] = setting(None, help="o")
 
 
-@dataclass(frozen=True)
+@config_model("flat")
 class Flat:
-    enabled: bool = True
+    enabled: bool = setting(True, help="e")
     inner: Inner = inline(Inner)
 
 
@@ -73,7 +70,8 @@ def test_an_unknown_field_is_named_with_the_known_ones():
 
 @pytest.mark.parametrize("data, message", [
     ({"name": 3}, r"^name: expected str, got int 3$"),
-    ({"inner": {"alpha": True}}, r"^inner.alpha: expected float, got bool True$"),
+    ({"inner": {"alpha": True}}, r"^inner.alpha: expected a number, got bool True$"),
+    ({"inner": {"alpha": "0.5"}}, r"^inner.alpha: expected float, got str '0.5'$"),  # strict: YAML's type is the type
     ({"inner": {"sizes": 3}}, r"^inner.sizes: expected a list of integers, got int 3$"),
     ({"inner": [1]}, r"^inner: expected a mapping, got list$"),
     ({"spare": {"mode": 1}}, r"^spare.mode: expected str, got int 1$"),

@@ -1,9 +1,9 @@
-"""Build configuration: frozen dataclasses read from YAML by ``quantize/config_schema.py``, each field's limit
-declared on the field (the library's ``RecipeConfig`` and ``GateThresholds`` are held whole, their keys inlined)."""
+"""Build configuration: pydantic models (``quantize/config_schema.py``: frozen pydantic dataclasses), each field's
+limit and help declared on the field (the library's ``RecipeConfig`` and ``GateThresholds`` are held whole, their
+keys inlined)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -11,8 +11,9 @@ import yaml
 
 from policy_bundle.build.config.candidates import parse_candidate
 from policy_bundle.build.errors import ConfigError
-from policy_bundle.quantize.config_schema import (FieldError, check, choice, env_mapping, from_mapping, inline,
-                                                  merged, ranged, read_field, read_yaml, to_mapping, variable_of)
+from policy_bundle.quantize.config_schema import (FieldError, choice, config_model, env_mapping, from_mapping, inline,
+                                                  merged, ranged, read_field, read_yaml, setting, to_mapping,
+                                                  variable_of)
 from policy_bundle.quantize.extras import installed, require
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.recipe_types import recipe_of
@@ -32,72 +33,77 @@ def _auto_or_bool(path: str, value: Any) -> Any:
     return str(value).lower() if isinstance(value, bool) else value
 
 
-@dataclass(frozen=True)
+@config_model("policy.torchtitan")
 class TorchtitanSection:
     """``policy.torchtitan``: ``policy.source`` is a torchtitan DCP step directory written by this model/flavor."""
 
-    model: str = choice("llama3", ("llama3", "qwen3"))
-    flavor: str = "debugmodel"  # a key of torchtitan.models.<model>.<model>_configs, or policy-bundle-reference
-    tokenizer: Optional[str] = None  # "reference" (the task's tokenizer) or a directory with tokenizer files
+    model: str = choice("llama3", ("llama3", "qwen3"), help="the torchtitan model (dense flavors, unscaled RoPE)")
+    flavor: str = setting("debugmodel", help=(
+        "a key of torchtitan.models.<model>.<model>_configs, or policy-bundle-reference"))
+    tokenizer: Optional[str] = setting(None, help=(
+        "reference (the task's tokenizer) or a directory with tokenizer files"))
 
-    def __post_init__(self) -> None:
-        check(self, "policy.torchtitan")
 
-
-@dataclass(frozen=True)
+@config_model("policy")
 class PolicySection:
-    source: str = "reference"  # "reference", a path to an HF directory, or a torchtitan step-N directory
-    # the context the bundle serves (prompt + answer); None: the model's own (max_position_embeddings), at most
-    # max_seq_len_cap. The served KV cache grows with what requests use (serve's kv_cache_bytes bounds it)
-    max_seq_len: Optional[int] = ranged(None, 8, 262144)
-    max_seq_len_cap: int = ranged(8192, 8, 262144)
-    torchtitan: Optional[TorchtitanSection] = None  # set when source is a torchtitan DCP checkpoint
+    """The policy to build from, and the context its bundle serves."""
 
-    def __post_init__(self) -> None:
-        check(self, "policy")
+    source: str = setting("reference", help=(
+        "reference (the embedded policy), a path to a Llama/Qwen2/Qwen3 HF directory (safetensors: float32, "
+        "bfloat16 or float16), or a torchtitan step-N directory"))
+    max_seq_len: Optional[int] = ranged(None, 8, 262144, help=(
+        "the context the bundle serves (prompt + answer); unset: the model's own (max_position_embeddings), at most "
+        "max_seq_len_cap. The served KV cache grows with what requests use (serve's kv_cache_bytes bounds it)"))
+    max_seq_len_cap: int = ranged(8192, 8, 262144, help="the most context an unset max_seq_len takes from the model")
+    torchtitan: Optional[TorchtitanSection] = setting(None, help="set when source is a torchtitan DCP checkpoint")
 
 
-@dataclass(frozen=True)
+@config_model("prompts")
 class PromptsSection:
-    file: Optional[str] = None  # JSONL ({"prompt": ...}) or one prompt per line; None: task prompts
-    max_new_tokens: Optional[int] = ranged(None, 1, 4096)  # None: 8 for a task policy, 32 for a general LM
-    # (prompt_split.resolve_defaults)
+    """The prompts rollouts answer: calibration data and the gate's held-out (golden) items."""
 
-    def __post_init__(self) -> None:
-        check(self, "prompts")
+    file: Optional[str] = setting(None, help=(
+        "JSONL ({\"prompt\": ...} per line) or one prompt per line; unset: the task's prompts (task policies)"))
+    max_new_tokens: Optional[int] = ranged(None, 1, 4096, help=(
+        "tokens each rollout generates; unset: 8 for a task policy, 32 for a general LM"))
 
 
-@dataclass(frozen=True)
+@config_model("rollouts")
 class RolloutsSection:
-    engine: str = choice("local", ("local", "vllm"))
-    jsonl: Optional[str] = None  # {"prompt", "completion"} records used instead of generating
-    batch_size: int = ranged(16, 1, 1024)  # local engine: sequences per batched decode step
+    """How the calibration and golden completions are made."""
 
-    def __post_init__(self) -> None:
-        check(self, "rollouts")
+    engine: str = choice("local", ("local", "vllm"), help=(
+        "local (batched greedy decode in the actors) or vllm (one float32 vLLM engine per actor)"))
+    jsonl: Optional[str] = setting(None, help=(
+        "a TorchForge rollout dump, {\"prompt\": ..., \"completion\": ...} per line, used instead of generating"))
+    batch_size: int = ranged(16, 1, 1024, help="local engine: sequences per batched decode step")
 
 
-@dataclass(frozen=True)
+@config_model("calibration")
 class CalibrationSection:
-    # None: 256, or for a prompts file each of its calibration prompts once (<= 256)
-    samples: Optional[int] = ranged(None, 1, 100_000)
-    batch_size: int = ranged(32, 1, 4096)
-    # a number: exactly that many golden items, or a one-line refusal; None: 128 task prompts, a prompts file's past
-    # 40 calibration prompts (up to 100). The task: N gate items + N for the search; a file: at most 20 to search
-    golden: Optional[int] = ranged(None, 2, 100_000)
-    procs: int = ranged(2, 0, 256)  # calibration actors per host on the Monarch mesh; 0 = in this process, no mesh
-    hosts: int = ranged(0, 0, 4096)  # >0: a host mesh of this many hosts from ``launcher`` (docs/mesh.md)
-    launcher: str = "process"  # "process" (local ProcessJob) or the path of a saved Monarch job
-    timeout_s: float = ranged(600.0, 1.0, 86_400.0)
-    # report samples whose activation range is this many std above the rest; 0 = off
-    outlier_sigma: float = ranged(10.0, 0.0, 1_000_000.0)
-    drop_outliers: bool = False  # ... and leave them out of calibration
+    """Calibration on the Monarch mesh (docs/mesh.md): the samples, the golden set and the actors."""
 
-    def __post_init__(self) -> None:
-        check(self, "calibration")
+    samples: Optional[int] = ranged(None, 1, 100_000, help=(
+        "calibration sequences; unset: 256, or for a prompts file each of its calibration prompts once (<= 256)"))
+    batch_size: int = ranged(32, 1, 4096, help="calibration sequences per forward")
+    golden: Optional[int] = ranged(None, 2, 100_000, help=(
+        "held-out golden items: a number is exactly that many, or a one-line refusal; unset: 128 task prompts, or a "
+        "prompts file's past its first 40 (up to 100). A task uses N for the gate and N for the search; a file at "
+        "most 20 to search"))
+    procs: int = ranged(2, 0, 256, help="calibration actors per host on the Monarch mesh; 0: in this process, no mesh")
+    hosts: int = ranged(0, 0, 4096, help="> 0: a host mesh of this many hosts from launcher (docs/mesh.md)")
+    launcher: str = setting("process", help=(
+        "process (hosts as local processes, monarch.job.ProcessJob) or the path of a Monarch job your scheduler "
+        "launcher saved (job.dump)"))
+    timeout_s: float = ranged(600.0, 1.0, 86_400.0, help="seconds any one call to an actor may take")
+    outlier_sigma: float = ranged(10.0, 0.0, 1_000_000.0, help=(
+        "report samples whose max |x| at some linear input is this many std above the other samples' mean "
+        "(leave-one-out), so one odd input cannot set a scale; 0: off"))
+    drop_outliers: bool = setting(False, help=(
+        "leave those samples out of calibration (the manifest lists them either way)"))
 
 
-@dataclass(frozen=True)
+@config_model("recipe")
 class RecipeSection:
     """``recipe:``: the quantize library's ``RecipeConfig`` (its fields are this section's keys) and ``auto``.
 
@@ -107,17 +113,22 @@ class RecipeSection:
     mapping (layer pattern -> mode) rather than pairs.
     """
 
-    scheme: str = choice("static", SCHEMES + ("auto",))
+    scheme: str = choice("static", SCHEMES + ("auto",), help=(
+        "a recipe scheme (static | dynamic | weight-only | smooth-static | smooth-dynamic | w8a8 | smooth-w8a8), or "
+        "auto: gate each of auto_candidates in turn and ship the fastest that passes"))
     # The recipes that pass on pretrained LMs (per-token activations, fast one-pass layer ranking); the torch.ao
     # ones reach 20-82 % top-1 on SmolLM2-135M (docs/recipes.md) and are listed explicitly where wanted. The first
     # has an int8 LM head whose top-64 logits are rescored in float (the head was 10.6 of a 27.7 ms decode step on
     # SmolLM2-135M); the float-head recipes follow it where it fails.
-    auto_candidates: Tuple[str, ...] = ("smooth-w8a8 skip=[embed_tokens]", "smooth-w8a8", "w8a8")
-    overrides: Dict[str, str] = field(default_factory=dict)  # layer pattern -> static|dynamic|weight-only|fp32
+    auto_candidates: Tuple[str, ...] = setting(("smooth-w8a8 skip=[embed_tokens]", "smooth-w8a8", "w8a8"), help=(
+        "tried by scheme: auto, in order: a scheme, optionally with recipe fields of its own (\"smooth-w8a8 "
+        "skip=[embed_tokens]\")"))
+    overrides: Dict[str, str] = setting(default_factory=dict, help=(
+        "per-layer modes, layer pattern -> static | dynamic | weight-only | w8a8 | fp32 (e.g. {down_proj: "
+        "weight-only})"))
     base: RecipeConfig = inline(RecipeConfig)  # scheme: the first candidate's; overrides: as above
 
     def __post_init__(self) -> None:
-        check(self, "recipe")
         if not self.auto_candidates:
             raise ConfigError("recipe.auto_candidates: expected at least one candidate")
         for entry in self.auto_candidates:  # each entry reads, used or not
@@ -138,17 +149,15 @@ class RecipeSection:
         return list(self.auto_candidates) if self.scheme == "auto" else [self.scheme]
 
 
-@dataclass(frozen=True)
+@config_model("canary")
 class CanarySection:
     """``canary:``: the build's accuracy gate; its ``GateThresholds`` fields (the live canary's too) are keys here."""
 
-    enabled: bool = True
-    # layer fallback budget; 0 = no fallback (a failure still ranks layers for the report)
-    max_fp_layers: int = ranged(8, 0, 10_000)
+    enabled: bool = setting(True, help="gate the INT8 candidates on the held-out golden items (false: ship unjudged)")
+    max_fp_layers: int = ranged(8, 0, 10_000, help=(
+        "layer fallback budget: linears a failing candidate may keep in float to pass; 0: no fallback (a failure "
+        "still ranks layers for the report)"))
     gate: GateThresholds = inline(GateThresholds)
-
-    def __post_init__(self) -> None:
-        check(self, "canary")
 
 
 ONNX_NOT_INSTALLED = "export.onnx: auto, not built: the [onnx] extra is not installed (pip install 'policy-bundle[onnx]')"
@@ -156,36 +165,39 @@ ONNX_AUTO_OFF = ("export.onnx: auto, not built for per-token (w8a8) recipes: onn
                  "activation scale per tensor, which fails the gate on real LMs (set export.onnx: true to build it)")
 
 
-@dataclass(frozen=True)
+@config_model("export")
 class ExportSection:
-    onnx: Optional[bool] = None  # None (auto): built unless every recipe candidate is per-token (BuildConfig.onnx_export)
-    # the compressed-tensors W8A8 dir vLLM serves: auto (when vLLM is here) | true | false
-    int8_vllm: str = choice("auto", ("auto", "true", "false"), read=_auto_or_bool)
+    """The artifacts written beside the TorchScript INT8 policy and the FP16 directory."""
 
-    def __post_init__(self) -> None:
-        check(self, "export")
+    onnx: Optional[bool] = setting(None, help=(
+        "the INT8 ONNX export; unset (auto): built unless every recipe candidate is per-token (w8a8), whose "
+        "activations onnxruntime's static INT8 cannot carry"))
+    int8_vllm: str = choice("auto", ("auto", "true", "false"), read=_auto_or_bool, help=(
+        "the compressed-tensors W8A8 directory vLLM serves (int8-vllm/): auto (when vLLM is here) | true | false"))
 
 
-@dataclass(frozen=True)
+@config_model("register")
 class RegisterSection:
-    bentoml: bool = True
+    """The BentoML model store."""
+
+    bentoml: bool = setting(True, help="register the bundle's artifacts in the BentoML model store")
 
 
-@dataclass(frozen=True)
+@config_model("")
 class BuildConfig:
-    name: str = "reference"
-    seed: int = ranged(0, 0, 2**31 - 1)
-    policy: PolicySection = field(default_factory=PolicySection)
-    prompts: PromptsSection = field(default_factory=PromptsSection)
-    rollouts: RolloutsSection = field(default_factory=RolloutsSection)
-    calibration: CalibrationSection = field(default_factory=CalibrationSection)
-    recipe: RecipeSection = field(default_factory=RecipeSection)
-    canary: CanarySection = field(default_factory=CanarySection)
-    export: ExportSection = field(default_factory=ExportSection)
-    register: RegisterSection = field(default_factory=RegisterSection)
+    """A build: the policy, its rollouts and calibration, the recipe, the gate and the artifacts."""
 
-    def __post_init__(self) -> None:
-        check(self)
+    name: str = setting("reference", help=(
+        "the bundle's name: its BentoML model versions and watch's bundle directories begin with it"))
+    seed: int = ranged(0, 0, 2**31 - 1, help="torch's random seed for the build")
+    policy: PolicySection = setting(default_factory=PolicySection, help="the policy and the context it serves")
+    prompts: PromptsSection = setting(default_factory=PromptsSection, help="the prompts rollouts answer")
+    rollouts: RolloutsSection = setting(default_factory=RolloutsSection, help="how completions are made")
+    calibration: CalibrationSection = setting(default_factory=CalibrationSection, help="calibration and its mesh")
+    recipe: RecipeSection = setting(default_factory=RecipeSection, help="the INT8 recipe, or auto")
+    canary: CanarySection = setting(default_factory=CanarySection, help="the build's accuracy gate")
+    export: ExportSection = setting(default_factory=ExportSection, help="the artifacts beside policy.ts")
+    register: RegisterSection = setting(default_factory=RegisterSection, help="the BentoML model store")
 
     def to_dict(self) -> dict:
         """The YAML shape (library dataclasses flattened into their sections), as the manifest stores it."""
