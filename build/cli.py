@@ -63,10 +63,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-BUILD_DEFAULTS_HEADER = """Every build config key at its default, with its type and limit: made by `policy-bundle config defaults build`
-from the config's own fields (a test checks it is current and reads back to the defaults). Not a config to build
-with: copy the keys you change. A null is resolved at build time from the policy (docs/build.md); the main job's
-config is build/configs/reference.yaml."""
+BUILD_DEFAULTS_HEADER = """The build config's reference: every key at its default, its help above it, its type and limit after it. Made by
+`policy-bundle config defaults build` from the config models (a test checks it is current and reads back to the
+defaults). Copy the keys you change into your own config; a null is resolved at build time from the policy
+(docs/build.md). The main job's config is build/configs/main.yaml."""
 
 
 def _router_settings_output(what: str, *args: str) -> int:
@@ -238,7 +238,7 @@ def parser() -> argparse.ArgumentParser:
     sub = _Subcommands(p.add_subparsers(dest="command", required=True))
 
     b = sub.add_parser("build", parents=[common], help="build a bundle from a config")
-    b.add_argument("--config", help="build config YAML (e.g. build/configs/reference.yaml)")
+    b.add_argument("--config", help="build config YAML (e.g. build/configs/main.yaml)")
     b.add_argument("--out", required=True, help="bundle directory to create")
     b.add_argument("--force", action="store_true", help="replace an existing output directory")
     b.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. calibration.procs=2")
@@ -253,14 +253,15 @@ def parser() -> argparse.ArgumentParser:
 
     cf = sub.add_parser("config", parents=[common], help="print a config file's JSON Schema (build or router)")
     cfs = cf.add_subparsers(dest="config_command", required=True)
-    sc = cfs.add_parser("schema", parents=[common], help="the JSON Schema: keys, types, limits, defaults",
+    sc = cfs.add_parser("schema", parents=[common], help="the JSON Schema: keys, types, limits, defaults, help",
                         description="The JSON Schema (draft 2020-12) of a build config (policy-bundle build --config) "
                                     "or of the router settings file (POLICY_BUNDLE_ROUTER_CONFIG).")
     sc.add_argument("what", choices=["build", "router"], help="which file's schema")
     sc.set_defaults(func=cmd_config_schema)
-    dc = cfs.add_parser("defaults", parents=[common], help="every key with its default, type and limit, as YAML",
-                        description="A config file holding every key at its default, each with its type and limit "
-                                    "as a comment (build/configs/defaults.yaml is the build's, made by this).")
+    dc = cfs.add_parser("defaults", parents=[common], help="every key with its default, type, limit and help, as YAML",
+                        description="A config file holding every key at its default, its help as comment lines "
+                                    "above it and its type and limit after it (build/configs/reference.yaml is the "
+                                    "build's, made by this).")
     dc.add_argument("what", choices=["build", "router"], help="which file's defaults")
     dc.set_defaults(func=cmd_config_defaults)
 

@@ -41,7 +41,7 @@ def workload(name: str, policy_dir: Path, quick: bool):
 
 def run(policy_dir: Path, procs: int, engine: str, prompts, batches, new: int) -> dict:
     """Start-up, rollouts and (local engine only: it does not depend on the engine) calibration seconds."""
-    cfg = load_config(Path("build/configs/reference.yaml"),
+    cfg = load_config(Path("build/configs/main.yaml"),
                       (f"calibration.procs={procs}", f"prompts.max_new_tokens={new}", "policy.max_seq_len=128",
                        f"rollouts.engine={engine}"))
     t0 = time.perf_counter()

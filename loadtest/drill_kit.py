@@ -70,7 +70,7 @@ def _build(home: Path, out: Path, broken: bool) -> str:
 
     name = "broken" if broken else "good"
     env = {**os.environ, "BENTOML_HOME": str(home)}
-    args = [sys.executable, "-m", "policy_bundle.build.cli", "build", "--config", "build/configs/reference.yaml", "--out", str(out),
+    args = [sys.executable, "-m", "policy_bundle.build.cli", "build", "--config", "build/configs/main.yaml", "--out", str(out),
             "--force", *SMALL, "--set", f"name={name}"]
     if broken:  # a deliberately broken INT8 policy that a gated build would refuse: gate off, one scale x400
         args += ["--set", "canary.enabled=false"]

@@ -25,6 +25,6 @@ fi
 "$PY" -m pip install -q pyyaml tqdm safetensors tokenizers transformers onnx onnxruntime onnxscript matplotlib httpx \
   || echo "note: some helper packages could not be installed; continuing with what is there" >&2
 export POLICY_BUNDLE_CACHE=${POLICY_BUNDLE_CACHE:-$PWD/.cache/policy-bundle}
-"$PY" -m policy_bundle.build.cli build --config build/configs/reference.yaml --out bundles/gpu-check --force \
+"$PY" -m policy_bundle.build.cli build --config build/configs/main.yaml --out bundles/gpu-check --force \
   --set calibration.procs=0 --set register.bentoml=false
 "$PY" -m policy_bundle.build.cli check-fp16 bundles/gpu-check --engine vllm

@@ -45,7 +45,7 @@ def small_bundle(tmp_path_factory, bentoml_home, reference_dir) -> Path:
     out = shared / "small-reference"
     with FileLock(str(shared / "small-reference.lock")):
         if not (out / "bundle.json").is_file():
-            res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+            res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                           *WITH_INT8_VLLM)
             assert res.returncode == 0, res.stderr[-3000:]
             return out

@@ -18,7 +18,7 @@ FAST = (*SMALL, "--set", "calibration.procs=0")
 def faulty_onnx(tmp_path_factory, bentoml_home):
     """A reference build (64 golden items) whose exported ONNX model has wrong weights."""
     out = tmp_path_factory.mktemp("gate") / "b"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST,
                   env={"POLICY_BUNDLE_TEST_FAULT": "artifact:name=onnx"})
     assert res.returncode == 0, res.stderr[-3000:]
     return res, out, json.loads((out / "bundle.json").read_text())
@@ -87,13 +87,13 @@ def test_the_golden_set_is_exactly_the_size_asked_for(tmp_path):
 
 
 def test_a_golden_set_larger_than_the_prompts_allow_is_refused_with_one_line(tmp_path, bentoml_home):
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *FAST,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "b"), *FAST,
                   "--set", f"prompts.file={prompts_file(tmp_path / 'p.txt', 9)}", "--set", "calibration.golden=9")
     assert res.returncode == 3, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: calibration.golden: 9 exceeds 8, the most") and "9 prompts" in last, last
     assert "Traceback" not in res.stderr and not (tmp_path / "b").exists()
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *FAST,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "b"), *FAST,
                   "--set", "calibration.golden=501")
     assert res.returncode == 3 and "calibration.golden: 501 exceeds 500" in res.stderr, res.stderr[-2000:]
 

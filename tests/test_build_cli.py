@@ -141,7 +141,7 @@ def test_store_refuses_an_entry_whose_file_changed(small_bundle):
 )
 def test_bad_input_gets_one_clear_line_and_no_output(args, message, tmp_path, bentoml_home):
     out = tmp_path / "out"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *args)
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *args)
     assert res.returncode == 3
     assert message in res.stderr and "Traceback" not in res.stderr
     assert not out.exists() and not list(tmp_path.glob(".*partial*"))
@@ -158,14 +158,14 @@ def test_gpt2_directory_is_refused_by_name(tmp_path, bentoml_home):
 
 def test_existing_output_directory_needs_force(small_bundle):
     before = (small_bundle / "bundle.json").read_bytes()
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(small_bundle))
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(small_bundle))
     assert res.returncode == 3 and "already exists (use --force" in res.stderr
     assert (small_bundle / "bundle.json").read_bytes() == before
 
 
 def test_build_survives_a_killed_worker_with_identical_int8(small_bundle, tmp_path):
     out = tmp_path / "faulty"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", "register.bentoml=false", "--set", "export.onnx=false",
                   env={"POLICY_BUNDLE_TEST_FAULT": "kill:rank=1:after=1"})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -177,7 +177,7 @@ def test_build_survives_a_killed_worker_with_identical_int8(small_bundle, tmp_pa
 
 def test_failing_build_leaves_nothing_behind(tmp_path, bentoml_home):
     out = tmp_path / "failed"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   env={"POLICY_BUNDLE_TEST_FAULT": "raise:shard=0"})
     assert res.returncode == 3 and "shard 0" in res.stderr and "injected fault" in res.stderr
     assert not out.exists() and not list(tmp_path.glob(".*partial*"))
@@ -189,7 +189,7 @@ def test_torchforge_example_calibrates_on_its_own_mesh_and_its_jsonl_builds(tmp_
     assert res.returncode == 0, res.stderr[-2000:]
     assert torch.jit.load(str(tmp_path / "policy-int8.ts")) is not None
     out = tmp_path / "from-jsonl"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", f"rollouts.jsonl={tmp_path / 'rollouts.jsonl'}", "--set", "calibration.procs=0",
                   "--set", "register.bentoml=false", "--set", "export.onnx=false")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -215,7 +215,7 @@ def test_each_kind_of_failure_has_its_own_exit_code_and_help_lists_them(tmp_path
     for code in ("2 a usage error", "3 an input or state refused", "4 the accuracy gate failed", "1 an unexpected error"):
         assert code in helptext, helptext
     assert run_cli("build", "--no-such-flag").returncode == 2  # usage
-    refused = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "o"),
+    refused = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "o"),
                       "--set", "calibration.samples=0")
     assert refused.returncode == 3 and "calibration.samples: 0 is out of range" in refused.stderr
     assert run_cli("verify", str(tmp_path / "nowhere")).returncode == 3  # a bundle that is not there: refused

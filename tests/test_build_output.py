@@ -37,7 +37,7 @@ def test_force_never_deletes_what_is_not_a_bundle(kind, tmp_path, bentoml_home):
     out = tmp_path / "out"
     keep = not_a_bundle(kind, out)
     before = keep.read_bytes()
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), "--force", *FAST)
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), "--force", *FAST)
     assert res.returncode == 3, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --out:") and "not a bundle" in lines[0], res.stderr
@@ -70,7 +70,7 @@ def built_with_a_broken_store(tmp_path_factory, reference_dir):
     (root / f".kept.partial-{pid}-n3w").mkdir()
     store = tmp_path_factory.mktemp("store")
     (store / "models").write_text("not a directory\n")  # BentoML cannot create any entry here
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), "--force", *FAST,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), "--force", *FAST,
                   env={"BENTOML_HOME": str(store)})
     return res, out, stale, live
 

@@ -51,7 +51,7 @@ def test_reference_policy_passes_default_gate_without_fallback(small_bundle):
 
 def test_broken_layer_fails_the_gate_and_is_named_most_sensitive(tmp_path, reference_dir):
     out = tmp_path / "broken"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST,
                   "--set", "canary.max_fp_layers=0",
                   env={"POLICY_BUNDLE_TEST_FAULT": "scale:layer=layers.0.mlp.down_proj:factor=50"})
     assert res.returncode == 4 and "accuracy gate failed" in res.stderr and "Traceback" not in res.stderr
@@ -64,7 +64,7 @@ def test_broken_layer_fails_the_gate_and_is_named_most_sensitive(tmp_path, refer
 
 def test_broken_layer_is_fixed_by_fallback(tmp_path, reference_dir):
     out = tmp_path / "fixed"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST,
                   env={"POLICY_BUNDLE_TEST_FAULT": "scale:layer=layers.0.mlp.down_proj:factor=50"})
     assert res.returncode == 0, res.stderr[-2000:]
     manifest = json.loads((out / "bundle.json").read_text())
@@ -87,7 +87,7 @@ def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones
     plain = shipped["kl_mean"]
     assert shipped["greedy_agreement"] is not None  # a passing held-out judgement ran its greedy confirmation
     out = tmp_path / "strict"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST,
                   "--set", f"canary.max_kl_mean={plain * 0.5}", "--set", "canary.max_fp_layers=4")
     assert res.returncode == 4 and "Traceback" not in res.stderr and not out.exists(), res.stderr[-2000:]
     found = re.search(r"passes on the search prompts but fails on the held-out gate prompts: .* \((\d+) layer\(s\) in "
@@ -130,7 +130,7 @@ def crafted_bundle(root, reference_dir, artifact: str):
     module = torch.jit.script(torch.nn.Linear(2, 2))
     torch.jit.save(module, str(bundle / "int8" / "policy.ts"))
     torch.jit.save(module, str(root / "outside.ts"))
-    cfg = load_config(Path(ROOT) / "build/configs/reference.yaml", ()).to_dict()
+    cfg = load_config(Path(ROOT) / "build/configs/main.yaml", ()).to_dict()
     write_manifest(bundle, {"format": "policy-bundle/1", "config": cfg, "policy": {"source": str(reference_dir)},
                             "artifacts": {"int8_torchscript": artifact.format(root=root)}})
     return bundle

@@ -12,7 +12,7 @@ from policy_bundle.quantize.recipe_types import W8A8Recipe
 
 
 def test_reference_config_loads_with_mesh_by_default():
-    cfg = load_config("build/configs/reference.yaml")
+    cfg = load_config("build/configs/main.yaml")
     assert cfg.policy.source == "reference" and cfg.calibration.procs == 2 and cfg.recipe.scheme == "static"
 
 
@@ -41,7 +41,7 @@ def test_reference_config_loads_with_mesh_by_default():
 )
 def test_bad_field_is_named(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config("build/configs/reference.yaml", (override,))
+        load_config("build/configs/main.yaml", (override,))
 
 
 def test_missing_config_file_is_named(tmp_path):
@@ -67,7 +67,7 @@ def test_auto_defaults_to_the_recipes_that_pass_on_real_lms(tmp_path):
 
 
 def test_auto_scheme_gates_every_candidate_starting_with_the_first():
-    cfg = load_config("build/configs/reference.yaml", ("recipe.scheme=auto", "recipe.auto_candidates=[dynamic, static]"))
+    cfg = load_config("build/configs/main.yaml", ("recipe.scheme=auto", "recipe.auto_candidates=[dynamic, static]"))
     assert cfg.recipe.candidates() == ["dynamic", "static"] and cfg.recipe_config().scheme == "dynamic"
 
 
@@ -80,19 +80,19 @@ def test_resolved_config_round_trips_through_its_manifest_shape():
 
 def test_a_combination_the_recipe_refuses_is_a_config_error():
     with pytest.raises(ConfigError, match="recipe.overrides: mode 'w8a8' needs scheme"):
-        load_config("build/configs/reference.yaml", ("recipe.overrides={down_proj: w8a8}",))
+        load_config("build/configs/main.yaml", ("recipe.overrides={down_proj: w8a8}",))
 
 
 @pytest.mark.parametrize("value, stored", [("true", "true"), ("false", "false"), ("auto", "auto")])
 def test_int8_vllm_takes_auto_or_a_yaml_bool(value, stored):
-    assert load_config("build/configs/reference.yaml", (f"export.int8_vllm={value}",)).export.int8_vllm == stored
+    assert load_config("build/configs/main.yaml", (f"export.int8_vllm={value}",)).export.int8_vllm == stored
 
 
 def test_torchtitan_config_round_trips_through_its_manifest_shape():
     cfg = load_config("build/configs/torchtitan.yaml", ("policy.source=/ckpt/step-60",))
     assert (cfg.policy.torchtitan.model, cfg.policy.torchtitan.tokenizer) == ("llama3", "reference")
     assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-    assert load_config("build/configs/reference.yaml").policy.torchtitan is None
+    assert load_config("build/configs/main.yaml").policy.torchtitan is None
 
 
 def test_an_auto_candidate_can_set_its_own_w8a8_fields():
@@ -114,7 +114,7 @@ def test_an_auto_candidate_can_set_its_own_w8a8_fields():
 ])
 def test_a_bad_auto_candidate_is_named(entry, message):
     with pytest.raises(ConfigError, match=message):
-        load_config("build/configs/reference.yaml", (f"recipe.auto_candidates=[{entry}]",))
+        load_config("build/configs/main.yaml", (f"recipe.auto_candidates=[{entry}]",))
 
 
 def test_every_build_setting_also_comes_from_the_environment_and_set_wins():

@@ -76,15 +76,15 @@ def test_the_router_settings_schema_validates_the_shipped_settings_and_refuses_a
 
 
 def test_the_committed_defaults_file_is_what_the_config_fields_give_and_reads_back_to_the_defaults():
-    """build/configs/defaults.yaml is `policy-bundle config defaults build`'s output now (so its values are the real
+    """build/configs/reference.yaml is `policy-bundle config defaults build`'s output now (so its values are the real
     defaults, and a changed default leaves it stale: this fails), and read back it is ``BuildConfig()``."""
     from policy_bundle.build.config.build_config import BuildConfig
     from policy_bundle.quantize.config_schema import from_mapping
 
     res = run_cli("config", "defaults", "build")
     assert res.returncode == 0, res.stderr
-    committed = (ROOT / "build" / "configs" / "defaults.yaml").read_text()
-    assert committed == res.stdout, "stale: policy-bundle config defaults build > build/configs/defaults.yaml"
+    committed = (ROOT / "build" / "configs" / "reference.yaml").read_text()
+    assert committed == res.stdout, "stale: policy-bundle config defaults build > build/configs/reference.yaml"
     assert from_mapping(BuildConfig, yaml.safe_load(committed)) == BuildConfig()
     assert "samples: null  # integer in [1, 100000], or null" in committed  # each key with its type and limit
 
@@ -130,7 +130,7 @@ def test_every_setting_has_help_in_the_schema_and_in_the_defaults_file(build_sch
 
     assert undocumented(json_schema(Probe)) == ["bare"]
 
-    committed = (ROOT / "build" / "configs" / "defaults.yaml").read_text()
+    committed = (ROOT / "build" / "configs" / "reference.yaml").read_text()
     assert ("  # calibration actors per host on the Monarch mesh; 0: in this process, no mesh\n  procs: 2  # integer in "
             "[0, 256]\n") in committed
 

@@ -106,9 +106,9 @@ def test_a_field_error_keeps_its_field_across_processes():
 def test_the_build_accepts_what_the_recipe_accepts():
     """The build once refused a gptq_damp under 1e-6 that the recipe takes: the limit is the recipe's own now
     (out-of-range build fields: tests/test_config.py)."""
-    assert load_config("build/configs/reference.yaml", ("recipe.gptq_damp=1e-7",)).recipe_config().gptq_damp == 1e-7
+    assert load_config("build/configs/main.yaml", ("recipe.gptq_damp=1e-7",)).recipe_config().gptq_damp == 1e-7
     with pytest.raises(ConfigError, match=r"^recipe.gptq_damp: 0 is out of range \(0.0, 1.0\]$"):
-        load_config("build/configs/reference.yaml", ("recipe.gptq_damp=0",))
+        load_config("build/configs/main.yaml", ("recipe.gptq_damp=0",))
 
 
 def router(tmp_path, monkeypatch, text: str):

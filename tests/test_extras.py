@@ -41,12 +41,12 @@ def test_each_extra_is_declared_and_the_base_install_holds_none_of_them():
 
 
 def test_the_mesh_and_onnx_settings_are_refused_in_one_line_without_their_extras(tmp_path):
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), env=HIDE)
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "b"), env=HIDE)
     assert res.returncode == EXIT_REFUSED, res.stderr[-2000:]
     assert res.stderr.strip().splitlines() == [
         "error: calibration.procs: 2 (the Monarch calibration mesh) needs the [mesh] extra (monarch cannot be "
         "imported): pip install 'policy-bundle[mesh]', or set calibration.procs: 0 (in this process)"]
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"),
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "b"),
                   "--set", "calibration.procs=0", env=HIDE)
     assert res.returncode == EXIT_REFUSED and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: export.onnx: true needs the [onnx] extra")
@@ -55,7 +55,7 @@ def test_the_mesh_and_onnx_settings_are_refused_in_one_line_without_their_extras
 def test_a_build_that_asks_for_no_extra_runs_without_them(tmp_path):
     """In-process calibration and ``export.onnx: auto``: built, and the manifest says why there is no ONNX model."""
     out = tmp_path / "b"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", "calibration.procs=0", "--set", "export.onnx=null", "--set", "register.bentoml=false",
                   env=HIDE)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -78,7 +78,7 @@ def test_a_postgresql_state_url_without_its_extra_stops_the_router_in_one_line(t
 
 
 def test_a_torchtitan_source_without_its_extra_is_refused_before_any_work(tmp_path):
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"),
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "b"),
                   "--set", "calibration.procs=0", "--set", "export.onnx=false",
                   "--set", f"policy.source={tmp_path}", "--set", "policy.torchtitan.model=llama3", env=HIDE)
     assert res.returncode == EXIT_REFUSED and "Traceback" not in res.stderr, res.stderr[-2000:]

@@ -247,7 +247,7 @@ def test_the_wheel_installs_one_namespace(tmp_path):
     for sub in sorted(p.parent for p in (ROOT / "build").glob("*/__init__.py")):  # build's stage sub-packages
         assert f"policy_bundle/build/{sub.name}/__init__.py" in names
     assert not [n for n in names if "example" in n.split("/")[-1]]  # the examples stay out of the wheel
-    assert "policy_bundle/serve/service.py" in names and "policy_bundle/build/configs/reference.yaml" in names
+    assert "policy_bundle/serve/service.py" in names and "policy_bundle/build/configs/main.yaml" in names
 
 
 def test_the_environment_has_no_top_level_build_of_ours(tmp_path):

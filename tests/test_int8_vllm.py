@@ -38,7 +38,7 @@ def test_the_int8_store_entry_holds_the_w8a8_dir_verified(small_bundle):
 
 
 def test_int8_vllm_true_without_vllm_is_one_line_before_any_work(tmp_path):
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "b"), *SMALL,
                   "--set", "export.int8_vllm=true", env={"POLICY_BUNDLE_DISABLE_VLLM": "1"}, timeout=120)
     assert res.returncode == 3 and "Traceback" not in res.stderr
     assert "export.int8_vllm: true, but vLLM is not installed here" in res.stderr
@@ -89,7 +89,7 @@ def _gone_within(marker: Path, seconds: float) -> bool:
 
 
 def _start_build(tmp_path, marker: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(CLI + ["build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "b"),
+    return subprocess.Popen(CLI + ["build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "b"),
                                    *SMALL, *WITH_INT8_VLLM, "--set", "register.bentoml=false"],
                             cwd=ROOT, env={**os.environ, "TMPDIR": str(marker), **env}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

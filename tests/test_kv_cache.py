@@ -93,7 +93,7 @@ def test_the_build_ships_the_cache_its_recipe_names_and_records_it(small_bundle,
     """The default build's TorchScript allocates a bfloat16 cache and its manifest says so; ``recipe.kv_cache=float32``
     builds a float32 one (the negative control), and the gate's teacher-forced KL sees the difference."""
     out = tmp_path / "f32"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", "recipe.kv_cache=float32", "--set", "export.onnx=false", "--set", "register.bentoml=false")
     assert res.returncode == 0, res.stderr[-3000:]
     kl = {}
@@ -110,7 +110,7 @@ def test_the_build_ships_the_cache_its_recipe_names_and_records_it(small_bundle,
 
 
 def test_a_cache_dtype_the_recipe_does_not_know_is_refused_naming_the_field(tmp_path):
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "x"),
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "x"),
                   "--set", "recipe.kv_cache=float16")
     assert res.returncode == EXIT_REFUSED, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]

@@ -36,7 +36,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def config(procs: int, *overrides: str):
-    return load_config("build/configs/reference.yaml",
+    return load_config("build/configs/main.yaml",
                        (f"calibration.procs={procs}", "calibration.timeout_s=120", *overrides))
 
 

@@ -83,7 +83,7 @@ def outlier_dir():
 
 
 def test_plain_int8_fails_the_gate_on_massive_activations(outlier_dir, tmp_path):
-    res = run_cli("build", "--out", str(tmp_path / "plain"), "--config", "build/configs/reference.yaml", *FAST,
+    res = run_cli("build", "--out", str(tmp_path / "plain"), "--config", "build/configs/main.yaml", *FAST,
                   "--set", f"policy.source={outlier_dir}", "--set", "recipe.scheme=static",
                   "--set", "canary.max_fp_layers=0")
     assert res.returncode == 4 and "accuracy gate failed" in res.stderr
@@ -93,7 +93,7 @@ def test_plain_int8_fails_the_gate_on_massive_activations(outlier_dir, tmp_path)
 
 def test_auto_picks_a_passing_recipe_and_ships_it(outlier_dir, tmp_path):
     out = tmp_path / "auto"
-    res = run_cli("build", "--out", str(out), "--config", "build/configs/reference.yaml", *FAST,
+    res = run_cli("build", "--out", str(out), "--config", "build/configs/main.yaml", *FAST,
                   "--set", f"policy.source={outlier_dir}", "--set", "recipe.scheme=auto", "--set", "canary.max_fp_layers=2")
     assert res.returncode == 0, res.stderr[-3000:]
     manifest = json.loads((out / "bundle.json").read_text())

@@ -504,6 +504,15 @@ def test_the_rollout_cli_operates_the_served_rollout(good):
         "error: 400: action: resume needs a paused rollout (it is held)"], res.stderr
     res = run_cli("rollout", "history", "--limit", "3", env=env)
     assert res.returncode == 0 and "set-weight" in res.stdout and "(3 of" in res.stdout, res.stderr
+    res = run_cli("rollout", "promote", env=env)  # held at 30 % (past the 25 % step): on to the 50 % step
+    assert res.returncode == 0 and "promote: done" in res.stdout and "weight:  50 %" in res.stdout, res.stdout
+    res = run_cli("rollout", "rollback", "--reason", "cli rollback", env=env)
+    assert res.returncode == 0 and "status:  rolled-back" in res.stdout and "weight:  0 %" in res.stdout, res.stdout
+    res = run_cli("rollout", "promote", env=env)  # nothing in progress: refused by the router, one line
+    assert res.returncode == 3 and "promote needs a rollout in progress" in res.stderr, res.stderr
+    run_cli("rollout", "restart", env=env)
+    res = run_cli("rollout", "abort", env=env)
+    assert res.returncode == 0 and "status:  aborted" in res.stdout and "weight:  0 %" in res.stdout, res.stdout
     status = run_cli("rollout", "status", env=env)
     assert status.returncode == 0 and "state version:" in status.stdout
     refused = run_cli("rollout", "status", env={**env, "POLICY_BUNDLE_ADMIN_TOKEN": "wrong"})

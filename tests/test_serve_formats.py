@@ -20,7 +20,7 @@ def spm(tmp_path_factory, bentoml_home):
     tmp = tmp_path_factory.mktemp("spm")
     policy = sentencepiece_policy(tmp / "policy")
     out = tmp / "bundle"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", f"policy.source={policy}", "--set", f"policy.max_seq_len={CONTEXT}",
                   "--set", "canary.enabled=false", "--set", "export.onnx=false", "--set", "calibration.procs=0",
                   "--set", "name=spm")

@@ -9,7 +9,7 @@ from cli_helpers import SMALL, run_cli
 
 def test_smooth_w8a8_build_over_the_mesh_ships_per_token_int8_and_says_what_onnx_is(tmp_path, bentoml_home):
     out = tmp_path / "w8a8"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", "recipe.scheme=smooth-w8a8", "--set", "calibration.procs=2")
     assert res.returncode == 0, res.stderr[-3000:]
     m = json.loads((out / "bundle.json").read_text())
@@ -30,7 +30,7 @@ def test_smooth_w8a8_build_over_the_mesh_ships_per_token_int8_and_says_what_onnx
 def test_candidates_differing_in_the_head_share_one_layer_stream_and_one_ranking(tmp_path, bentoml_home):
     """The shipped pair (int8 head with a float embedding; float head) plans the decoder layers once and ranks them once:
     the second candidate plans its head alone and reuses the ranking. Both fail a KL-0 gate, so both are searched."""
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "pair"), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "pair"), *SMALL,
                   "--set", "recipe.scheme=auto", "--set",
                   'recipe.auto_candidates=["smooth-w8a8 skip=[embed_tokens]", smooth-w8a8]',
                   "--set", "canary.max_kl_mean=0", "--set", "canary.max_fp_layers=3", "--set", "calibration.procs=0")
@@ -49,7 +49,7 @@ def test_auto_rejects_candidates_that_cannot_pass_within_the_fallback_budget(tmp
     nothing and with its whole budget in float, then rejected by name (ranked in the controller, which holds the
     float model, while the mesh calibrates); the torch.ao one walks its ranking to the budget and fails."""
     out = tmp_path / "auto"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", "recipe.scheme=auto", "--set", 'recipe.auto_candidates=["w8a8 rounding=nearest", static]',
                   "--set", "canary.max_kl_mean=0", "--set", "canary.max_fp_layers=27", "--set", "calibration.procs=2")
     assert res.returncode == 4 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
@@ -69,7 +69,7 @@ def test_auto_gates_no_second_w8a8_candidate_once_one_passes_but_does_while_none
     one after it is still gated and timed). The control: with a gate nothing meets, every candidate is gated."""
     entries = '["w8a8 rounding=nearest", "smooth-w8a8 rounding=nearest", static]'
     out = tmp_path / "auto"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", "recipe.scheme=auto", "--set", f"recipe.auto_candidates={entries}",
                   "--set", "calibration.procs=0")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -81,7 +81,7 @@ def test_auto_gates_no_second_w8a8_candidate_once_one_passes_but_does_while_none
     assert "[auto] candidate 2/3: smooth-w8a8 rounding=nearest not gated" in res.stderr
     assert "not gated" in (out / "canary_report.md").read_text()
 
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(tmp_path / "none"), *SMALL,
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "none"), *SMALL,
                   "--set", "recipe.scheme=auto", "--set", f"recipe.auto_candidates={entries}",
                   "--set", "calibration.procs=0", "--set", "canary.max_kl_mean=0", "--set", "canary.max_fp_layers=0")
     assert res.returncode == 4 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]

@@ -42,7 +42,7 @@ def deployed(tmp_path_factory, reference_dir, bentoml_home):
     ckpts.mkdir()
     checkpoint(reference_dir, ckpts / "step-0")
     bundle = root / "bundles" / "deployed"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(bundle), "--set",
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(bundle), "--set",
                   f"policy.source={ckpts / 'step-0'}", *FAST)
     assert res.returncode == 0, res.stderr[-3000:]
     return root, ckpts, bundle
@@ -211,7 +211,7 @@ def test_odd_samples_are_found_against_the_others_and_dropped_on_request(referen
     # range is then below its max |x|.
     policy = policy_with_a_one_hot_pad(reference_dir, tmp_path / "policy")
     out = tmp_path / "b"
-    res = run_cli("build", "--config", "build/configs/reference.yaml", "--out", str(out), *FAST, "--set",
+    res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST, "--set",
                   f"policy.source={policy}", "--set", f"rollouts.jsonl={calibration_jsonl(tmp_path / 'r.jsonl')}",
                   "--set", "calibration.outlier_sigma=4", "--set", "calibration.drop_outliers=true", "--set",
                   "register.bentoml=false", "--set", "canary.enabled=false")
