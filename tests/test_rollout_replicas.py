@@ -33,8 +33,11 @@ def replicas(small_bundle, postgres, tmp_path_factory):
         # replica a judges latency with an impossible bound (an injected bad verdict): its windows fail
         steps = [1, {"weight": 5, "pause": "indefinite"}, {"weight": 50, "pause_s": 3}, 100]
         for name, strict in (("a", {"max_p99_latency_ratio": 0.0, "min_latency_samples": 1}), ("b", {})):
-            env = env_for(state, name, version, vllm=False, rollout={"sync_interval_s": 0.5, "steps": steps,
-                                                                     "inconclusive_limit": 2, **strict})
+            # two whole routers (four variant workers) on a 2-core machine beside other test workers: a probe or a
+            # decode step slowed by that contention must not mark a variant down here (these tests are about the
+            # rollout's transitions; the down/up detection has its own tests in test_serve_faults.py)
+            env = env_for(state, name, version, vllm=False, health_timeout_s=15.0,
+                          rollout={"sync_interval_s": 0.5, "steps": steps, "inconclusive_limit": 2, **strict})
             env["POLICY_BUNDLE_STATE_URL"] = postgres.url
             servers.append(Server(env, state / f"{name}.log"))
         yield [s.wait_ready() for s in servers]
