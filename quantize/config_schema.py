@@ -80,11 +80,15 @@ def _each(value: Any, one: Callable[[Any, str], Any]) -> Any:
 
 
 def _range_check(lo: float, hi: Optional[float], low_open: bool) -> Callable[[Any], Any]:
+    kind = "float" if isinstance(lo, float) else "int"  # a float field's limits are written as floats
+
     def one(v: Any, sub: str) -> Any:
         if isinstance(v, str) and _EXPONENT.fullmatch(v.strip()):
             v = float(v)
         if isinstance(v, bool):
             raise _problem(f"expected a number, got {_got(v)}", sub)
+        if isinstance(v, str):  # lax pydantic (a model built in code) would read "500" as a number past its limit
+            raise _problem(f"expected {kind}, got {_got(v)}", sub)
         if isinstance(v, (int, float)):
             above = v > lo if low_open else v >= lo  # NaN is neither above nor below: it fails
             if not (above and (hi is None or v <= hi)):
@@ -94,11 +98,13 @@ def _range_check(lo: float, hi: Optional[float], low_open: bool) -> Callable[[An
     return lambda value: _each(value, one)
 
 
-def _choice_check(options: tuple) -> Callable[[Any], Any]:
+def _choice_check(options: tuple, every: bool = False) -> Callable[[Any], Any]:
+    """Refuse a value of the options' type that is none of them (others: the type says what is expected), or with
+    ``every`` (after a reader, which has made the value what it can) any value that is none of them."""
     kinds = tuple({type(o) for o in options})
 
     def one(v: Any, sub: str) -> Any:
-        if isinstance(v, kinds) and not isinstance(v, bool) and v not in options:
+        if (every or isinstance(v, kinds) and not isinstance(v, bool)) and v not in options:
             raise _problem(f"{v!r} is not one of {list(options)}", sub)
         return v
 
@@ -130,16 +136,18 @@ def ranged(default: Any, lo: float, hi: Optional[float] = None, *, low_open: boo
     return info
 
 
-def choice(default: Any, options: Sequence[Any], *, read: Optional[Reader] = None, help: str = "") -> Any:
-    """A field that holds one of ``options`` (read by ``read`` first, when the YAML writes it otherwise)."""
+def choice(default: Any, options: Sequence[Any], *, read: Optional[Reader] = None, also: Sequence[Any] = (),
+           help: str = "") -> Any:
+    """A field that holds one of ``options`` (read by ``read`` first, when the YAML writes it otherwise; ``also``:
+    the other YAML values that reader turns into an option, which the JSON Schema accepts too)."""
     options = tuple(options)
-    check = _choice_check(options)
-    info = Field(default, description=help or None, json_schema_extra=_into_value_schema({"enum": list(options)}))
+    info = Field(default, description=help or None,
+                 json_schema_extra=_into_value_schema({"enum": list(options) + list(also)}))
     if read is None:
-        info.metadata.append(BeforeValidator(check))
+        info.metadata.append(BeforeValidator(_choice_check(options)))
     else:
-        info.metadata.append(PlainValidator(lambda v: check(_not_none(_read_with(read, v))),
-                                            json_schema_input_type=type(options[0])))
+        check = _choice_check(options, every=True)
+        info.metadata.append(PlainValidator(lambda v: check(_not_none(_read_with(read, v)))))
     return info
 
 
@@ -250,14 +258,35 @@ def _nested(data: Any, cls: type, path: str) -> Any:
     out: Dict[str, Any] = {}
     for key, value in data.items():
         holder, owner = keys[key]
-        tp = _unwrap_optional(_hints(owner)[key])
+        hint = _hints(owner)[key]
+        tp = _unwrap_optional(hint)
         if dataclasses.is_dataclass(tp):
+            if value is None and tp is hint:  # a section written with nothing under it (its keys commented out)
+                value = {}
             value = _nested(value, tp, _join(path, key))
         if holder is None:
             out[key] = value
         else:
             out.setdefault(holder, {})[key] = value
     return out
+
+
+def _plain(value: Any, path: str) -> Any:
+    """``value`` as JSON holds it, checked: mapping keys are strings, and YAML's other types (a date, binary) are
+    refused naming the field, not turned into text."""
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise FieldError(_join(path, str(key)), f"expected a string key, got {_got(key)}")
+        return {k: _plain(v, _join(path, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, _join(path, i)) for i, v in enumerate(value)]
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise FieldError(path, f"expected a plain YAML value (string, number, boolean, list or mapping), got "
+                           f"{_got(value)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,7 +301,7 @@ def from_mapping(cls: Type[T], data: Any, path: str = "") -> T:
         data = {}
     if not isinstance(data, dict):
         raise FieldError(path or "config", f"expected a mapping, got {type(data).__name__}")
-    text = json.dumps(_nested(data, cls, path), default=str)  # YAML's dates and such: as the strings they print
+    text = json.dumps(_plain(_nested(data, cls, path), path))
     try:
         return _adapter(cls).validate_json(text, strict=True)
     except ValidationError as exc:
@@ -284,7 +313,7 @@ def read_field(cls: type, name: str, value: Any, path: str) -> Any:
     if name not in _fields(cls):
         raise _unknown(path.rpartition(".")[0], cls, name)
     try:
-        obj = _adapter(cls).validate_json(json.dumps({name: value}, default=str), strict=True)
+        obj = _adapter(cls).validate_json(json.dumps(_plain({name: value}, "")), strict=True)
     except ValidationError as exc:
         raise field_error(exc, cls, path.rpartition(".")[0] if "." in path else "") from None
     return getattr(obj, name)
@@ -390,25 +419,27 @@ def env_mapping(cls: type, prefix: str, env: Dict[str, str], readers: Optional[D
     source: Dict[str, str] = {}
     for key, (_, owner) in _keys(cls).items():
         tp, var = _hints(owner)[key], prefix + key.upper()
-        if dataclasses.is_dataclass(tp):
-            inner, inner_source = env_mapping(tp, var + "__", env)
+        if var in env and env[var].strip():  # a value for the whole key (a section as a YAML mapping too)
+            raw = env[var]
+            if key in (readers or {}):
+                values[key] = readers[key](var, raw)
+            elif _is_text(tp):
+                values[key] = raw.strip()
+            else:
+                try:
+                    values[key] = yaml.safe_load(raw)
+                except yaml.YAMLError as exc:
+                    raise FieldError(var, f"{raw!r} is not a YAML value ({str(exc).splitlines()[0]})") from None
+            source[key] = var
+        elif var in env and key in (readers or {}):  # set empty: the reader says whether that means anything
+            values[key] = readers[key](var, env[var])
+            source[key] = var
+        section = _unwrap_optional(tp)
+        if dataclasses.is_dataclass(section):  # a section's keys, an Optional section's too: over its own variable
+            inner, inner_source = env_mapping(section, var + "__", env)
             if inner:
-                values[key] = inner
+                values[key] = merged(values.get(key), inner)
                 source.update({f"{key}.{k}": v for k, v in inner_source.items()})
-            continue
-        if var not in env or (not env[var].strip() and key not in (readers or {})):
-            continue
-        raw = env[var]
-        if key in (readers or {}):
-            values[key] = readers[key](var, raw)
-        elif _is_text(tp):
-            values[key] = raw.strip()
-        else:
-            try:
-                values[key] = yaml.safe_load(raw)
-            except yaml.YAMLError as exc:
-                raise FieldError(var, f"{raw!r} is not a YAML value ({str(exc).splitlines()[0]})") from None
-        source[key] = var
     return values, source
 
 

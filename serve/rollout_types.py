@@ -96,20 +96,22 @@ class RolloutConfig:
     consecutive_error_limit: int = ranged(4, 1, help=(
         "metric-source errors in a row (golden canary runs) before an abort"))
     max_error_rate: float = ranged(0.05, 0.0, 1.0, help=(
-        "INT8's error rate above which an analysis fails (judged on the rate's lower bound at confidence)"))
+        "how far INT8's error rate may exceed FP16's in a window: an analysis fails when INT8's lower bound at "
+        "confidence is above FP16's upper bound by more than this (overload that fails both rolls nothing back)"))
     max_p99_latency_ratio: float = ranged(3.0, 0.0, help="the largest INT8 p99 latency over FP16's p99")
     min_latency_samples: int = ranged(100, 1, help=(
         "requests per variant before the p99 ratio is judged (the p99 of fewer: their max)"))
     thresholds: Optional[GateThresholds] = setting(None, help=(
         "the golden canary's fidelity limits; unset: the bundle's own gate thresholds"))
     confidence: float = ranged(0.95, 0.5, 0.9999, help=(
-        "two-sided confidence of the bounds on the shadow flip rate and the error rate"))
+        "two-sided confidence of every bound an analysis judges: the shadow flip rate, the error rates, and the "
+        "golden canary's greedy agreement and reward drop"))
     shadow_fraction: float = ranged(0.2, 0.0, 1.0, help=(
         "share of greedy client requests also sent to the other variant in the background, to compare their tokens"))
     golden_interval_s: float = ranged(60.0, 0.0, help="seconds between golden canary runs (the bundle's held-out items)")
     golden_items: int = ranged(16, 0, help=(
         "golden items (the bundle's held-out prompts and float completions) each golden canary run sends to both "
-        "variants"))
+        "variants; 0 makes every run a metric-source error, so the rollout aborts after consecutive_error_limit"))
     auto_start: bool = setting(True, help="start the rollout when the router starts (false: wait for an operator)")
     match: Tuple[MatchRule, ...] = read_as(read_match_rules, (), help=(
         "cohort rules, each {header: NAME | cookie: NAME, value: V, variant: int8 | fp16}: matching requests always "

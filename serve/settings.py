@@ -94,7 +94,9 @@ class RouterSettings:
         "on it (a plain call: to the whole answer)"))
     health_interval_s: float = ranged(1.0, 0.0, help=(
         "seconds between variant health probes; a variant that fails one gets no new traffic"))
-    health_timeout_s: float = ranged(3.0, 0.0, help="seconds a health probe may take")
+    health_timeout_s: float = ranged(3.0, 0.0, help=(
+        "seconds a health probe may take, and how long a variant may go without a decode step while requests wait "
+        "(beyond what its recent steps took): past either, it is down and gets no new traffic"))
     max_body_bytes: int = ranged(65536, 0, help="the largest request body; larger: 413")
     chat_control_tokens: bool = setting(False, help=(
         "a control token's text typed into a chat message (<|im_end|>) is that control token, not text: only for "

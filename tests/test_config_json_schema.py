@@ -45,6 +45,13 @@ def test_what_the_reader_refuses_the_schema_refuses(build_schema, doc):
     assert errors(build_schema, doc)
 
 
+def test_what_a_fields_reader_accepts_the_schema_accepts(build_schema):
+    """``export.int8_vllm: true`` (a YAML boolean the field's reader makes "true") is valid in both."""
+    assert config_from_dict({"export": {"int8_vllm": True}}).export.int8_vllm == "true"
+    assert errors(build_schema, {"export": {"int8_vllm": True}}) == []
+    assert errors(build_schema, {"export": {"int8_vllm": "sometimes"}})
+
+
 def test_the_schemas_defaults_are_the_configs_defaults(build_schema):
     defaults = to_mapping(BuildConfig())
 

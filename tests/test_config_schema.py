@@ -160,3 +160,51 @@ def test_a_config_that_is_not_a_mapping_is_named(tmp_path):
     (tmp_path / "c.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="config: expected a mapping of sections, got list"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_a_number_written_as_a_string_is_refused_in_code_too():
+    """Built in code, pydantic's lax mode would read "500" as 500 past the range check: it is refused as in YAML."""
+    from policy_bundle.serve.rollout_types import RolloutConfig
+
+    with pytest.raises(ThresholdError, match=r"^max_kl_mean: expected float, got str '500'$"):
+        GateThresholds(max_kl_mean="500")
+    with pytest.raises(FieldError, match=r"^rollout.min_samples: expected int, got str '0'$"):
+        RolloutConfig(min_samples="0")
+    assert RecipeConfig(gptq_damp="1e-7").gptq_damp == 1e-7  # YAML 1.1's exponent strings are the numbers they spell
+
+
+def test_a_section_written_empty_takes_its_defaults_and_an_optional_one_stays_unset():
+    from policy_bundle.build.config.build_config import RegisterSection, config_from_dict
+
+    cfg = config_from_dict({"register": None, "canary": None, "policy": {"torchtitan": None}})
+    assert cfg.register == RegisterSection() and cfg.canary.gate == GateThresholds() and cfg.policy.torchtitan is None
+
+
+def test_a_choice_read_by_its_own_reader_refuses_what_the_reader_cannot_make_an_option():
+    from policy_bundle.build.config.build_config import config_from_dict
+
+    assert config_from_dict({"export": {"int8_vllm": True}}).export.int8_vllm == "true"
+    with pytest.raises(ConfigError, match=r"^export.int8_vllm: 0 is not one of \['auto', 'true', 'false'\]$"):
+        config_from_dict({"export": {"int8_vllm": 0}})
+
+
+def test_yaml_values_outside_json_are_named_not_turned_into_text():
+    import datetime
+
+    from policy_bundle.build.config.build_config import config_from_dict
+
+    with pytest.raises(ConfigError, match=r"^recipe.overrides.1: expected a string key, got int 1$"):
+        config_from_dict({"recipe": {"overrides": {1: "fp32"}}})
+    with pytest.raises(ConfigError, match=r"^name: expected a plain YAML value .*, got date datetime.date\(2020, 1, 1\)$"):
+        config_from_dict({"name": datetime.date(2020, 1, 1)})
+
+
+def test_an_optional_sections_keys_come_from_the_environment_too():
+    from policy_bundle.quantize.config_schema import from_mapping
+    from policy_bundle.serve.settings import RouterSettings, env_settings
+
+    values, source = env_settings({"POLICY_BUNDLE_ROLLOUT__THRESHOLDS__MAX_KL_MEAN": "0.2"})
+    assert from_mapping(RouterSettings, values).rollout.thresholds.max_kl_mean == 0.2
+    assert source == {"rollout.thresholds.max_kl_mean": "POLICY_BUNDLE_ROLLOUT__THRESHOLDS__MAX_KL_MEAN"}
+    cfg = load_config(None, env={"POLICY_BUNDLE_BUILD__POLICY__TORCHTITAN__MODEL": "qwen3"})
+    assert cfg.policy.torchtitan.model == "qwen3"

@@ -171,8 +171,8 @@ class ExportSection:
 
     onnx: Optional[bool] = setting(None, help=(
         "the INT8 ONNX export; unset (auto): built unless every recipe candidate is per-token (w8a8), whose "
-        "activations onnxruntime's static INT8 cannot carry"))
-    int8_vllm: str = choice("auto", ("auto", "true", "false"), read=_auto_or_bool, help=(
+        "activations onnxruntime's static INT8 cannot carry, or the [onnx] extra is not installed"))
+    int8_vllm: str = choice("auto", ("auto", "true", "false"), read=_auto_or_bool, also=(True, False), help=(
         "the compressed-tensors W8A8 directory vLLM serves (int8-vllm/): auto (when vLLM is here) | true | false"))
 
 
