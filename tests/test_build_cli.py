@@ -1,6 +1,7 @@
 """End to end: the real CLI builds a bundle whose every artifact loads the way its consumer loads it."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -8,9 +9,14 @@ import sys
 import pytest
 import torch
 
+from pathlib import Path
+
 from cli_helpers import EXAMPLES, SMALL, needs_vllm, run_cli
+from policy_bundle.build.cli import EXIT_CODES
 from policy_bundle.quantize import recipes, task
 from policy_bundle.quantize.vllm_launch import vllm_env
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FRESH_TORCHSCRIPT = """
 import sys, torch
@@ -214,6 +220,8 @@ def test_each_kind_of_failure_has_its_own_exit_code_and_help_lists_them(tmp_path
     helptext = " ".join(run_cli("--help").stdout.split())
     for code in ("2 a usage error", "3 an input or state refused", "4 the accuracy gate failed", "1 an unexpected error"):
         assert code in helptext, helptext
+    documented = re.findall(r"^\| (\d+) \|", (ROOT / "docs" / "build.md").read_text().split("# Exit codes")[1], re.M)
+    assert documented == re.findall(r"(?:: |; )(\d+) ", EXIT_CODES.replace("\n", " ")), documented  # docs = --help
     assert run_cli("build", "--no-such-flag").returncode == 2  # usage
     refused = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(tmp_path / "o"),
                       "--set", "calibration.samples=0")
