@@ -326,14 +326,14 @@ _LISTS = ("tuple_type", "list_type", "iterable_type")
 _MAPPINGS = ("dict_type", "dataclass_type", "dataclass_exact_type", "model_type", "dataclass_args_type")
 
 
-def _walk(cls: type, loc: tuple, prefix: str) -> "tuple[str, Any, Any]":
-    """The dotted YAML path of pydantic's ``loc`` in model ``cls`` (inline fields are not written), the type at it
-    and the model that holds its last part."""
-    path, tp, owner = prefix, cls, cls
+def _walk(cls: type, loc: tuple, prefix: str) -> "tuple[str, Any]":
+    """The dotted YAML path of pydantic's ``loc`` in model ``cls`` (inline fields are not written), and the type at
+    it."""
+    path, tp = prefix, cls
     for part in loc:
         inner = _unwrap_optional(tp)
         if isinstance(part, str) and dataclasses.is_dataclass(inner) and part in _fields(inner):
-            owner, tp = inner, _hints(inner)[part]
+            tp = _hints(inner)[part]
             if not _fields(inner)[part].metadata.get(INLINE):
                 path = _join(path, part)
             continue
@@ -345,7 +345,7 @@ def _walk(cls: type, loc: tuple, prefix: str) -> "tuple[str, Any, Any]":
         else:
             tp = Any
         path = _join(path, part)
-    return path, tp, owner
+    return path, tp
 
 
 def _expected_list(tp: Any) -> str:
@@ -366,11 +366,11 @@ def field_error(exc: ValidationError, cls: type, prefix: str = "", error: Type[F
         return error(own.path, own.problem) if type(own) is FieldError and error is not FieldError else own
     loc = tuple(e["loc"])
     if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        path, _, _ = _walk(cls, loc[:-1], prefix)
-        holder = _unwrap_optional(_walk(cls, loc[:-1], prefix)[1]) if loc[:-1] else cls
+        path, holder = _walk(cls, loc[:-1], prefix)
+        holder = _unwrap_optional(holder)
         keys = sorted(_keys(holder)) if dataclasses.is_dataclass(holder) else []
         return error(_join(path, loc[-1]), f"unknown field (known: {', '.join(keys)})")
-    path, tp, _ = _walk(cls, loc, prefix)
+    path, tp = _walk(cls, loc, prefix)
     if e["type"] == "policy_bundle_field":
         return error(path + ctx.get("sub", ""), ctx["problem"])
     value = e.get("input")
