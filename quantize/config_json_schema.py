@@ -12,7 +12,7 @@ from typing import Any, Dict
 
 from pydantic import TypeAdapter
 
-from policy_bundle.quantize.config_schema import INLINE, FieldError, _fields, _hints, _keys, _unwrap_optional, read_field
+from policy_bundle.quantize.config_schema import FieldError, _hints, _keys, _unwrap_optional, read_field
 
 WIDTH = 118  # a defaults file's comment lines wrap here
 
@@ -63,12 +63,8 @@ def _flatten(schema: dict, cls: type) -> dict:
         inner = _unwrap_optional(_hints(owner)[key])
         if dataclasses.is_dataclass(inner):
             target = _section(prop)
-            flat = _flatten(target, inner)
-            if target is prop:
-                prop = {**flat, **{k: v for k, v in prop.items() if k not in ("properties", "title")}}
-                prop["properties"] = flat["properties"]
-            else:
-                prop["anyOf"] = [flat if s is target else s for s in prop["anyOf"]]
+            flat = _flatten(target, inner)  # the section's own keys (its help, its default) kept
+            prop = flat if target is prop else {**prop, "anyOf": [flat if s is target else s for s in prop["anyOf"]]}
         out[key] = prop
     result = {k: v for k, v in schema.items() if k not in ("properties", "title", "required")}
     return {**result, "type": "object", "properties": out, "additionalProperties": False}
@@ -83,14 +79,6 @@ def defaults_yaml(cls: type, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _default_of(owner: type, key: str) -> Any:
-    f = _fields(owner)[key]
-    info = owner.__pydantic_fields__[key]
-    if f.metadata.get(INLINE) or f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return info.get_default(call_default_factory=True)
-
-
 def _help_lines(text: str, indent: str) -> list:
     width = WIDTH - len(indent) - 2
     return [f"{indent}# {line}" for line in textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)]
@@ -100,7 +88,7 @@ def _defaults_lines(cls: type, schema: dict, indent: str, lines: list) -> None:
     for key, (holder, owner) in _keys(cls).items():
         prop = schema["properties"][key]
         tp = _hints(owner)[key]
-        default = _default_of(owner, key)
+        default = owner.__pydantic_fields__[key].get_default(call_default_factory=True)
         if prop.get("description"):
             lines.extend(_help_lines(prop["description"], indent))
         if dataclasses.is_dataclass(tp) and dataclasses.is_dataclass(default):

@@ -242,8 +242,9 @@ def _keys(cls: type) -> Dict[str, tuple]:
     return keys
 
 
-def _unknown(path: str, cls: type, key: Any) -> FieldError:
-    return FieldError(_join(path, key), f"unknown field (known: {', '.join(sorted(_keys(cls)))})")
+def _unknown(path: str, cls: Any, key: Any, error: Type[FieldError] = FieldError) -> FieldError:
+    known = sorted(_keys(cls)) if dataclasses.is_dataclass(cls) else []
+    return error(_join(path, key), f"unknown field (known: {', '.join(known)})")
 
 
 def _nested(data: Any, cls: type, path: str) -> Any:
@@ -367,9 +368,7 @@ def field_error(exc: ValidationError, cls: type, prefix: str = "", error: Type[F
     loc = tuple(e["loc"])
     if e["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         path, holder = _walk(cls, loc[:-1], prefix)
-        holder = _unwrap_optional(holder)
-        keys = sorted(_keys(holder)) if dataclasses.is_dataclass(holder) else []
-        return error(_join(path, loc[-1]), f"unknown field (known: {', '.join(keys)})")
+        return _unknown(path, _unwrap_optional(holder), loc[-1], error)
     path, tp = _walk(cls, loc, prefix)
     if e["type"] == "policy_bundle_field":
         return error(path + ctx.get("sub", ""), ctx["problem"])
