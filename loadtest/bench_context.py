@@ -49,7 +49,6 @@ def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int, kv_cac
         times = []
         for _ in range(repeats + 1):
             batch = SlotBatch(module, min(ctx, pos + tokens + 1), 1, KV_BLOCK)
-            batch.grow(1)
             prompt = _prompt(pos, vocab)
             for start in range(0, pos, LONG_PROMPT_CHUNK):  # the server's long-prompt chunks
                 logits = batch.prefill(prompt[start:start + LONG_PROMPT_CHUNK], start)

@@ -61,13 +61,12 @@ def onnx_decode_tps(sess, prompt_len: int, new_tokens: int, vocab: int, repeats:
 
 @torch.no_grad()
 def batch_decode_tps(module, rows: int, prompt_len: int, new_tokens: int, vocab: int, repeats: int) -> float:
-    """Tokens/s of ``rows`` sequences decoding in the served engine's ``SlotBatch``: prompts prefilled into slots one by
-    one, untimed, then ``decode_batch`` steps, timed; median after a warm-up."""
+    """Tokens/s of ``rows`` sequences decoding in the served engine's ``SlotBatch``: prompts prefilled one by one,
+    untimed, then ``step_seqs`` steps, timed; median after a warm-up."""
     prompts = torch.randint(3, vocab, (rows, prompt_len), generator=torch.Generator().manual_seed(3)).tolist()
 
     def run() -> float:
         slots, nxt = SlotBatch(module, prompt_len + new_tokens + 1, rows), []
-        slots.grow(rows)  # as a served batch allocates: whole attention blocks (``cache_len_for``)
         for p in prompts:
             nxt.append(int(slots.prefill(p).argmax()))
             slots.join(len(nxt))

@@ -153,23 +153,33 @@ class Attention(nn.Module):
         return self._attend(q, k_cache, v_cache, mask)
 
     def forward_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
-                      masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
-        """``x`` [N, dim] holds parts (``part_views``): a decode step's ``rows`` rows first where there are any (each at
-        its own ``pos``, as ``forward_rows``), then prompt chunks (one sequence each, from ``starts[j]``, as
-        ``forward``), each with its own rotary tables, mask and cache. Each part's rows come out as its own call gives
-        them; a projection whose rows are independent (``batchable_*``) runs once over all of them. [N, dim]."""
+                      masks: List[Tensor], pos: List[int], starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
+        """``x`` [N, dim] holds parts (``part_views``): a decode step's ``rows`` rows first where there are any, then
+        prompt chunks, each part with its own rotary tables (``cos``, ``sin``). Every sequence has its own cache
+        [1, kv_heads, S, head_dim] and mask (``ks``, ``vs``, ``masks``: the rows' first, one each, then one per
+        chunk): row b writes its key and value at ``pos[b]`` and attends as ``forward_rows`` gives its row, a chunk
+        writes from ``starts[j]`` as ``forward``. Each part's rows come out as its own call gives them; a projection
+        whose rows are independent (``batchable_*``) runs once over all of them. [N, dim]."""
         if self.batchable_qkv:
             heads = [self._heads(p, cos[j], sin[j]) for j, p in enumerate(part_views(self.qkv_proj(x), sizes, rows))]
         else:
             heads = [self._qkv(p, cos[j], sin[j]) for j, p in enumerate(part_views(x, sizes, rows))]
         outs: List[Tensor] = []
+        seq = 0
         for j, (q, k, v) in enumerate(heads):
             if j == 0 and rows > 0:
-                _write_rows(k, v, pos, ks[j], vs[j])
+                each: List[Tensor] = []
+                for b in range(rows):
+                    ks[b].narrow(2, pos[b], 1).copy_(k.narrow(0, b, 1))
+                    vs[b].narrow(2, pos[b], 1).copy_(v.narrow(0, b, 1))
+                    each.append(self._sdpa(q.narrow(0, b, 1), ks[b], vs[b], masks[b]))
+                outs.append(torch.cat(each))
+                seq = rows
             else:
-                ks[j].narrow(2, starts[j], q.shape[2]).copy_(k)
-                vs[j].narrow(2, starts[j], q.shape[2]).copy_(v)
-            outs.append(self._sdpa(q, ks[j], vs[j], masks[j]))
+                ks[seq].narrow(2, starts[j], q.shape[2]).copy_(k)
+                vs[seq].narrow(2, starts[j], q.shape[2]).copy_(v)
+                outs.append(self._sdpa(q, ks[seq], vs[seq], masks[seq]))
+                seq += 1
         if self.batchable_o:
             return self.o_proj(torch.cat([o.reshape(-1, o.shape[2]) for o in outs]))
         return torch.cat([self.o_proj(o).reshape(-1, x.shape[1]) for o in outs])
@@ -303,13 +313,13 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
-                      masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
+                      masks: List[Tensor], pos: List[int], starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
         if self.narrow and not torch.jit.is_scripting():
             return self._widened_parts(x, sizes, rows, cos, sin, masks, pos, starts, ks, vs)
         return self._forward_parts(x, sizes, rows, cos, sin, masks, pos, starts, ks, vs)
 
     def _forward_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
-                       masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
+                       masks: List[Tensor], pos: List[int], starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
         x = x + self.self_attn.forward_parts(self.input_layernorm(x), sizes, rows, cos, sin, masks, pos, starts, ks, vs)
         return x + self.mlp.forward_parts(self.post_attention_layernorm(x), sizes, rows)
 
@@ -327,7 +337,7 @@ class Block(nn.Module):
 
     @torch.jit.unused
     def _widened_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],
-                       masks: List[Tensor], pos: Tensor, starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
+                       masks: List[Tensor], pos: List[int], starts: List[int], ks: List[Tensor], vs: List[Tensor]) -> Tensor:
         with widened(self):
             return self._forward_parts(x, sizes, rows, cos, sin, masks, pos, starts, ks, vs)
 

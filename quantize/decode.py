@@ -5,7 +5,8 @@ build's ``auto`` recipe choice, the benchmarks) and the serving engine. ``module
 the Policy interface: the eager ``Policy`` or the exported INT8 TorchScript module,
 which all expose ``new_cache(batch, total)``, ``prefill(ids, k, v)`` and ``decode(token, pos, k, v)``.
 Batched greedy generation runs on a ``SlotBatch`` (``slots.py``), like the serving engine's batches; it also
-calls ``module(ids, start, k, v)`` (a prompt chunk from position ``start``) and ``decode_batch``.
+calls ``next_logits`` (or ``module(ids, start, k, v)``) for prompts and ``step_seqs`` for the rows, each on a cache of its
+own.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def greedy_generate_batch(module, prompts: Sequence[Sequence[int]], max_new_toke
                           eos_token_id: Optional[int] = None, batch_size: int = 16,
                           done: Callable[[int], None] = lambda i: None) -> list[list[int]]:
     """``greedy_generate`` for many prompts, up to ``batch_size`` sequences per decode step (a
-    ``SlotBatch``): prompts enter shortest first, and a finished sequence's slot takes the next prompt
+    ``SlotBatch``): prompts enter shortest first, and the next prompt takes a finished sequence's place
     at once. Only for modules whose rows do not see each other (float policies, per-token or static
     int8), whose greedy tokens do not depend on the batch. ``done(i)`` is called as sequence ``i``
     finishes."""
@@ -134,7 +135,6 @@ def greedy_generate_batch(module, prompts: Sequence[Sequence[int]], max_new_toke
 
     waiting = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
     batch: SlotBatch[int] = SlotBatch(module, max(len(p) for p in prompts) + max_new_tokens, batch_size)
-    batch.grow(min(batch.max_capacity, len(prompts)))
     while waiting or len(batch):
         while waiting and len(batch) < batch.max_capacity:
             i = waiting.popleft()

@@ -42,7 +42,7 @@ def script_int8(int8: nn.Module) -> torch.jit.ScriptModule:
 
 def export_torchscript(int8: nn.Module, out: Path) -> Path:
     """Script the INT8 policy (``script_int8``); the file exposes ``new_cache``, ``prefill``, ``next_logits``,
-    ``decode``, ``decode_batch`` and ``step_and_prefill``."""
+    ``decode``, ``decode_batch``, ``step_and_prefill`` and ``step_seqs``."""
     scripted = script_int8(int8)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.jit.save(scripted, str(out))

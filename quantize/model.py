@@ -125,36 +125,50 @@ class Policy(nn.Module):
                          v_cache: Tensor) -> Tensor:
         """``decode_batch`` of rows 0..B-1 (``tokens`` [B, 1] at ``pos`` [B]; B may be 0) and, in the same forward,
         ``next_logits`` of each prompt chunk ``prompts[j]`` [1, T_j] written at ``starts[j]..`` of cache slot B + j
-        (caches [layers, B + chunks, kv_heads, S, head_dim]). Returns [B + chunks, 1, V]: each row's logits as those
-        calls give them, bitwise where the LM head's rows are independent (int8). Projections whose rows are
-        independent (per-token int8) run once over every row of the step; float ones, attention and the cache
-        writes run per part as alone (``Block.forward_parts``). A server's newcomers join a running batch without a
+        (caches [layers, B + chunks, kv_heads, S, head_dim]): ``step_seqs`` over the cache's slots. Returns
+        [B + chunks, 1, V]."""
+        n = tokens.shape[0] + len(prompts)
+        return self.step_seqs(tokens, pos, prompts, starts, [k_cache.narrow(1, i, 1) for i in range(n)],
+                              [v_cache.narrow(1, i, 1) for i in range(n)])
+
+    @torch.jit.export
+    def step_seqs(self, tokens: Tensor, pos: Tensor, prompts: List[Tensor], starts: List[int], ks: List[Tensor],
+                  vs: List[Tensor]) -> Tensor:
+        """One forward for a decode step of B sequences (``tokens`` [B, 1], row b at ``pos[b]``; B may be 0) and prompt
+        chunks (``prompts[j]`` [1, T_j] from position ``starts[j]``), every sequence on a KV cache of its own:
+        ``ks[i]``, ``vs[i]`` [layers, 1, kv_heads, S_i, head_dim], the B rows' first, then one per chunk, each at least
+        as long as what its sequence writes (a server grows each by blocks as its sequence does: no sequence is priced
+        at another's length). Returns [B + chunks, 1, V]: each row's logits as ``decode`` gives them alone, each chunk's
+        as ``next_logits``, bitwise where the LM head's rows are independent (int8). Projections whose rows are
+        independent (per-token int8) run once over every row of the step; float ones, attention and the cache writes
+        run per sequence as alone (``Block.forward_parts``). A server's newcomers join a running batch without a
         pass over the weights of their own."""
         rows, n = tokens.shape[0], len(prompts)
+        row_pos: List[int] = pos.tolist()
         sizes: List[int] = []
         starts_all: List[int] = []
         ids: List[Tensor] = []
         cos: List[Tensor] = []
         sin: List[Tensor] = []
         masks: List[Tensor] = []
-        ks: List[Tensor] = []
-        vs: List[Tensor] = []
+        kk: List[Tensor] = []
+        vv: List[Tensor] = []
         last: List[int] = []
         if rows > 0:
-            k, v = attended_cache(k_cache.narrow(1, 0, rows), v_cache.narrow(1, 0, rows), int(pos.max()) + 1)
-            c, s, m = self._row_tables(pos, k)
             sizes.append(rows)
             starts_all.append(0)
             ids.append(tokens.reshape(-1))
-            cos.append(c)
-            sin.append(s)
-            masks.append(m)
-            ks.append(k)
-            vs.append(v)
+            cos.append(self.rope_cos.index_select(0, pos).view(rows, 1, 1, -1))
+            sin.append(self.rope_sin.index_select(0, pos).view(rows, 1, 1, -1))
+            for b in range(rows):
+                k, v = attended_cache(ks[b], vs[b], row_pos[b] + 1)
+                masks.append(additive_mask((torch.arange(k.shape[3]) <= row_pos[b]).view(1, 1, 1, -1), cos[0].dtype))
+                kk.append(k)
+                vv.append(v)
             last = [i for i in range(rows)]
         for j in range(n):
             t = prompts[j].shape[1]
-            k, v = attended_cache(k_cache.narrow(1, rows + j, 1), v_cache.narrow(1, rows + j, 1), starts[j] + t)
+            k, v = attended_cache(ks[rows + j], vs[rows + j], starts[j] + t)
             c, s, m = self._chunk_tables(t, starts[j], k)
             sizes.append(t)
             starts_all.append(starts[j])
@@ -162,13 +176,13 @@ class Policy(nn.Module):
             cos.append(c)
             sin.append(s)
             masks.append(m)
-            ks.append(k)
-            vs.append(v)
+            kk.append(k)
+            vv.append(v)
             last.append(sum(sizes) - 1)
         x = self.embed_tokens(torch.cat(ids))
         for i, layer in enumerate(self.layers):
-            x = layer.forward_parts(x, sizes, rows, cos, sin, masks, pos, starts_all, [k[i] for k in ks],
-                                    [v[i] for v in vs])
+            x = layer.forward_parts(x, sizes, rows, cos, sin, masks, row_pos, starts_all, [k[i] for k in kk],
+                                    [v[i] for v in vv])
         return self.lm_head(self.norm(x.index_select(0, torch.tensor(last)).unsqueeze(1)))
 
 

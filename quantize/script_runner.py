@@ -64,8 +64,10 @@ def _trim_after(args: tuple) -> None:
     faults its temporaries in once)."""
     tokens = args[0] if args else None
     positions = tokens.numel() if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] > 1 else 0
-    # ``step_and_prefill``'s prompt chunks (a list of [1, T] tensors) count too; its decode rows are [B, 1]
-    positions += sum(t.numel() for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor))
+    # ``step_seqs``' prompt chunks (a list of [1, T] token tensors) count too; its decode rows are [B, 1], and the
+    # lists of its sequences' caches are not tokens
+    positions += sum(t.numel() for a in args if isinstance(a, list) for t in a
+                     if isinstance(t, torch.Tensor) and t.dtype == torch.long)
     if positions >= TRIM_POSITIONS:
         release_freed_memory()
 

@@ -1,17 +1,21 @@
-"""A KV cache of sequence slots for batched decoding: the active rows are always slots ``0..n-1``.
+"""Sequences decoding together, each on a KV cache of its own that grows by blocks: the build's batched greedy
+rollouts (``decode.greedy_generate_batch``) and the serving engine's continuous batching.
 
-The one slot bookkeeping of the build's batched greedy rollouts (``decode.greedy_generate_batch``) and
-the serving engine's continuous batching. A prompt is prefilled (whole, or in chunks) into the next
-free slot, ``len(rows)``, and ``join`` makes that slot a row; ``step`` advances every row by one token,
-each at its own position, on a view of the cache; ``release`` moves the last row into a freed slot.
-Rows do not see each other, so a row's tokens do not depend on the batch (for modules whose rows are
-independent: float policies, per-token or static int8).
+A prompt is prefilled (whole, or in chunks) into a cache of its own, ``join`` makes it a row, ``step`` advances every
+row by one token, each at its own position, and ``release`` drops a row's cache: its memory goes back at once. No
+sequence is priced at another's length: with ``block`` > 0 (the server) a sequence's cache holds whole blocks of
+``block`` positions, one more each time it runs past the last, so a 6000-token request beside eight short ones costs
+its own 6144 positions and theirs 256 each, not nine times 6144. Without (the build's rollouts) each sequence holds
+``max_len`` positions from its prefill.
 
-With ``block`` > 0 (the server) the cache's positions grow in blocks as its rows need them and ``trim`` gives memory
-back when long rows leave, so a context of thousands of tokens costs what the rows use, not slots x the context; the
-caller bounds the worst case with ``footprint``. Without (the build's batched rollouts) it holds ``max_len`` positions
-from the start. Either way attention runs over the same ``attention_len`` positions, so a row's tokens do not depend
-on how long the cache is.
+A cache is one contiguous tensor per sequence, grown by copying it into one a block longer: attention reads it as it
+lies. A paged cache whose blocks lie anywhere in a shared pool would have to be gathered into such a tensor before
+every step's attention (PyTorch has no CPU attention over a block table; the gather copies the whole attended cache
+at every step, where growing copies it once per ``block`` steps: SmolLM2-135M at 7000 positions, 160 MB a step
+against 160 MB per 256 steps).
+
+Every sequence attends over its own cache (``Policy.step_seqs``; each row as it is alone, at its own
+``attention_len``), so a row's tokens do not depend on the batch, nor on how long the other rows are.
 """
 
 from __future__ import annotations
@@ -24,47 +28,64 @@ from torch import Tensor
 from policy_bundle.quantize.blocks import attention_len, cache_len_for
 
 R = TypeVar("R")
-KV_BLOCK = 256  # positions a served cache grows by (``block``; a multiple of attention's 32)
+KV_BLOCK = 256  # positions a served sequence's cache grows by (``block``; a multiple of attention's 32)
 # An idle server prefills a prompt whole up to this many tokens, a longer one in chunks of it: attention over a chunk
 # makes a [chunk x heads, context] mask and scores, not [prompt, prompt] (a 6000-token prompt: 12 MB a head, not 144)
 LONG_PROMPT_CHUNK = 512
 
 
+class _Cache:
+    """One sequence's keys and values [layers, 1, kv_heads, positions, head_dim], and how many positions it has
+    written."""
+
+    __slots__ = ("k", "v", "filled")
+
+    def __init__(self, k: Tensor, v: Tensor):
+        self.k, self.v, self.filled = k, v, 0
+
+    @property
+    def positions(self) -> int:
+        return int(self.k.shape[3])
+
+
 class SlotBatch(Generic[R]):
-    """``module``'s KV cache of ``capacity`` slots of ``max_len`` positions; ``rows[i]`` (the caller's
-    object for the sequence in slot ``i``) writes its next token at ``pos[i]``."""
+    """Up to ``max_capacity`` sequences of up to ``max_len`` positions decoding on ``module``; ``rows[i]`` (the
+    caller's object for the sequence) writes its next token at ``pos[i]`` into its own cache."""
 
     def __init__(self, module, max_len: int, max_capacity: int, block: int = 0):
         self.module, self.max_len, self.max_capacity = module, max_len, max(1, max_capacity)
         if block and block % 32:
             raise ValueError(f"block: {block} positions is not a multiple of 32 (attention runs over whole 32s)")
         self.block = block
-        self.ceiling = 0  # with ``block``: the most positions the cache may grow to (the caller's reservation; 0: any)
         self._bytes_per_position = 0
-        self.k: Optional[Tensor] = None
-        self.v: Optional[Tensor] = None
-        self.capacity = 0
         self.rows: List[R] = []
         self.pos: List[int] = []
-        self.filling = 0  # prompt positions already in the next free slot (a part-prefilled prompt)
-        self._queued: List[int] = []  # the prompt positions of the free slots after it (``step_and_prefill``'s chunks)
+        self.caches: List[_Cache] = []  # the rows'
+        # prompts prefilled (whole, or the first in part) that have not joined yet, in the order they join
+        self._staged: List[_Cache] = []
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @property
-    def length(self) -> int:
-        """The positions the cache holds now (0 before the first allocation)."""
-        return 0 if self.k is None else int(self.k.shape[3])
+    def filling(self) -> int:
+        """The prompt positions already in the next sequence to join (0: none staged)."""
+        return self._staged[0].filled if self._staged else 0
 
-    def slots_for(self, n: int) -> int:
-        """The slots an allocation for ``n`` sequences holds: a power of two (at least 4 without ``block``), at most
-        ``max_capacity``."""
-        return min(self.max_capacity, max(1 if self.block else 4, 1 << (max(1, n) - 1).bit_length()))
+    @property
+    def length(self) -> int:
+        """The positions the longest sequence's cache holds now (0 when there is none)."""
+        return max((c.positions for c in self.caches + self._staged), default=0)
+
+    @property
+    def blocks(self) -> int:
+        """The blocks the caches hold now (``positions_for``'s units: ``block`` positions, or a whole ``max_len``)."""
+        unit = self.block or cache_len_for(self.max_len)
+        return sum(-(-c.positions // unit) for c in self.caches + self._staged)
 
     def positions_for(self, needed: int) -> int:
-        """The positions an allocation for ``needed`` of them holds: whole blocks (whole attention blocks without
-        ``block``: the whole ``max_len``), never past ``max_len``'s."""
+        """The positions a sequence needing ``needed`` of them holds: whole blocks (without ``block``: the whole
+        ``max_len``, in whole attention blocks), never past ``max_len``'s."""
         whole = cache_len_for(self.max_len)
         if not self.block:
             return whole
@@ -78,160 +99,142 @@ class SlotBatch(Generic[R]):
         return self._bytes_per_position
 
     def footprint(self, n: int, positions: int) -> int:
-        """The bytes a cache for ``n`` sequences of up to ``positions`` positions each takes, as this batch
-        allocates it (``slots_for`` x ``positions_for``)."""
-        return self.slots_for(n) * self.positions_for(positions) * self.bytes_per_position()
+        """The bytes ``n`` sequences of up to ``positions`` positions each come to, at most (``positions_for``)."""
+        return n * self.positions_for(positions) * self.bytes_per_position()
 
     def allocated_bytes(self) -> int:
-        return 0 if self.k is None else self.capacity * self.length * self.bytes_per_position()
+        return sum(c.positions for c in self.caches + self._staged) * self.bytes_per_position()
 
-    def grow(self, n: int) -> bool:
-        """Make room for ``n`` slots (``slots_for``), keeping the cache's contents; True when it reallocated. A failed
-        allocation leaves the batch as it was."""
-        if n <= self.capacity:
-            return False
-        if n > self.max_capacity:
-            raise ValueError(f"{n} slots asked of a batch of at most {self.max_capacity}")
-        self._reshape(self.slots_for(n), self.length or self.positions_for(1))
-        return True
+    def _reach(self, cache: _Cache, needed: int) -> None:
+        """Make ``cache`` hold at least ``needed`` positions (``positions_for``), keeping what it has written. A failed
+        allocation leaves it as it was."""
+        if needed <= cache.positions:
+            return
+        k, v = self.module.new_cache(1, self.positions_for(needed))
+        n = cache.filled
+        k[:, :, :, :n] = cache.k[:, :, :, :n]
+        v[:, :, :, :n] = cache.v[:, :, :, :n]
+        cache.k, cache.v = k, v
 
-    def reach(self, needed: int) -> None:
-        """Make the cache hold at least ``needed`` positions (with ``block``: at least doubling, so a long answer
-        copies its cache a few times, not once per block; never past ``ceiling``)."""
-        if needed > self.length and self.k is not None:
-            grown = self.positions_for(max(needed, 2 * self.length))
-            if self.ceiling:
-                grown = max(self.positions_for(needed), min(grown, self.ceiling))
-            self._reshape(self.capacity, grown)
+    def _new(self, needed: int, replacing: bool = False) -> _Cache:
+        if len(self.rows) + len(self._staged) - replacing >= self.max_capacity:
+            raise ValueError(f"no free slot: {len(self.rows)} rows and {len(self._staged)} staged prompts fill the "
+                             f"batch's {self.max_capacity} sequences")
+        return _Cache(*self.module.new_cache(1, self.positions_for(needed)))
 
-    def trim(self, n: int, needed: int, slack: int = 2) -> bool:
-        """With ``block``: give memory back when the cache holds more positions than ``ceiling``, or more than ``slack``
-        times the slots ``n`` sequences take (none left: free it); it keeps ``needed`` positions. The slack keeps a
-        batch whose size goes back and forth across a power of two from copying its cache at every turn. True when it
-        reallocated."""
-        if not self.block or self.k is None:
-            return False
-        # never below what is in use: the rows, a part-prefilled prompt and prompts prefilled but not joined yet
-        n = max(n, len(self.rows) + bool(self.filling) + len(self._queued))
-        needed = max([needed, self.filling, *self._queued] + [p + 1 for p in self.pos])
-        if n == 0:
-            self.k = self.v = None
-            self.capacity = 0
-            return True
-        slots = self.slots_for(n)
-        over = self.ceiling and self.length > self.ceiling
-        if self.capacity <= slack * slots and not over:
-            return False
-        length = max(self.positions_for(needed), min(self.length, self.ceiling)) if over else self.length
-        self._reshape(min(self.capacity, slots) if self.capacity > slack * slots else self.capacity, length)
-        return True
+    def _target(self, start: int, needed: int, j: int = 0) -> _Cache:
+        """The cache a prompt chunk from ``start`` goes into, holding ``needed`` positions: the ``j``-th staged prompt
+        when the chunk continues it (``start`` > 0) or it is staged and empty, else a new one (a chunk from 0 starts a
+        prompt over)."""
+        staged = self._staged[j] if j < len(self._staged) else None
+        if start and (staged is None or staged.filled != start):
+            raise ValueError(f"a prompt chunk from position {start} continues no staged prompt "
+                             f"(it holds {staged.filled if staged else 0})")
+        if staged is not None and staged.filled == start:
+            self._reach(staged, needed)
+            return staged
+        cache = self._new(needed, staged is not None)
+        if staged is not None:
+            self._staged[j] = cache
+        else:
+            self._staged.append(cache)
+        return cache
 
-    def held_footprint(self, n: int, positions: int) -> int:
-        """What a cache for ``n`` sequences of up to ``positions`` positions may come to from this one: the slots it
-        holds (``trim``'s slack) or ``n`` need, whichever is more, each of ``positions_for(positions)`` positions."""
-        return max(self.capacity, self.slots_for(n)) * self.positions_for(positions) * self.bytes_per_position()
+    def stage(self, chunks: Sequence[Tuple[Sequence[int], int]]) -> List[_Cache]:
+        """Allocate what ``step_and_prefill(..., chunks)`` writes: each chunk's sequence (the ``j``-th to join) holding
+        its end, and every row one more position. A failed allocation (out of memory) raises before any forward, and
+        the caller may ``unstage`` the newcomers and step the rows alone. Staging twice allocates once."""
+        for cache, p in zip(self.caches, self.pos):
+            self._reach(cache, p + 1)
+        return [self._target(start, start + len(ids), j) for j, (ids, start) in enumerate(chunks)]
 
-    def _reshape(self, cap: int, length: int) -> None:
-        """Reallocate to ``cap`` slots of ``length`` positions, keeping what fits of the cache's contents."""
-        k, v = self.module.new_cache(cap, length)
-        if self.k is not None:
-            c, n = min(cap, self.capacity), min(length, self.length)
-            k[:, :c, :, :n] = self.k[:, :c, :, :n]
-            v[:, :c, :, :n] = self.v[:, :c, :, :n]
-        self.k, self.v, self.capacity = k, v, cap
+    def unstage(self) -> None:
+        """Drop the prompts prefilled (whole or in part) that have not joined, and their caches."""
+        self._staged = []
 
     def prefill(self, ids: Sequence[int], start: int = 0) -> Tensor:
-        """Write the prompt tokens ``ids`` at positions ``start..`` of the next free slot (its positions
-        ``0..start-1`` hold the prompt's earlier tokens); returns the logits after its last token [V]: the
-        module's ``next_logits`` (the LM head on that row alone), or the last row of its ``forward`` where it has
-        none (a policy exported without ``next_logits``)."""
-        slot, end = len(self.rows), start + len(ids)
-        if slot >= self.capacity:
-            raise ValueError(f"no free slot: {slot} rows fill the cache's {self.capacity} slots (grow it first)")
-        self.filling = 0
+        """Write the prompt tokens ``ids`` at positions ``start..`` of the next sequence to join (its positions
+        ``0..start-1`` hold the prompt's earlier tokens, from the prefill before); returns the logits after its last
+        token [V]: the module's ``next_logits`` (the LM head on that row alone), or the last row of its ``forward`` where
+        it has none (a policy exported without ``next_logits``)."""
+        end = start + len(ids)
+        cache = self._target(start, end)
         run = getattr(self.module, "next_logits", self.module)
-        self.reach(end)
-        n = self.attended(end)
-        logits = run(torch.tensor([list(ids)]), start, self.k[:, slot : slot + 1, :, :n], self.v[:, slot : slot + 1, :, :n])
-        self.filling = end
+        n = attention_len(end, cache.positions)
+        logits = run(torch.tensor([list(ids)]), start, cache.k[:, :, :, :n], cache.v[:, :, :, :n])
+        cache.filled = end
         return logits[0, -1]
 
-    def attended(self, needed: int) -> int:
-        """The cache positions a step attends over: ``needed`` rounded up to a multiple of 32 within the cache
-        (``blocks.attention_len``, which a current artifact applies itself too): a row's answer is then
-        the same alone, beside rows at other positions, and in the build's greedy decode."""
-        return attention_len(needed, self.k.shape[3])
-
     def join(self, row: R) -> None:
-        """The next free slot, its prompt prefilled, becomes ``row``: its next token goes after the prompt."""
+        """The next staged prompt becomes ``row``: its next token goes after the prompt."""
+        cache = self._staged.pop(0)
         self.rows.append(row)
-        self.pos.append(self.filling)
-        self.filling = self._queued.pop(0) if self._queued else 0
+        self.pos.append(cache.filled)
+        self.caches.append(cache)
 
     def can_fuse(self) -> bool:
-        """Whether the module runs a step and prompt chunks in one forward (``step_and_prefill``; older artifacts lack
-        it)."""
-        return hasattr(self.module, "step_and_prefill")
+        """Whether the module runs a step and prompt chunks in one forward over caches of their own (``step_seqs``;
+        older artifacts lack it)."""
+        return hasattr(self.module, "step_seqs")
 
     def step_and_prefill(self, tokens: Sequence[int], chunks: Sequence[Tuple[Sequence[int], int]]) -> Tuple[Tensor, Tensor]:
-        """``step(tokens)`` for the rows and, in the same forward (the module's ``step_and_prefill``), each chunk
-        ``(ids, start)`` written at ``start..`` of free slot ``len(rows) + j`` as ``prefill`` writes it (the first chunk
-        continues a part-prefilled prompt from ``filling``; only the last may stop short of its prompt's end). Returns
-        the rows' next logits [n, V] and each chunk's last logits [chunks, V]; then ``join`` each whole prompt, in order."""
-        n, m = len(self.rows), len(chunks)
-        if n + m > self.capacity:
-            raise ValueError(f"no free slot: {n} rows and {m} prompts overfill the cache's {self.capacity} slots")
-        ends = [start + len(ids) for ids, start in chunks]
-        needed = max([p + 1 for p in self.pos] + ends)
-        self.reach(needed)
-        s = self.attended(needed)
-        logits = self.module.step_and_prefill(torch.tensor(list(tokens), dtype=torch.long).view(n, 1),
-                                              torch.tensor(self.pos, dtype=torch.long),
-                                              [torch.tensor([list(ids)]) for ids, _ in chunks],
-                                              [start for _, start in chunks],
-                                              self.k[:, : n + m, :, :s], self.v[:, : n + m, :, :s])[:, 0]
-        self.pos = [p + 1 for p in self.pos]
-        if ends:
-            self.filling, self._queued = ends[0], ends[1:]
+        """``step(tokens)`` for the rows and, in the same forward (the module's ``step_seqs``), each chunk
+        ``(ids, start)`` written at ``start..`` of the ``j``-th sequence to join as ``prefill`` writes it (the first
+        chunk may continue a part-prefilled prompt; only the last may stop short of its prompt's end). Returns the rows'
+        next logits [n, V] and each chunk's last logits [chunks, V]; then ``join`` each whole prompt, in order."""
+        n = len(self.rows)
+        targets = self.stage(chunks)
+        seqs = self.caches + targets
+        logits = self.module.step_seqs(torch.tensor(list(tokens), dtype=torch.long).view(n, 1),
+                                       torch.tensor(self.pos, dtype=torch.long),
+                                       [torch.tensor([list(ids)]) for ids, _ in chunks], [start for _, start in chunks],
+                                       [c.k for c in seqs], [c.v for c in seqs])[:, 0]
+        self._stepped()
+        for cache, (ids, start) in zip(targets, chunks):
+            cache.filled = start + len(ids)
         return logits[:n], logits[n:]
 
     def step(self, tokens: Sequence[int]) -> Tensor:
         """Feed ``tokens[i]`` to row ``i`` at ``pos[i]``; returns the next logits [n, V]. One row runs the
-        single-sequence ``decode`` (the same arithmetic, minus ``decode_batch``'s gathers)."""
-        needed = max(self.pos) + 1
-        self.reach(needed)
-        n, s = len(self.rows), self.attended(needed)
-        k, v = self.k[:, :n, :, :s], self.v[:, :n, :, :s]
-        ids = torch.tensor(list(tokens)).view(n, 1)
-        if n == 1:
-            logits = self.module.decode(ids, self.pos[0], k, v)
+        single-sequence ``decode`` (the same arithmetic, minus the step's per-sequence bookkeeping); several run
+        ``step_seqs`` (one ``decode`` per row on a module without it)."""
+        for cache, p in zip(self.caches, self.pos):
+            self._reach(cache, p + 1)
+        n = len(self.rows)
+        if n == 1 or not self.can_fuse():
+            logits = torch.cat([self._decode_one(t, c, p) for t, c, p in zip(tokens, self.caches, self.pos)])
         else:
-            logits = self.module.decode_batch(ids, torch.tensor(self.pos, dtype=torch.long), k, v)
-        self.pos = [p + 1 for p in self.pos]
+            logits = self.module.step_seqs(torch.tensor(list(tokens), dtype=torch.long).view(n, 1),
+                                           torch.tensor(self.pos, dtype=torch.long), [], [],
+                                           [c.k for c in self.caches], [c.v for c in self.caches])
+        self._stepped()
         return logits[:, 0]
 
+    def _decode_one(self, token: int, cache: _Cache, pos: int) -> Tensor:
+        s = attention_len(pos + 1, cache.positions)
+        return self.module.decode(torch.tensor([[token]]), pos, cache.k[:, :, :, :s], cache.v[:, :, :, :s])
+
+    def _stepped(self) -> None:
+        for cache, p in zip(self.caches, self.pos):
+            cache.filled = p + 1
+        self.pos = [p + 1 for p in self.pos]
+
     def release(self, slots: Sequence[int]) -> None:
-        """Free ``slots``: the last row moves into each (its filled positions only), and a part-prefilled
-        prompt follows the rows into the next free slot."""
-        n = len(self.rows)
-        for i in sorted(set(slots), reverse=True):  # the last row is then always one that stays
-            last = len(self.rows) - 1
-            if i != last:
-                self._copy(last, i, self.pos[last])
-                self.rows[i], self.pos[i] = self.rows[last], self.pos[last]
-            self.rows.pop()
-            self.pos.pop()
-        if self.filling and len(self.rows) != n:
-            self._copy(n, len(self.rows), self.filling)
+        """Drop the rows at ``slots`` and their caches (their memory goes back at once); the others keep their order."""
+        gone = set(slots)
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        self.pos = [self.pos[i] for i in keep]
+        self.caches = [self.caches[i] for i in keep]
 
     def drop(self, leaves: Callable[[R], bool]) -> None:
-        """Release the slots of the rows for which ``leaves(row)`` is true."""
+        """Release the rows for which ``leaves(row)`` is true."""
         self.release([i for i, row in enumerate(self.rows) if leaves(row)])
 
     def clear(self) -> None:
-        """Forget every row and any part-prefilled prompt (the cache stays allocated)."""
-        self.rows, self.pos, self.filling, self._queued = [], [], 0, []
+        """Forget every row and staged prompt, and their caches."""
+        self.rows, self.pos, self.caches, self._staged = [], [], [], []
 
-    def _copy(self, src: int, dst: int, n: int) -> None:
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+    def cache_of(self, i: int) -> Optional[Tuple[Tensor, Tensor]]:
+        """Row ``i``'s keys and values (its whole allocation), or None past the rows."""
+        return (self.caches[i].k, self.caches[i].v) if i < len(self.caches) else None

@@ -235,7 +235,7 @@ def fuse_projections(model: nn.Module) -> int:
 def mark_batchable(model: nn.Module) -> int:
     """In place: each attention block whose q/k/v (fused) and output projections, and each MLP whose gate/up (fused)
     and down projections, are ``Int8TokenLinear`` (per-token int8 with exact sums: a row's output the same beside any
-    rows) is marked batchable, so ``Policy.step_and_prefill`` runs them once over a step's decode rows and prompt
+    rows) is marked batchable, so ``Policy.step_seqs`` runs them once over a step's decode rows and prompt
     chunks together; an MLP whose gate/up alone is int8 runs that once and its float ``down_proj`` per part
     (``batchable_gate_up``); the rest run per part, as alone. Returns the projections marked."""
     marked = 0

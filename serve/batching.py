@@ -1,19 +1,16 @@
 """Continuous batching for the INT8 TorchScript policy (and our FP policy module, its fallback).
 
-One decode thread owns the model and a KV cache of ``capacity`` slots (quantize's ``SlotBatch``, the
-build's batched rollouts' too). Each step it admits newcomers (their prompts prefilled into free
-slots; while others are decoding, at most ``prefill_chunk`` prompt tokens per step, a long prompt in
-chunks across steps, so running streams keep flowing), then advances every active request by one
-token with the artifact's ``decode_batch(tokens [B, 1], pos [B], k, v)``: each row at its own
-position (``decode`` when there is one row). A finished or
-cancelled request leaves at once; the last row moves into its slot, so the active rows are always
-slots ``0..n-1`` and a step runs on a view of the cache, never on a copy. Sampling, seeds, stop
-tokens and logprobs stay per request (``pick_token`` with the request's own generator; a step's greedy rows
-together, each as alone: ``greedy_picks``), so a greedy request gets the tokens it gets alone.
+One decode thread owns the model and its sequences, each on a KV cache of its own that grows by ``KV_BLOCK``
+positions as the sequence does (quantize's ``SlotBatch``, the build's batched rollouts' too). Each step it admits
+newcomers (their prompts prefilled into caches of their own; while others are decoding, at most ``prefill_chunk``
+prompt tokens per step, a long prompt in chunks across steps, so running streams keep flowing), then advances every
+active request by one token with the artifact's ``step_seqs``: each row at its own position, on its own cache
+(``decode`` when there is one row). A finished or cancelled request leaves at once and its cache's blocks go back.
+Sampling, seeds, stop tokens and logprobs stay per request (``pick_token`` with the request's own generator; a step's
+greedy rows together, each as alone: ``greedy_picks``), so a greedy request gets the tokens it gets alone.
 
-Where the artifact has ``step_and_prefill`` newcomers' prompt chunks go into the step's
-own forward, every row's logits bitwise as apart (SmolLM2-135M INT8, 1 thread: 16 rows plus two 6-token prompts took
-96 ms in one forward, 68 + 2 x 37 ms apart).
+Newcomers' prompt chunks go into the step's own forward (``step_seqs``), every row's logits bitwise as apart
+(SmolLM2-135M INT8, 1 thread: 16 rows plus two 6-token prompts took 96 ms in one forward, 68 + 2 x 37 ms apart).
 
 ``Lanes`` runs several such engines on one loaded module, one decode thread each (one intra-op thread each by
 default), and hands each request to the least loaded: on a CPU where one decode thread at one intra-op thread leaves
@@ -54,8 +51,8 @@ def auto_kv_budget() -> int:
 
 class KvBudget:
     """The KV-cache bytes a torch engine's lanes may hold together. A lane holds the footprint of its worst case
-    (every sequence it admitted at its prompt + max_tokens, as its cache allocates them) before it admits one more,
-    and lowers it as they leave; the cache itself grows by blocks as the sequences do, never past what is held."""
+    (every sequence it admitted at its prompt + max_tokens, in whole blocks) before it admits one more, and lowers it
+    as they leave; each sequence's cache grows by blocks as it does, never past its own worst case."""
 
     def __init__(self, limit: int):
         self.limit = int(limit)
@@ -146,7 +143,7 @@ class BatchedEngine:
         self._cv = threading.Condition()
         # rows: the active requests; with a KV budget the cache grows by blocks within it (``_fits``, ``_settle``)
         self.kv, self.kv_wait_s = kv, kv_wait_s
-        self.slots: SlotBatch[_EngineRequest] = SlotBatch(module, max_seq_len, self.max_batch, KV_BLOCK if kv else 0)
+        self.slots: SlotBatch[_EngineRequest] = SlotBatch(module, max_seq_len, self.max_batch, KV_BLOCK)
         self.kv_refused = 0  # requests that waited kv_wait_s for KV memory and got a 429
         # a request without its first token after this long (queued, or prefilling behind others) gets a 429: the
         # engine is busy, not broken, and says so before the router's own timeout would count it as the variant's
@@ -215,7 +212,7 @@ class BatchedEngine:
         """Slots and counts, and what the router's health check reads: how long work has waited on the decode thread
         for a step (0 while idle) and whether that thread is alive."""
         busy = bool(len(self.slots) or self._pending or self._filling is not None)
-        return {"active": len(self.slots), "pending": len(self._pending), "capacity": self.slots.capacity,
+        return {"active": len(self.slots), "pending": len(self._pending), "kv_blocks": self.slots.blocks,
                 "max_batch": self.max_batch, "peak_batch": self.peak_batch, "steps": self.steps,
                 "fused_chunks": self.fused_chunks, "kv_allocated_bytes": self.slots.allocated_bytes(),
                 "kv_positions": self.slots.length, "kv_refused": self.kv_refused, "busy_refused": self.busy_refused,
@@ -296,6 +293,8 @@ class BatchedEngine:
             if r is None:
                 break
             if r.cancelled:
+                if r.filled:  # the part-prefilled prompt: its cache goes back
+                    self.slots.unstage()
                 continue
             fits = True if r.filled else self._fits(r, taken)
             if fits is None:  # refused (it waited kv_wait_s)
@@ -329,24 +328,25 @@ class BatchedEngine:
 
     def _admit_and_step(self) -> None:
         """This step's prompt chunks (``_chunks``) and the rows' next tokens: in one forward where the module can
-        (``SlotBatch.step_and_prefill``), else a prefill call per chunk, then the step. A newcomer whose prompt is
+        (``SlotBatch.step_and_prefill``: the module's ``step_seqs``), else a prefill call per chunk, then the step. A newcomer whose prompt is
         complete joins the rows with its first token."""
         taken = self._chunks()
         self.step_tokens = len(self.slots) + sum(end - start for _, start, end in taken)
         if self.fused and taken:
             try:  # a failed allocation (out of memory) fails the newcomers only
-                self._grow(len(self.slots) + len(taken))
+                self.slots.stage([(r.prompt[a:b], a) for r, a, b in taken])
             except Exception as exc:  # noqa: BLE001 - these requests' failure, not the batch's
+                self.slots.unstage()
                 for r, _, _ in taken:
-                    r.emit(_prefill_failed(self.slots.capacity, exc))
+                    r.emit(_prefill_failed(len(self.slots), exc))
                 taken = []
         if not self.fused or not taken:
             for r, start, end in taken:
                 try:  # a failed allocation (out of memory) fails this request only
-                    self._grow(len(self.slots) + 1)
                     logits = self.slots.prefill(r.prompt[start:end], start)
                 except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
-                    r.emit(_prefill_failed(self.slots.capacity, exc))
+                    self.slots.unstage()
+                    r.emit(_prefill_failed(len(self.slots), exc))
                     continue
                 self._sleep_for_fault()
                 self._took(r, end, logits)
@@ -415,19 +415,16 @@ class BatchedEngine:
         """The requests holding KV memory: the rows and a part-prefilled newcomer."""
         return self.slots.rows + ([self._filling] if self._filling is not None else [])
 
+    def _worst_case(self, requests: List[_EngineRequest]) -> int:
+        """The KV bytes ``requests`` may come to: each its prompt + max_tokens, in whole blocks."""
+        return sum(self.slots.footprint(1, q.total) for q in requests)
+
     def _fits(self, r: _EngineRequest, taken: List[Tuple[_EngineRequest, int, int]]) -> Optional[bool]:
         """Whether ``r`` may join (with this step's ``taken`` chunks): with a KV budget, the lanes' worst case with it
         must fit, and the budget is held for it now. One that has waited ``kv_wait_s`` gets a 429 instead (None)."""
         if self.kv is None:
             return True
-        with_it = self._admitted() + [t[0] for t in taken] + [r]
-        longest = max(q.total for q in with_it)
-        held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest), r.queued_at)
-        if not held and self.slots.capacity > self.slots.slots_for(len(with_it)):  # give back the slack, then retry
-            self.slots.trim(0, 0, slack=1)  # (never below the slots and positions in use: ``trim``)
-            held = self.kv.hold(self.name, self.slots.held_footprint(len(with_it), longest), r.queued_at)
-        if held:
-            self.slots.ceiling = self.slots.positions_for(longest)  # the cache grows no further than what is held
+        if self.kv.hold(self.name, self._worst_case(self._admitted() + [t[0] for t in taken] + [r]), r.queued_at):
             return True
         if time.monotonic() - r.queued_at >= self.kv_wait_s:
             self.kv.withdraw(self.name)
@@ -440,8 +437,8 @@ class BatchedEngine:
         return False
 
     def _settle(self) -> None:
-        """Finished and cancelled rows leave; with a KV budget, what the lane holds falls to what the rest may still
-        need and the cache gives back memory it no longer needs."""
+        """Finished and cancelled rows leave (their caches' blocks go back); with a KV budget, what the lane holds
+        falls to what the rest may still need."""
         self.slots.drop(_leaves)
         if self.kv is None:
             return
@@ -450,17 +447,7 @@ class BatchedEngine:
         if last is not None and len(last) == len(admitted) and all(a is b for a, b in zip(last, admitted)):
             return  # no row left or joined since the last settle: nothing to give back
         self._settled_for = list(admitted)
-        longest = max((q.total for q in admitted), default=0)
-        self.slots.ceiling = self.slots.positions_for(longest)
-        needed = max([p + 1 for p in self.slots.pos] + ([self.slots.filling] if self._filling is not None else [0]))
-        if self.slots.trim(len(admitted), needed):
-            log.debug("%s: KV cache now %d slots of %d positions", self.name, self.slots.capacity, self.slots.length)
-        # what the lane holds: its sequences' worst case on the slots it keeps (never less than what it allocated)
-        self.kv.hold(self.name, self.slots.held_footprint(len(admitted), longest) if admitted else 0)
-
-    def _grow(self, n: int) -> None:
-        if self.slots.grow(n):
-            log.info("%s: KV cache grown to %d slots of %d positions", self.name, self.slots.capacity, self.slots.length)
+        self.kv.hold(self.name, self._worst_case(admitted))
 
     def _sleep_for_fault(self) -> None:
         if self.delay_s:
@@ -475,8 +462,8 @@ def _quantiles(values: List[float]) -> dict:
     return {q: round(percentile(values, float(q)), 4) for q in ("0.5", "0.99")} if values else {}
 
 
-def _prefill_failed(capacity: int, exc: BaseException) -> RuntimeError:
-    return RuntimeError(f"prefill failed (KV cache of {capacity} slots): {type(exc).__name__}: {exc}")
+def _prefill_failed(rows: int, exc: BaseException) -> RuntimeError:
+    return RuntimeError(f"prefill failed ({rows} sequences decoding): {type(exc).__name__}: {exc}")
 
 
 def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64, threads: int = 1,

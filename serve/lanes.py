@@ -42,7 +42,7 @@ class Lanes:
     def stats(self) -> dict:
         """The lanes' counts summed (their peak batch: the largest), and each lane's own under ``per_lane``."""
         per = [e.stats() for e in self.lanes]
-        total = {k: sum(s[k] for s in per) for k in ("active", "pending", "capacity", "steps", "fused_chunks",
+        total = {k: sum(s[k] for s in per) for k in ("active", "pending", "kv_blocks", "steps", "fused_chunks",
                                                      "kv_allocated_bytes", "kv_refused", "busy_refused")}
         waits = [s.get("queue_wait_s") or {} for s in per]  # the slowest lane's
         worst = max(per, key=lambda s: s["last_step_age_s"] - s["step_allowance_s"])

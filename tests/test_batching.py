@@ -66,13 +66,14 @@ def test_artifact_has_batched_decode_and_the_engine_picks_it(artifact):
 
 
 class WithoutFusedStep:
-    """The artifact as exported before ``step_and_prefill`` existed: a prefill call per newcomer, then the step."""
+    """The artifact as exported before ``step_seqs`` existed: a prefill call per newcomer, then the step (a ``decode``
+    per row)."""
 
     def __init__(self, artifact):
         self.artifact = artifact
 
     def __getattr__(self, name):
-        if name == "step_and_prefill":
+        if name == "step_seqs":
             raise AttributeError(name)
         return getattr(self.artifact, name)
 
@@ -81,7 +82,7 @@ class WithoutFusedStep:
 @pytest.mark.parametrize("chunk", [64, 2], ids=["whole-prompts", "prompts-in-chunks-of-2"])
 def test_batched_greedy_equals_unbatched_with_requests_joining_and_leaving(artifact, chunk, fused):
     """Newcomers' prompts are prefilled while others decode: whole, or 2 tokens per step across steps; in the step's
-    own forward (``step_and_prefill``), or by a prefill call each (an artifact without it)."""
+    own forward (``step_seqs``), or by a prefill call each (an artifact without it)."""
     engine = BatchedEngine(artifact if fused else WithoutFusedStep(artifact), 32, "int8", prefill_chunk=chunk)
     assert engine.fused is fused
     alone = solo(engine)
@@ -129,9 +130,9 @@ class ChunksSeen:
     def __init__(self, artifact):
         self.artifact, self.chunks = artifact, []
 
-    def step_and_prefill(self, tokens, pos, prompts, starts, k, v):
+    def step_seqs(self, tokens, pos, prompts, starts, ks, vs):
         self.chunks += [(start, p.shape[1]) for p, start in zip(prompts, starts)]
-        return self.artifact.step_and_prefill(tokens, pos, prompts, starts, k, v)
+        return self.artifact.step_seqs(tokens, pos, prompts, starts, ks, vs)
 
     def __getattr__(self, name):
         return getattr(self.artifact, name)
@@ -340,7 +341,6 @@ def test_score_runs_the_head_on_the_last_position_as_a_prefill_does(artifact):
     seqs = [p[:5] for p in PROMPTS if len(p) >= 5][:3]
     got = torch.tensor(last_position_logits(artifact, [seqs[0]]))[0]
     batch = SlotBatch(artifact, 32, 1)
-    batch.grow(1)
     assert torch.equal(got, batch.prefill(seqs[0]))  # bitwise what the served prefill gives
     full = full_logits(artifact, torch.tensor(seqs))[:, -1]
     assert torch.allclose(torch.tensor(last_position_logits(artifact, seqs)), full, atol=1e-4)

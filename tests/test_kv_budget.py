@@ -51,6 +51,24 @@ def footprint(policy, n: int, positions: int) -> int:
     return SlotBatch(policy, CFG.max_seq_len, 32, KV_BLOCK).footprint(n, positions)
 
 
+def watched(engine, keys, make):
+    """``asyncio.run(make())`` while the engine's stats ``keys`` are sampled every 2 ms: (its result, the samples)."""
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            s = engine.stats()
+            seen.append(tuple(s[k] for k in keys))
+            time.sleep(0.002)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        return asyncio.run(make()), seen
+    finally:
+        stop.set()
+        watcher.join()
+
+
 @pytest.mark.parametrize("kv_cache", KV_CACHES)
 def test_tokens_past_several_blocks_are_the_same_alone_batched_and_as_the_cache_grows(kv_cache):
     """Three requests crossing 256-position blocks at different steps (the cache grows under them, and shrinks when
@@ -81,22 +99,10 @@ def test_admission_counts_kv_over_every_lane_and_gives_it_back(policy):
     engine = policy_engine(policy, CFG.max_seq_len, "kv", max_batch=8, lanes=2, kv_cache_bytes=budget)
     for lane in engine.lanes:
         lane.delay_s = 0.002  # steps long enough for the requests to overlap
-    seen, stop = [], threading.Event()
 
-    def watch():
-        while not stop.is_set():
-            s = engine.stats()
-            seen.append((s["active"], s["kv_held_bytes"], s["kv_allocated_bytes"]))
-            time.sleep(0.002)
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        async def run():
-            return await asyncio.wait_for(asyncio.gather(*[tokens(engine, prompt(10, i), 300) for i in range(6)]), 120)
-        out = asyncio.run(run())
-    finally:
-        stop.set()
-        watcher.join()
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(*[tokens(engine, prompt(10, i), 300) for i in range(6)]), 120)
+    out, seen = watched(engine, ("active", "kv_held_bytes", "kv_allocated_bytes"), run)
     assert [len(t) for t in out] == [300] * 6
     assert max(a for a, _, _ in seen) == 2  # two at once (the budget's worth), never three
     assert max(h for _, h, _ in seen) <= budget and max(b for _, _, b in seen) <= budget
@@ -129,37 +135,62 @@ def test_a_request_that_waits_past_kv_wait_s_gets_a_429_and_the_one_holding_the_
     assert len(done) == 400 and settled(engine)["kv_refused"] == 1 and engine.kv.held() == 0
 
 
-def test_a_batch_going_back_and_forth_across_a_power_of_two_keeps_its_slots(policy):
-    """Rows leaving give slots back only past twice what the rest take (each reshape copies the cache); the budget
-    still counts what the cache keeps (``held_footprint``), never less than it allocated."""
+def test_a_long_sequence_costs_its_own_blocks_and_short_ones_theirs(policy):
+    """Each sequence holds whole blocks of its own (a block table of one contiguous run per sequence): a 600-position
+    row beside three short ones costs its three blocks and theirs one each, not four times three; the engine holds the
+    worst cases in blocks the same way, and a row that leaves gives its blocks back at once."""
     batch = SlotBatch(policy, CFG.max_seq_len, 8, KV_BLOCK)
-    batch.grow(3)
-    batch.ceiling = batch.positions_for(300)
-    assert batch.capacity == 4 and not batch.trim(2, 10)  # 4 slots for 2 rows: kept
-    assert batch.held_footprint(2, 300) == 4 * 512 * batch.bytes_per_position() >= batch.allocated_bytes()
-    assert batch.trim(1, 10) and batch.capacity == 1  # 4 slots for 1 row: given back
-    assert batch.trim(0, 0) and batch.allocated_bytes() == 0
-
-
-def test_giving_back_slack_never_drops_a_part_prefilled_prompt(policy):
-    """Trimming for a newcomer keeps the slots and positions in use: two rows and a prompt prefilled half-way (its
-    first chunk in the slot after the rows) keep their cache, whatever the caller asks to trim to."""
-    batch = SlotBatch(policy, CFG.max_seq_len, 8, KV_BLOCK)
-    batch.grow(8)
-    batch.ceiling = batch.positions_for(600)
-    for seed in (0, 1):
-        batch.prefill(prompt(20, seed))
+    for seed, n in enumerate((600, 10, 20, 30)):
+        batch.prefill(prompt(n, seed))
         batch.join(seed)
-    long = prompt(400, 2)
-    batch.prefill(long[:300])  # the first chunk of a long prompt: slot 2, not joined
-    before = batch.k[:, 2, :, :300].clone()
-    assert batch.trim(0, 0, slack=1)  # the caller counts nothing in use: the batch knows better
-    assert batch.capacity >= 3 and batch.length >= 300 and torch.equal(batch.k[:, 2, :, :300], before)
-    rest = batch.prefill(long[300:], 300)
-    whole = SlotBatch(policy, CFG.max_seq_len, 1, KV_BLOCK)  # the same two chunks in a batch that never trimmed
-    whole.grow(1)
-    whole.prefill(long[:300])
-    assert torch.equal(rest, whole.prefill(long[300:], 300))
+    per = KV_BLOCK * batch.bytes_per_position()
+    assert batch.blocks == 3 + 1 + 1 + 1 and batch.allocated_bytes() == 6 * per  # a dense cache: 4 x 3 blocks
+    batch.step([1, 2, 3, 4])
+    batch.release([0])
+    assert batch.blocks == 3 and batch.allocated_bytes() == 3 * per
+
+    engine = BatchedEngine(policy, CFG.max_seq_len, "kv", max_batch=4, kv=KvBudget(2**30))
+    engine.delay_s = 0.004
+    async def run():  # one 700-position worst case, three of 40: held 3 + 1 + 1 + 1 blocks
+        return await asyncio.gather(tokens(engine, prompt(500, 0), 200),
+                                    *[tokens(engine, prompt(10, i), 30) for i in (1, 2, 3)])
+    out, seen = watched(engine, ("active", "kv_held_bytes", "kv_blocks"), run)
+    assert [len(o) for o in out] == [200, 30, 30, 30]
+    assert max(h for a, h, _ in seen if a == 4) == 6 * per  # dense slots would have held 4 x 3 blocks
+    assert max(b for _, _, b in seen) <= 6 and min(h for a, h, _ in seen if a == 1) == 3 * per
+    stats = settled(engine)
+    assert stats["kv_blocks"] == 0 and stats["kv_held_bytes"] == 0
+
+
+def test_a_cancelled_part_prefilled_prompt_gives_its_cache_back(policy):
+    """A long prompt prefilled in chunks beside a running row, its client gone half-way: its staged cache goes
+    back, and the next newcomer is answered as alone."""
+    engine = BatchedEngine(policy, CFG.max_seq_len, "kv", max_batch=4, prefill_chunk=64, kv=KvBudget(2**30))
+    engine.delay_s = 0.02  # the row's 240 tokens (one block all along) take 5 s or more
+    alone = [s.token_id for s in decode_steps(policy, prompt(12, 5), 6, greedy_pick, max_seq_len=CFG.max_seq_len)]
+
+    async def run():
+        row = asyncio.ensure_future(tokens(engine, prompt(10, 1), 240))
+        await asyncio.sleep(0.05)
+        long = asyncio.ensure_future(tokens(engine, prompt(900, 2), 4))  # 64 tokens a step: 15 steps of prefill
+        for _ in range(200):  # until the prompt is part-way in: the row's block and at least one of its own
+            await asyncio.sleep(0.01)
+            if engine.stats()["kv_blocks"] >= 2:
+                break
+        assert engine.stats()["kv_blocks"] >= 2
+        long.cancel()
+        for _ in range(300):  # the forward its chunk is in ends, then the engine finds it cancelled
+            await asyncio.sleep(0.01)
+            if engine.stats()["kv_blocks"] == 1:
+                break
+        between = engine.stats()["kv_blocks"], engine.stats()["active"]
+        newcomer = await tokens(engine, prompt(12, 5), 6)
+        return await row, newcomer, between
+    done, newcomer, between = asyncio.run(run())
+    assert between == (1, 1)  # the running row's block only: the cancelled prompt's went back before a newcomer came
+    assert len(done) == 240 and newcomer == alone
+    stats = settled(engine)
+    assert stats["kv_blocks"] == 0 and stats["kv_allocated_bytes"] == 0
 
 
 def test_lanes_share_the_budget_first_come_first_served():

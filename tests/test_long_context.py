@@ -135,6 +135,7 @@ def test_32_concurrent_long_requests_on_a_small_budget_are_answered_or_refused_w
         status = httpx.get(f"{long_server.url}/status", timeout=30).json()
         batches = [v.get("batch") or {} for v in status["variants"].values()]
         idle = status["inflight"] == 0 and all(not b.get("kv_held_bytes") and not b.get("kv_allocated_bytes")
+                                               and not b.get("kv_blocks")
                                                and not b.get("active") for b in batches)
         if idle or time.monotonic() > deadline:
             break

@@ -75,6 +75,10 @@ class Churn(torch.nn.Module):
     def step_and_prefill(self, tokens: torch.Tensor, prompts: List[torch.Tensor]) -> torch.Tensor:
         return self.prefill(tokens)  # a step's [B, 1] rows and its prompt chunks' tokens, the same churn
 
+    @torch.jit.export
+    def step_seqs(self, tokens: torch.Tensor, prompts: List[torch.Tensor], ks: List[torch.Tensor]) -> torch.Tensor:
+        return self.prefill(tokens)  # decode rows on caches of their own: the caches are not tokens
+
 
 def rss_mb() -> int:
     line = [s for s in Path("/proc/self/status").read_text().splitlines() if s.startswith("VmRSS")][0]
@@ -91,6 +95,8 @@ if sys.argv[2] == "chunks":  # four decode rows and two prompt chunks of the pos
     half = positions // 2
     kept = runner.step_and_prefill(torch.zeros([4, 1], dtype=torch.long),
                                    [torch.zeros([1, half], dtype=torch.long), torch.zeros([1, positions - half], dtype=torch.long)])
+elif sys.argv[2] == "caches":  # four decode rows on caches of their own, as many positions each
+    kept = runner.step_seqs(torch.zeros([4, 1], dtype=torch.long), [], [torch.zeros([1, positions]) for _ in range(4)])
 else:
     kept = runner.prefill(torch.zeros(shape, dtype=torch.long))
 print(rss_mb() - before)
@@ -117,3 +123,4 @@ def test_a_call_over_trim_positions_hands_its_freed_heap_back(tmp_path):
     assert grown_mb(script, 0) <= 16  # the 2 MB it returns, and the interpreter's own
     # a step with prompt chunks (``step_and_prefill``): the chunks' positions count, the decode rows' do not
     assert grown_mb(script, -1, "chunks") >= 48 and grown_mb(script, 0, "chunks") <= 16
+    assert grown_mb(script, 0, "caches") >= 48  # a step over its sequences' caches (``step_seqs``): not trimmed

@@ -1,6 +1,5 @@
-"""The slot batch: rows of one KV cache decode together and each gets the tokens it gets alone, however
-rows join, leave (the last row moving into the freed slot) or the cache grows. On the shipped reference
-policy."""
+"""The slot batch: rows decode together, each on a KV cache of its own, and each gets the tokens it gets alone,
+however rows join or leave or their caches grow. On the shipped reference policy."""
 
 from __future__ import annotations
 
@@ -55,16 +54,17 @@ def test_batched_greedy_with_slots_refilled_equals_one_sequence_at_a_time(policy
     assert sorted(finished) == sorted(list(range(len(prompts))) * 3)
 
 
-def test_a_released_slot_takes_the_last_row_and_its_continuation_is_unchanged(policy, prompts):
+def test_released_rows_leave_with_their_caches_and_the_others_continuations_are_unchanged(policy, prompts):
     picked = [prompts[0], prompts[21], prompts[5], prompts[23]]  # different lengths
     expected = solo(policy, picked)
     batch, outs = SlotBatch(policy, 32, 8), {}
-    batch.grow(4)
     for r, p in enumerate(picked):
         admit(batch, p, r, outs)
     advance(batch, outs, 3)
+    held = batch.allocated_bytes()
     batch.release([0, 2])
-    assert batch.rows == [3, 1] and batch.pos == [len(picked[3]) + 3, len(picked[1]) + 3]
+    assert batch.rows == [1, 3] and batch.pos == [len(picked[1]) + 3, len(picked[3]) + 3]
+    assert batch.allocated_bytes() == held // 2  # two of four equal caches: their memory went with them
     advance(batch, outs, 8)
     assert [outs[r] for r in (1, 3)] == [expected[r] for r in (1, 3)]
 
@@ -73,12 +73,11 @@ def test_a_part_prefilled_prompt_follows_the_rows_when_a_slot_is_released(policy
     picked = [prompts[0], prompts[1], prompts[23]]
     expected = solo(policy, picked)
     batch, outs = SlotBatch(policy, 32, 8), {}
-    batch.grow(3)
     admit(batch, picked[0], 0, outs)
     admit(batch, picked[1], 1, outs)
     advance(batch, outs, 2)
-    head = batch.prefill(picked[2][:5])  # the first chunk of the newcomer's prompt, in slot 2
-    batch.release([0])  # row 1 moves to slot 0; the newcomer's chunk to slot 1
+    head = batch.prefill(picked[2][:5])  # the first chunk of the newcomer's prompt, in a cache of its own
+    batch.release([0])  # a row leaves: the newcomer's chunk stays staged
     logits = batch.prefill(picked[2][5:], start=5)
     assert head.shape == logits.shape == (policy.lm_head.out_features,) and batch.rows == [1]
     outs[2] = [int(logits.argmax())]
@@ -87,49 +86,74 @@ def test_a_part_prefilled_prompt_follows_the_rows_when_a_slot_is_released(policy
     assert [outs[1], outs[2]] == [expected[1][:9], expected[2][:7]]
 
 
-def test_growing_the_cache_keeps_the_rows_it_holds(policy, prompts):
-    picked = prompts[:4] + prompts[20:22]
-    expected = solo(policy, picked)
-    batch, outs = SlotBatch(policy, 32, 8), {}
-    assert batch.grow(1) and batch.capacity == 4
+def test_each_sequences_cache_grows_by_blocks_as_it_does_keeping_its_tokens():
+    """Blocks of 32 positions: rows crossing them at different steps get a block more each, one at a time, and their
+    tokens are the ones they get alone; no row is priced at another's length."""
+    from policy_bundle.quantize.hf_weights import init_random_policy
+    from policy_bundle.quantize.model import PolicyConfig
+
+    module = init_random_policy(PolicyConfig("llama", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                             head_dim=8, intermediate_size=64, max_seq_len=128), seed=0)
+    g = torch.Generator().manual_seed(1)
+    picked = [torch.randint(3, 50, (int(n),), generator=g).tolist() for n in (3, 9, 20, 31, 5, 30)]
+    expected = [greedy_generate(module, p, 40) for p in picked]
+    batch, outs = SlotBatch(module, 128, 8, block=32), {}
     for r in range(4):
         admit(batch, picked[r], r, outs)
-    advance(batch, outs, 2)
-    assert batch.grow(5) and batch.capacity == 8 and not batch.grow(8)
+    assert [c.positions for c in batch.caches] == [32] * 4
+    advance(batch, outs, 20)
     for r in (4, 5):
         admit(batch, picked[r], r, outs)
-    advance(batch, outs, 4)
+    assert [c.positions for c in batch.caches] == [32, 32, 64, 64, 32, 32]  # each its own blocks
+    advance(batch, outs, 19)
     assert [outs[r] for r in range(6)] == [e[: len(outs[r])] for r, e in enumerate(expected)]
+    assert batch.blocks == sum(-(-(p + 1) // 32) for p in batch.pos)  # whole blocks: what each row has written
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        SlotBatch(module, 64, 8, block=48)
 
 
-def test_one_row_steps_with_decode_and_several_with_decode_batch(policy, prompts):
+def test_one_row_steps_with_decode_and_several_with_step_seqs(policy, prompts):
     calls = []
 
     class Counting:
         def new_cache(self, b, n): return policy.new_cache(b, n)
         def __call__(self, *a): return policy(*a)
         def decode(self, *a): calls.append("decode"); return policy.decode(*a)  # noqa: E702
-        def decode_batch(self, *a): calls.append("batch"); return policy.decode_batch(*a)  # noqa: E702
+        def step_seqs(self, *a): calls.append("seqs"); return policy.step_seqs(*a)  # noqa: E702
 
     batch, outs = SlotBatch(Counting(), 32, 4), {}
-    batch.grow(2)
     admit(batch, prompts[0], 0, outs)
     advance(batch, outs, 1)
     admit(batch, prompts[1], 1, outs)
     advance(batch, outs, 1)
-    assert calls == ["decode", "batch"]
+    assert calls == ["decode", "seqs"]
 
 
-def test_a_batch_refuses_more_slots_than_its_limit_and_a_prefill_without_a_free_slot(policy, prompts):
+def test_a_module_without_step_seqs_decodes_row_by_row_with_the_same_tokens(policy, prompts):
+    """An artifact exported before ``step_seqs``: each row runs ``decode`` on its own cache, as alone."""
+    class Older:
+        def new_cache(self, b, n): return policy.new_cache(b, n)
+        def __call__(self, *a): return policy(*a)
+        def decode(self, *a): return policy.decode(*a)
+
+    picked = prompts[:3]
+    batch, outs = SlotBatch(Older(), 32, 4), {}
+    assert not batch.can_fuse()
+    for r, p in enumerate(picked):
+        admit(batch, p, r, outs)
+    advance(batch, outs, 7)
+    assert [outs[r] for r in range(3)] == [e[:8] for e in solo(policy, picked, 8)]
+
+
+def test_a_batch_refuses_a_prefill_past_its_sequences_and_a_chunk_that_continues_nothing(policy, prompts):
     batch = SlotBatch(policy, 32, 3)
-    assert batch.grow(3) and batch.capacity == 3
-    with pytest.raises(ValueError, match="at most 3"):
-        batch.grow(4)
     for r in range(3):
         batch.prefill(prompts[r])
         batch.join(r)
     with pytest.raises(ValueError, match="no free slot"):
         batch.prefill(prompts[3])
+    with pytest.raises(ValueError, match="continues no staged prompt"):
+        SlotBatch(policy, 32, 3).prefill(prompts[3], start=4)
 
 
 @pytest.mark.parametrize("which", ["fp32 policy", "int8 torchscript"])
@@ -175,19 +199,26 @@ def test_the_slot_batch_hands_each_step_whole_blocks_of_its_cache():
                                              head_dim=8, intermediate_size=64, max_seq_len=128), seed=0)
     seen = []
 
-    class Recording:  # the cache lengths the slot batch hands the module
+    class Recording:  # the cache lengths the slot batch allocates and hands the module
         def new_cache(self, b, n): seen.append(("alloc", n)); return module.new_cache(b, n)  # noqa: E702
         def next_logits(self, ids, start, k, v): seen.append(k.shape[3]); return module.next_logits(ids, start, k, v)  # noqa: E702
         def decode(self, t, pos, k, v): seen.append(k.shape[3]); return module.decode(t, pos, k, v)  # noqa: E702
-        def decode_batch(self, t, pos, k, v): seen.append(k.shape[3]); return module.decode_batch(t, pos, k, v)  # noqa: E702
+
+        def step_seqs(self, t, pos, prompts, starts, ks, vs):  # attends over ``attention_len`` of each itself
+            seen.append(tuple(k.shape[3] for k in ks))
+            return module.step_seqs(t, pos, prompts, starts, ks, vs)
 
     batch, outs = SlotBatch(Recording(), 100, 2), {}
-    batch.grow(2)
     admit(batch, [1, 2, 3], 0, outs)  # positions 3..
     advance(batch, outs, 2)
     batch.prefill(list(range(3, 33)))  # a long prompt in two chunks: 30 then 12 more positions
     batch.prefill(list(range(5, 17)), 30)
     batch.join(1)
     outs[1] = [7]
-    advance(batch, outs, 3)  # the long row at 42.., the short one at 5..: the batch attends over 64
-    assert seen[0] == ("alloc", 128) and seen[1:] == [32, 32, 32, 32, 64, 64, 64, 64], seen
+    advance(batch, outs, 3)  # the short row at 5.., the long one at 42..: each sequence's own whole cache
+    assert seen == [("alloc", 128), 32, 32, 32, ("alloc", 128), 32, 64] + [(128, 128)] * 3, seen
+    served = SlotBatch(module, 100, 2, block=32)  # a served batch: blocks of 32, one more as a row passes the last
+    admit(served, list(range(1, 31)), 0, outs)
+    assert served.caches[0].positions == 32
+    advance(served, {0: [5]}, 3)
+    assert served.caches[0].positions == 64

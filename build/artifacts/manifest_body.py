@@ -77,6 +77,8 @@ INT8_TORCHSCRIPT_USAGE = (
     "torch.no_grad() and torch.jit.optimized_execution(False) (C++: torch::jit::setGraphExecutorOptimize(false)); "
     "k, v = m.new_cache(batch, positions: a multiple of 32); logits = m.prefill(tokens [1, T], k, v) -> [1, 1, V]; "
     "logits = m.decode(token [1, 1], position, k, v); decode_batch(tokens [B, 1], positions [B], k, v) for B rows; "
+    "step_seqs(tokens [B, 1], positions [B], prompts, starts, ks, vs) for B rows and prompt chunks each on a cache of "
+    "its own (new_cache(1, positions)); "
     "make the first call on one thread before threads share the module (it packs the weights)")
 
 
