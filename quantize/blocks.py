@@ -129,9 +129,9 @@ class Attention(nn.Module):
             # ``mask`` is [rep * t, S] here (``Policy.forward`` repeats it once per forward, not once per layer).
             rep = self.n_heads // self.n_kv_heads
             q = q.reshape(b, self.n_kv_heads, rep * t, self.head_dim)
-            out = attend(q, keys, values, mask).reshape(b, self.n_heads, t, self.head_dim)
+            out = attend(q, keys, values, mask, t == 1).reshape(b, self.n_heads, t, self.head_dim)
         else:
-            out = attend(q, keys, values, mask)
+            out = attend(q, keys, values, mask, t == 1)
         return out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
 
     def forward(
@@ -185,27 +185,40 @@ class Attention(nn.Module):
         return torch.cat([self.o_proj(o).reshape(-1, x.shape[1]) for o in outs])
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, decode: bool) -> Tensor:
     """Scaled dot-product attention of ``q`` over the cache, in ``q``'s dtype (``attend_narrow`` for a cache narrower
-    than the queries)."""
+    than the queries; ``decode``: one query position per sequence)."""
     if keys.dtype == q.dtype:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    return attend_narrow(q, keys, values, mask, torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return attend_narrow(q, keys, values, mask, decode and bf16_products_pay())
+
+
+def bf16_products_pay() -> bool:
+    """Whether ``attend_narrow``'s own bfloat16 products beat PyTorch's fused attention for a decode step on this CPU:
+    where oneDNN multiplies bfloat16 on AVX-512 without AMX. With AMX they are slow (an Intel Xeon with AMX, SmolLM2's
+    attention of one decode row, one thread: 114 us at 128 positions and 1255 us at 7008, where the fused kernel takes
+    30 and 665), and a server attends per sequence, one such call per row and layer. A prompt chunk's many queries
+    always take the fused kernel: the products' scores come out transposed, and the softmax over them was 22x slower
+    (the same Xeon, a 512-token chunk at position 4096: 725 ms a layer against 33). AMX is read as oneDNN's float16
+    support (AVX512-FP16 or AMX-FP16): every x86 CPU with AMX has it, and the AVX-512 BF16 CPUs without AMX (AMD Zen 4
+    and 5, Cooper Lake) do not; TorchScript sees oneDNN's checks, not the CPU's flags. The choice depends on the CPU
+    and the call's own shape, never on a batch: a row's tokens are the same alone or batched on any one CPU."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported() and not torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
 def attend_narrow(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, native: bool) -> Tensor:
     """Attention over a bfloat16 cache under float32 queries (``Policy.kv_cache``). Two kernels, as the CPU allows
-    (measured on SmolLM2's shape, one thread, AVX-512 + VNNI + BF16, a float32 policy's decode step against a float32
-    cache: 89.0 ms at position 7000, 61.9 at 2048, 52.3 at 128):
+    (``bf16_products_pay``; measured on SmolLM2's shape, one thread, AMD EPYC with AVX-512 + VNNI + BF16 and no AMX, a
+    float32 policy's decode step against a float32 cache: 89.0 ms at position 7000, 61.9 at 2048, 52.3 at 128):
 
-    - ``native`` (oneDNN multiplies bfloat16: AVX-512 and up): the two products in bfloat16 (float32 accumulation
+    - ``native`` (oneDNN multiplies bfloat16: AVX-512 without AMX): the two products in bfloat16 (float32 accumulation
       inside, the scores and the output rounded to bfloat16), the softmax in float32; the cache is read as it is
       stored: 82.4 / 63.7 / 55.0 ms. The scores are keys @ q^T,
       transposed: the cache view attention runs over is narrowed from a longer allocation, and oneDNN copies such a
       view when it is the transposed right operand (1.5 ms a layer at 7000 positions instead of 0.33). Each product
       costs about 30 us however small, hence the short contexts' few ms;
-    - otherwise, PyTorch's fused attention in bfloat16 (queries and mask rounded to it, float32 accumulation inside):
-      97.7 / 66.0 / 53.6 ms here (a bfloat16 product without oneDNN took 4.6 ms a layer at 7000 positions; the cache
+    - otherwise (AVX2; AMX), PyTorch's fused attention in bfloat16 (queries and mask rounded to it, float32
+      accumulation inside): 97.7 / 66.0 / 53.6 ms on that CPU (a bfloat16 product without oneDNN took 4.6 ms a layer at 7000 positions; the cache
       widened to float32 and attended as such, 110.7 / 66.4 / 57.6).
 
     Either way a row's result does not depend on the other rows of its batch (tests/test_kv_cache.py)."""
