@@ -65,7 +65,7 @@ def run_mode(mode: str, policy_dir: Path, items: int) -> dict:
         resource.RUSAGE_SELF).ru_maxrss / 1e6, "top1": top1, "kl_mean": float(kl.mean()), "tokens": int(kl.numel())}
 
 
-def _cpu() -> str:
+def cpu_description() -> str:
     from policy_bundle.quantize.fbgemm_int8 import cpu_flags
 
     name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
@@ -90,7 +90,7 @@ def main() -> None:
                              check=True, capture_output=True, text=True).stdout
         rows[mode] = json.loads(out.strip().splitlines()[-1])
     print(f"policy {args.policy.name}, {args.items} golden items x 32 scored tokens, {ROUNDS} teacher-forced "
-          f"measurements of an int8 candidate; CPU {_cpu()}")
+          f"measurements of an int8 candidate; CPU {cpu_description()}")
     print("| mode | peak RSS (GB) | wall (s) | top-1 | KL mean |\n|---|---|---|---|---|")
     for r in rows.values():
         print(f"| {r['mode']} | {r['peak_rss_gb']:.2f} | {r['seconds']:.1f} | {r['top1']:.4f} | {r['kl_mean']:.5f} |")

@@ -97,6 +97,37 @@ def test_2000_new_tokens_are_answered_in_full_and_streamed_as_the_same_text(long
     assert streamed == done["choices"][0]["text"] and len(streamed.split()) >= 1500
 
 
+def test_a_6000_token_prompt_joins_short_streams_at_once_holding_only_its_own_blocks(long_server):
+    """Four streams of 1000 new tokens hold four blocks each (1 MiB of the 3.5 MiB budget); a 6000-token prompt sent
+    while they decode holds its own 24 blocks beside them (1.5 MiB) and is answered before any of them ends. A dense
+    cache of slots x the longest sequence (8 slots x 6144 positions: 12 MiB) could not take it until they had left:
+    it waited ``kv_wait_s`` for them and got a 429."""
+    url = f"{long_server.url}/v1/completions"
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            started = [asyncio.Event() for _ in range(4)]
+
+            async def short(i):
+                body = {"model": "policy", "temperature": 0, "prompt": words(10, i), "max_tokens": 1000,
+                        "ignore_eos": True, "stream": True}
+                async with client.stream("POST", url, headers=FORCE["int8"], json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:"):
+                            started[i].set()
+                return time.monotonic()
+            streams = [asyncio.ensure_future(short(i)) for i in range(4)]
+            await asyncio.wait_for(asyncio.gather(*[e.wait() for e in started]), 120)
+            long = await client.post(url, headers=FORCE["int8"], json={"model": "policy", "temperature": 0,
+                                                                       "prompt": words(6000, 3), "max_tokens": 4})
+            answered = time.monotonic()
+            return long, answered, await asyncio.gather(*streams)
+    long, answered, ended = asyncio.run(run())
+    assert long.status_code == 200, long.text[:300]
+    assert answered < min(ended), (answered, ended)  # beside the streams, not after them
+
+
 def test_32_concurrent_long_requests_on_a_small_budget_are_answered_or_refused_with_retry_after(long_server):
     """Each request's worst case is 2048 positions (0.5 MiB on INT8, 1 MiB on the fallback): the 3.5 MiB budget takes
     a few at a time per variant (half the requests forced to each).
