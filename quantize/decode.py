@@ -140,6 +140,7 @@ def greedy_generate_batch(module, prompts: Sequence[Sequence[int]], max_new_toke
             i = waiting.popleft()
             outs[i].append(int(batch.prefill(prompts[i]).argmax()))
             if finished(i):
+                batch.unstage()  # its cache goes at once
                 done(i)
             else:
                 batch.join(i)

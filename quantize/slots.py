@@ -140,6 +140,17 @@ class SlotBatch(Generic[R]):
             self._staged.append(cache)
         return cache
 
+    def grow_rows(self) -> List[Tuple[int, BaseException]]:
+        """Give every row the position its next step writes (``_reach``); returns ``(row index, error)`` for each row
+        whose cache could not grow (out of memory): the caller fails and releases those rows, and the others step."""
+        failed: List[Tuple[int, BaseException]] = []
+        for i, (cache, p) in enumerate(zip(self.caches, self.pos)):
+            try:
+                self._reach(cache, p + 1)
+            except Exception as exc:  # noqa: BLE001 - that row's failure, not the batch's
+                failed.append((i, exc))
+        return failed
+
     def stage(self, chunks: Sequence[Tuple[Sequence[int], int]]) -> List[_Cache]:
         """Allocate what ``step_and_prefill(..., chunks)`` writes: each chunk's sequence (the ``j``-th to join) holding
         its end, and every row one more position. A failed allocation (out of memory) raises before any forward, and

@@ -154,7 +154,6 @@ class BatchedEngine:
         self._filling: Optional[_EngineRequest] = None  # a newcomer whose prompt is part-way into slot len(slots)
         self._chunked: List[_EngineRequest] = []  # newcomers whose chunks are in the forward now running (failed with it)
         self._waits_for_kv = False  # this step left the lane's first request waiting for KV memory
-        self._settled_for: Optional[List[_EngineRequest]] = None  # the admitted requests the last ``_settle`` accounted for
         self.fused = self.slots.can_fuse()
         self.fused_chunks = 0  # prompt chunks that went into a step's own forward
         self.peak_batch = 0
@@ -330,6 +329,7 @@ class BatchedEngine:
         """This step's prompt chunks (``_chunks``) and the rows' next tokens: in one forward where the module can
         (``SlotBatch.step_and_prefill``: the module's ``step_seqs``), else a prefill call per chunk, then the step. A newcomer whose prompt is
         complete joins the rows with its first token."""
+        self._grow_rows()
         taken = self._chunks()
         self.step_tokens = len(self.slots) + sum(end - start for _, start, end in taken)
         if self.fused and taken:
@@ -367,6 +367,18 @@ class BatchedEngine:
             self._took(r, end, logits)
         self.peak_batch = max(self.peak_batch, len(self.slots))
         self._settle()
+
+    def _grow_rows(self) -> None:
+        """Every row's cache grows for this step where it needs to (a block more each 256 positions); a row whose cache
+        cannot grow (out of memory) fails and leaves alone, and the others step on."""
+        failed = self.slots.grow_rows()
+        for i, exc in failed:
+            r = self.slots.rows[i]
+            r.done = True
+            r.emit(RuntimeError(f"KV cache growth failed at position {self.slots.pos[i]}: {type(exc).__name__}: {exc}"))
+        if failed:
+            self.slots.release([i for i, _ in failed])
+            self._settle()
 
     def _took(self, r: _EngineRequest, end: int, logits) -> None:
         """``r``'s prompt is in its slot up to ``end``: the rest waits for the next step, or it joins the rows."""
@@ -440,14 +452,8 @@ class BatchedEngine:
         """Finished and cancelled rows leave (their caches' blocks go back); with a KV budget, what the lane holds
         falls to what the rest may still need."""
         self.slots.drop(_leaves)
-        if self.kv is None:
-            return
-        admitted = self._admitted()
-        last = self._settled_for
-        if last is not None and len(last) == len(admitted) and all(a is b for a, b in zip(last, admitted)):
-            return  # no row left or joined since the last settle: nothing to give back
-        self._settled_for = list(admitted)
-        self.kv.hold(self.name, self._worst_case(admitted))
+        if self.kv is not None:  # (a request ``_fits`` held memory for may have failed or been put back since)
+            self.kv.hold(self.name, self._worst_case(self._admitted()))
 
     def _sleep_for_fault(self) -> None:
         if self.delay_s:

@@ -107,9 +107,27 @@ def test_each_sequences_cache_grows_by_blocks_as_it_does_keeping_its_tokens():
     assert [c.positions for c in batch.caches] == [32, 32, 64, 64, 32, 32]  # each its own blocks
     advance(batch, outs, 19)
     assert [outs[r] for r in range(6)] == [e[: len(outs[r])] for r, e in enumerate(expected)]
-    assert batch.blocks == sum(-(-(p + 1) // 32) for p in batch.pos)  # whole blocks: what each row has written
+    assert batch.blocks == sum(-(-p // 32) for p in batch.pos)  # whole blocks: the p positions each row has written
     with pytest.raises(ValueError, match="not a multiple of 32"):
         SlotBatch(module, 64, 8, block=48)
+
+
+def test_one_forward_continues_a_part_prefilled_prompt_starts_another_and_steps_the_rows(policy, prompts):
+    """``step_and_prefill`` with a row decoding, the rest of a prompt whose head is staged, and a new prompt: each
+    chunk goes into its own sequence's cache and every sequence continues as alone."""
+    picked = [prompts[0], prompts[23], prompts[22]]  # the second's 12 tokens go in as 5, then 7
+    expected = solo(policy, picked, 6)
+    batch, outs = SlotBatch(policy, 32, 4), {}
+    admit(batch, picked[0], 0, outs)
+    batch.prefill(picked[1][:5])
+    assert batch.filling == 5
+    rows, chunks = batch.step_and_prefill([outs[0][-1]], [(picked[1][5:], 5), (picked[2], 0)])
+    outs[0].append(int(rows[0].argmax()))
+    for r, logits in zip((1, 2), chunks):
+        outs[r] = [int(logits.argmax())]
+        batch.join(r)
+    advance(batch, outs, 4)
+    assert [outs[r] for r in range(3)] == [expected[0][:6], expected[1][:5], expected[2][:5]]
 
 
 def test_one_row_steps_with_decode_and_several_with_step_seqs(policy, prompts):
