@@ -20,7 +20,7 @@ Every sequence attends over its own cache (``Policy.step_seqs``; each row as it 
 
 from __future__ import annotations
 
-from typing import Callable, Generic, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Generic, List, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -151,12 +151,17 @@ class SlotBatch(Generic[R]):
                 failed.append((i, exc))
         return failed
 
+    def _grow_all(self) -> None:
+        """``grow_rows``, raising the first failure (a caller that fails rows one by one calls ``grow_rows`` first)."""
+        failed = self.grow_rows()
+        if failed:
+            raise failed[0][1]
+
     def stage(self, chunks: Sequence[Tuple[Sequence[int], int]]) -> List[_Cache]:
         """Allocate what ``step_and_prefill(..., chunks)`` writes: each chunk's sequence (the ``j``-th to join) holding
         its end, and every row one more position. A failed allocation (out of memory) raises before any forward, and
         the caller may ``unstage`` the newcomers and step the rows alone. Staging twice allocates once."""
-        for cache, p in zip(self.caches, self.pos):
-            self._reach(cache, p + 1)
+        self._grow_all()
         return [self._target(start, start + len(ids), j) for j, (ids, start) in enumerate(chunks)]
 
     def unstage(self) -> None:
@@ -209,8 +214,7 @@ class SlotBatch(Generic[R]):
         """Feed ``tokens[i]`` to row ``i`` at ``pos[i]``; returns the next logits [n, V]. One row runs the
         single-sequence ``decode`` (the same arithmetic, minus the step's per-sequence bookkeeping); several run
         ``step_seqs`` (one ``decode`` per row on a module without it)."""
-        for cache, p in zip(self.caches, self.pos):
-            self._reach(cache, p + 1)
+        self._grow_all()
         n = len(self.rows)
         if n == 1 or not self.can_fuse():
             logits = torch.cat([self._decode_one(t, c, p) for t, c, p in zip(tokens, self.caches, self.pos)])
@@ -245,7 +249,3 @@ class SlotBatch(Generic[R]):
     def clear(self) -> None:
         """Forget every row and staged prompt, and their caches."""
         self.rows, self.pos, self.caches, self._staged = [], [], [], []
-
-    def cache_of(self, i: int) -> Optional[Tuple[Tensor, Tensor]]:
-        """Row ``i``'s keys and values (its whole allocation), or None past the rows."""
-        return (self.caches[i].k, self.caches[i].v) if i < len(self.caches) else None
