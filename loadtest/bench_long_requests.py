@@ -9,7 +9,8 @@
 
 Every request is pinned to one variant (``x-policy-variant`` + the admin token); the router's golden canary and
 shadow calls are off. The router's settings are the product's defaults otherwise (the INT8 engine's KV budget:
-``kv_cache_bytes: 0``, a tenth of the memory the worker sees; vLLM's: ``VLLM_CPU_KVCACHE_SPACE``).
+``kv_cache_bytes: 0``, vLLM's KV space within a tenth of the memory the worker sees; vLLM's: ``VLLM_CPU_KVCACHE_SPACE``,
+1 GiB).
 
     .venv/bin/python -m policy_bundle.loadtest.bench_long_requests --bundle BUNDLE [--json out.json]
 """

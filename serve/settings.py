@@ -86,8 +86,8 @@ class RouterSettings:
     kv_cache_bytes: int = ranged(0, 0, help=(
         "KV-cache bytes a torch engine (INT8 TorchScript, the FP fallback) may hold over all its lanes; a request is "
         "admitted when its worst case (prompt + max_tokens) fits beside the others', else it waits up to kv_wait_s, "
-        "then 429 + Retry-After; one that could never fit is a 400 naming max_tokens. 0: a tenth of the memory "
-        "limit (256 MiB to 8 GiB). vLLM's own is VLLM_CPU_KVCACHE_SPACE"))
+        "then 429 + Retry-After; one that could never fit is a 400 naming max_tokens. 0: the FP16 variant's vLLM "
+        "KV space (VLLM_CPU_KVCACHE_SPACE, 1 GiB by default), at most a tenth of the memory limit (at least 256 MiB)"))
     kv_wait_s: float = ranged(20.0, 0.0, help="seconds a request waits for KV-cache room before a 429")
     request_timeout_s: float = ranged(60.0, 0.0, help=(
         "seconds a variant may take to a request's first token and to each next one before the router gives up "

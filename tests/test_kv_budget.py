@@ -261,3 +261,20 @@ def test_a_lane_whose_waiting_request_gives_up_stops_blocking_the_others(policy)
     done, out = asyncio.run(run())
     assert len(done) == 300 and len(out) == 8
     assert settled(first)["kv_held_bytes"] == 0 and settled(second)["kv_held_bytes"] == 0
+
+
+def test_the_default_budget_is_the_fp16_variants_kv_space_within_a_tenth_of_memory(monkeypatch):
+    """``kv_cache_bytes: 0``: the INT8 engine holds as much KV memory as the FP16 variant's vLLM was given
+    (``VLLM_CPU_KVCACHE_SPACE``, GiB, 1 by default), so an A/B split compares the engines and not their budgets; at
+    most a tenth of the memory limit, at least 256 MiB."""
+    from policy_bundle.serve.batching import MiB, auto_kv_budget
+
+    monkeypatch.setenv("POLICY_BUNDLE_MEMORY_LIMIT", "20")  # GB: a tenth is 2 GiB, above the KV space
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert auto_kv_budget() == 1024 * MiB  # vLLM's KV space as this project starts it
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")
+    assert auto_kv_budget() == 512 * MiB
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    assert auto_kv_budget() == 2 * 1024 * MiB  # a tenth of 20 GiB
+    monkeypatch.setenv("POLICY_BUNDLE_MEMORY_LIMIT", "1")
+    assert auto_kv_budget() == 256 * MiB  # the floor

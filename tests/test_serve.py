@@ -591,7 +591,8 @@ def test_every_metric_the_dashboard_and_alert_rules_name_is_exported(good):
 @needs_vllm
 def test_the_vllm_variant_exports_its_batch_queue_and_kv_cache(good):
     """vLLM's scheduler, read through a stat logger of vLLM's own interface: the FP16 variant's batch, queue and KV
-    gauges have series as the torch engine's do (before: none), its KV budget the engine's cache (1 GiB here)."""
+    gauges have series as the torch engine's do (before: none), its KV budget the engine's cache (1 GiB here), the
+    INT8 engine's default budget no more than that."""
     force_fp16 = {**FORCE_INT8, "x-policy-variant": "fp16"}
     r = httpx.post(f"{good.url}/v1/completions", timeout=60, headers=force_fp16, json={
         "model": "policy", "prompt": "12+34=", "max_tokens": 4, "temperature": 0})
@@ -604,6 +605,10 @@ def test_the_vllm_variant_exports_its_batch_queue_and_kv_cache(good):
             r'policy_kv_cache_bytes\{kind="budget",variant="fp16"\}) (\S+)$', text, re.M)}
         time.sleep(1)
     assert found.get('policy_kv_cache_bytes{kind="budget",variant="fp16"}') == 2**30, found
+    # the INT8 engine's default budget is the FP16 variant's KV space (less where a tenth of memory is less): an A/B
+    # split compares the engines, not what each may hold
+    int8_budget = float(re.search(r'^policy_kv_cache_bytes\{kind="budget",variant="int8"\} (\S+)$', text, re.M)[1])
+    assert 256 * 2**20 <= int8_budget <= 2**30, int8_budget
     assert found.get('policy_engine_batch_size{variant="fp16"}') == 0.0  # idle again after the request
     health = httpx.get(f"{good.url}/status", headers=ADMIN, timeout=30).json()["variants"]["fp16"]
     assert health["engine"].startswith("vllm") and health["batch"]["steps"] > 0 and 0.0 <= health["batch"]["kv_usage"] < 1
