@@ -5,7 +5,7 @@ bytes a token costs in each.
 
     .venv/bin/python -m policy_bundle.loadtest.bench_context --bundle BUNDLE [--positions 128,2048,7000] [--tokens 32]
         [--gguf SRC.gguf]   # llama.cpp Q8_0 too, where llama-cpp-python is installed (not in the default install)
-        [--float32-cache]   # the INT8 file with its KV cache switched to float32 too
+        [--also-cache float32,bfloat16]   # the INT8 file with its KV cache switched to these dtypes too
 
 A position's figure: a prompt of that many tokens prefilled (untimed), then ``--tokens`` decode steps timed (vLLM:
 the time of a ``tokens``-token generation less a one-token one), median of ``--repeats``.
@@ -131,8 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--float32-cache", action="store_true", help="also the INT8 TorchScript with a float32 KV cache "
-                    "(the same file, its cache switched): what a bfloat16 cache costs or saves")
+    ap.add_argument("--also-cache", default="", help="comma-separated KV cache dtypes (float32, bfloat16, float16) to run "
+                    "the INT8 TorchScript with too (the same file, its cache switched): what the file's cache costs or "
+                    "saves against them")
     ap.add_argument("--gguf", type=Path, help="the GGUF the bundle's FP32 source was dequantized from (the SmolLM2 "
                     "fixture: policy_bundle.loadtest.real_lm.gguf_path()): adds llama.cpp Q8_0 where llama-cpp-python "
                     "is installed")
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
             fig = vllm_worker(args.bundle, args.worker, positions, args.tokens, args.repeats)
         print(json.dumps(fig))
         return 0
-    engines = ["int8"] + (["int8:float32"] if args.float32_cache else []) + ([] if args.no_vllm else
+    also = [f"int8:{d}" for d in args.also_cache.split(",") if d]
+    engines = ["int8"] + also + ([] if args.no_vllm else
                                                                              ["float16", "bfloat16"])
     if args.gguf:
         from policy_bundle.loadtest.gguf_peer import llama_cpp_available
@@ -170,7 +172,8 @@ def main(argv=None) -> int:
             print(f"{engine}: failed: {res.stderr[-2000:]}", file=sys.stderr)
             continue
         figures[engine] = json.loads(res.stdout.strip().splitlines()[-1])
-    names = {"int8": "INT8 TorchScript (1 thread)", "int8:float32": "INT8 TorchScript, float32 KV cache (1 thread)", "float16": "vLLM FP16", "bfloat16": "vLLM BF16",
+    names = {"int8": "INT8 TorchScript (1 thread)", "float16": "vLLM FP16", "bfloat16": "vLLM BF16",
+             **{e: f"INT8 TorchScript, {e.partition(':')[2]} KV cache (1 thread)" for e in also},
              "llama.cpp": "llama.cpp Q8_0 (1 thread, f16 cache)"}
     print(f"decode tok/s at batch 1 by context position ({args.bundle}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores)")

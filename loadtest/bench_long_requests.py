@@ -41,8 +41,9 @@ from policy_bundle.quantize.vllm_launch import vllm_env
 class PeakMemory:
     """Every 0.5 s, the resident memory summed per variant over its worker and the processes it started."""
 
-    def __init__(self, root_pid: int):
+    def __init__(self, root_pid: int, label: str = ""):
         self.root_pid, self.peak, self._stop = root_pid, {"int8": 0.0, "fp16": 0.0}, threading.Event()
+        self.label = label  # where set, a progress line every 30 s (the load runs for minutes)
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> Dict[str, float]:
@@ -54,9 +55,15 @@ class PeakMemory:
         return now
 
     def _run(self) -> None:
+        t0 = last = time.monotonic()
         while not self._stop.wait(0.5):
-            for k, v in self.sample().items():
+            now = self.sample()
+            for k, v in now.items():
                 self.peak[k] = max(self.peak[k], v)
+            if self.label and time.monotonic() - last >= 30:
+                last = time.monotonic()
+                print(f"  {self.label}: {last - t0:.0f} s in, worker memory {now.get(self.label, 0):.0f} MB, peak "
+                      f"{self.peak.get(self.label, 0):.0f} MB", flush=True)
 
     def __enter__(self) -> "PeakMemory":
         self.peak = self.sample()
@@ -79,6 +86,12 @@ def prompt_of(tokenizer, n: int, seed: int) -> str:
     return tokenizer.decode(ids)
 
 
+# what each of the other streams asks for: enough to decode on past the long prompt's first token (16 rows step in under
+# 0.1 s here), and a worst case (128 + 1024 positions, 5 blocks) that lets 16 of them and the long prompt into the INT8
+# engine's default KV budget (4128 positions each asked 16 x 100 MB of SmolLM2-135M's cache, over the 1 GiB budget)
+DECODING_TOKENS = 1024
+
+
 async def first_token_s(client: httpx.AsyncClient, url: str, headers: dict, prompt: str, max_tokens: int,
                         started: Optional[asyncio.Event] = None, done: Optional[asyncio.Event] = None) -> dict:
     """Stream one completion; the seconds to its first text chunk. With ``done``, keep reading until it is set
@@ -88,7 +101,9 @@ async def first_token_s(client: httpx.AsyncClient, url: str, headers: dict, prom
     t0 = time.perf_counter()
     ttft = None
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
+        if r.status_code != 200:  # refused: counted as not decoding, and nothing waits for its first token
+            if started is not None:
+                started.set()
             return {"status": r.status_code, "ttft_s": None, "body": (await r.aread()).decode()[:300]}
         async for line in r.aiter_lines():
             if line.startswith("data: {") and ttft is None:
@@ -111,7 +126,7 @@ async def long_prompt_ttft(url: str, variant: str, tokenizer, long_len: int, dec
         done = asyncio.Event()
         starts = [asyncio.Event() for _ in range(decoding)]
         others = [asyncio.create_task(first_token_s(client, url, headers, prompt_of(tokenizer, 128, seed=10 + i),
-                                                    4000, starts[i], done)) for i in range(decoding)]
+                                                    DECODING_TOKENS, starts[i], done)) for i in range(decoding)]
         await asyncio.wait_for(asyncio.gather(*[s.wait() for s in starts]), 600)
         await asyncio.sleep(1.0)  # the others are decoding now
         loaded = await first_token_s(client, url, headers, other_prompt, 4)
@@ -144,7 +159,7 @@ def bench(bundle: Path, a, tmp: Path, variants: List[str]) -> Dict[str, dict]:
         for variant in variants:
             engine = status["variants"][variant]["engine"]
             before = served_by_variant(server.url)
-            with PeakMemory(server.proc.pid) as mem:
+            with PeakMemory(server.proc.pid, variant) as mem:
                 idle = dict(mem.peak)
                 row = run_client(server.port, tokenizer_dir, a.clients, a, tmp / "results", f"{variant}-load",
                                  {"x-policy-variant": variant, "x-admin-token": TOKEN}, tmp / "client.log")

@@ -205,15 +205,16 @@ class GateVerdict:
 
 
 def evaluate_gate(report: FidelityReport, t: GateThresholds) -> GateVerdict:
-    """Every threshold the report misses, as 'metric value vs limit' lines."""
+    """Every threshold the report misses, as 'metric value vs limit' lines. A metric that is not a number (logits that
+    overflowed: a float16 KV cache past its range, say) misses its threshold."""
     fails = []
-    if report.top1_agreement < t.min_top1_agreement:
+    if not report.top1_agreement >= t.min_top1_agreement:
         fails.append(f"top1_agreement {report.top1_agreement:.4f} < min {t.min_top1_agreement}")
-    if report.kl_mean > t.max_kl_mean:
+    if not report.kl_mean <= t.max_kl_mean:
         fails.append(f"kl_mean {report.kl_mean:.5f} > max {t.max_kl_mean}")
-    if report.kl_p99 > t.max_kl_p99:
+    if not report.kl_p99 <= t.max_kl_p99:
         fails.append(f"kl_p99 {report.kl_p99:.5f} > max {t.max_kl_p99}")
-    if report.greedy_agreement is not None and report.greedy_agreement < t.min_greedy_agreement:
+    if report.greedy_agreement is not None and not report.greedy_agreement >= t.min_greedy_agreement:
         fails.append(f"greedy_agreement {report.greedy_agreement:.4f} < min {t.min_greedy_agreement}")
     if report.reward_delta is not None and -report.reward_delta > t.max_reward_drop:
         fails.append(f"reward_drop {-report.reward_delta:.4f} > max {t.max_reward_drop}")

@@ -43,7 +43,7 @@ class Policy(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.kv_cache = "float32"  # the KV cache's dtype: float32 or bfloat16 (``set_kv_cache``)
+        self.kv_cache = "float32"  # the KV cache's dtype: float32, bfloat16 or float16 (``set_kv_cache``)
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -53,7 +53,11 @@ class Policy(nn.Module):
         """Allocate an empty KV cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
         n = max_len if max_len > 0 else self.max_seq_len
         shape = [self.n_layers, batch_size, self.n_kv_heads, n, self.head_dim]
-        dtype = torch.bfloat16 if self.kv_cache == "bfloat16" else torch.float32
+        dtype = torch.float32
+        if self.kv_cache == "bfloat16":
+            dtype = torch.bfloat16
+        elif self.kv_cache == "float16":
+            dtype = torch.float16
         return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
     def forward(self, tokens: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
@@ -201,12 +205,13 @@ class FullSequence(nn.Module):
         return p(tokens, 0, k, v)
 
 
-KV_CACHES = ("float32", "bfloat16")
+KV_CACHES = ("float32", "bfloat16", "float16")
 
 
 def set_kv_cache(policy: nn.Module, dtype: str) -> nn.Module:
-    """The KV cache ``policy.new_cache`` allocates from now on (in place): ``float32`` or ``bfloat16``, half the bytes
-    a token costs. Keys and values are rounded to it as they are written; attention reads it (``blocks.attend``)."""
+    """The KV cache ``policy.new_cache`` allocates from now on (in place): ``float32``, or ``bfloat16`` or ``float16``,
+    half the bytes a token costs. Keys and values are rounded to it as they are written; attention reads it
+    (``blocks.attend``)."""
     if dtype not in KV_CACHES:
         raise ValueError(f"kv_cache: {dtype!r} is not one of {list(KV_CACHES)}")
     if not isinstance(getattr(policy, "kv_cache", None), str):
@@ -217,7 +222,7 @@ def set_kv_cache(policy: nn.Module, dtype: str) -> nn.Module:
 
 def kv_bytes_per_token(policy: Policy, dtype: str) -> int:
     """The bytes one token of one sequence costs in ``policy``'s KV cache of ``dtype``: keys and values, every layer."""
-    return 2 * policy.n_layers * policy.n_kv_heads * policy.head_dim * (2 if dtype == "bfloat16" else 4)
+    return 2 * policy.n_layers * policy.n_kv_heads * policy.head_dim * (4 if dtype == "float32" else 2)
 
 
 def full_logits(policy: nn.Module, tokens: Tensor) -> Tensor:

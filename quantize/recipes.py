@@ -81,9 +81,9 @@ class RecipeConfig:
     vocab_rows: str = choice("int12", VOCAB_ROWS, help=(
         "w8a8 with an int8 head: the vocabulary rows kept beside it for its top-k rescoring (and the tied "
         "embedding's): int12 (the head's int8 rows and a 4-bit residual each), int16 (a scale per row) or float32"))
-    kv_cache: str = choice("bfloat16", KV_CACHES, help=(
-        "the served INT8 policy's KV cache: bfloat16 (half float32's bytes a token) or float32; the gate measures "
-        "the candidate with it"))
+    kv_cache: str = choice("float16", KV_CACHES, help=(
+        "the served INT8 policy's KV cache: float16 or bfloat16 (half float32's bytes a token; float16 keeps three "
+        "more mantissa bits, bfloat16 float32's range) or float32; the gate measures the candidate with it"))
 
     def __post_init__(self) -> None:
         for pattern, mode in self.overrides:

@@ -72,8 +72,8 @@ def watched(engine, keys, make):
 @pytest.mark.parametrize("kv_cache", KV_CACHES)
 def test_tokens_past_several_blocks_are_the_same_alone_batched_and_as_the_cache_grows(kv_cache):
     """Three requests crossing 256-position blocks at different steps (the cache grows under them, and shrinks when
-    the long one leaves) get the tokens each gets alone in one whole-context cache; in a float32 cache and in the
-    bfloat16 one the build ships by default."""
+    the long one leaves) get the tokens each gets alone in one whole-context cache; in a float32 cache and in each
+    16-bit one (float16, the build's default, and bfloat16)."""
     policy = torch.jit.script(set_kv_cache(init_random_policy(CFG, seed=3).eval(), kv_cache))
     assert policy.new_cache(1, 32)[0].dtype == getattr(torch, kv_cache)
     cases = [(prompt(300, 0), 300), (prompt(40, 1), 200), (prompt(10, 2), 600)]
@@ -267,14 +267,16 @@ def test_the_default_budget_is_the_fp16_variants_kv_space_within_a_tenth_of_memo
     """``kv_cache_bytes: 0``: the INT8 engine holds as much KV memory as the FP16 variant's vLLM was given
     (``VLLM_CPU_KVCACHE_SPACE``, GiB, 1 by default), so an A/B split compares the engines and not their budgets; at
     most a tenth of the memory limit, at least 256 MiB."""
+    import policy_bundle.quantize.memory as memory
     from policy_bundle.serve.batching import MiB, auto_kv_budget
 
-    monkeypatch.setenv("POLICY_BUNDLE_MEMORY_LIMIT", "20")  # GB: a tenth is 2 GiB, above the KV space
+    limit = {"bytes": 20 * 1024 * MiB}  # the memory this process may use: a tenth is 2 GiB, above the KV space
+    monkeypatch.setattr(memory, "memory_limit", lambda: (limit["bytes"], "test"))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     assert auto_kv_budget() == 1024 * MiB  # vLLM's KV space as this project starts it
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")
     assert auto_kv_budget() == 512 * MiB
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     assert auto_kv_budget() == 2 * 1024 * MiB  # a tenth of 20 GiB
-    monkeypatch.setenv("POLICY_BUNDLE_MEMORY_LIMIT", "1")
-    assert auto_kv_budget() == 256 * MiB  # the floor
+    limit["bytes"] = 1024 * MiB
+    assert auto_kv_budget() == 256 * MiB  # a tenth, at least 256 MiB

@@ -17,7 +17,7 @@ from policies import WORDS, sentencepiece_policy
 from serve_helpers import Server, bundle_version, sse_events
 
 CONTEXT = 8192
-# this model's KV costs 256 bytes a position in the INT8 artifact's bfloat16 cache (the build's default) and 512 in the
+# this model's KV costs 256 bytes a position in the INT8 artifact's float16 cache (the build's default) and 512 in the
 # FP fallback's float32 one: the budget takes one 6144-position request of either, and 8192 positions of INT8 only
 BUDGET = int(3.5 * 2**20)
 FORCE = {v: {"x-policy-variant": v, "x-admin-token": "t"} for v in ("int8", "fp16")}
@@ -73,8 +73,8 @@ def test_a_request_whose_worst_case_exceeds_the_whole_kv_budget_is_a_400_naming_
     assert "kv_cache_bytes" in r.json()["error"]["message"]
 
 
-def test_the_int8_bfloat16_cache_takes_a_request_twice_its_float32_size(long_server):
-    """The same worst case (8192 positions) on INT8, whose bfloat16 cache costs half of the fallback's float32 one a
+def test_the_int8_16_bit_cache_takes_a_request_twice_its_float32_size(long_server):
+    """The same worst case (8192 positions) on INT8, whose float16 cache costs half of the fallback's float32 one a
     token: within the budget, answered in full."""
     batches = {n: v["batch"] for n, v in httpx.get(f"{long_server.url}/status", timeout=30).json()["variants"].items()}
     assert batches["int8"]["kv_bytes_per_token"] * 2 == batches["fp16"]["kv_bytes_per_token"] == 512
