@@ -7,8 +7,9 @@ bytes a token costs in each.
         [--gguf SRC.gguf]   # llama.cpp Q8_0 too, where llama-cpp-python is installed (not in the default install)
         [--also-cache float32,bfloat16]   # the INT8 file with its KV cache switched to these dtypes too
 
-A position's figure: a prompt of that many tokens prefilled (untimed), then ``--tokens`` decode steps timed (vLLM:
-the time of a ``tokens``-token generation less a one-token one), median of ``--repeats``.
+A position's figure: a prompt of that many tokens prefilled, then ``--tokens`` decode steps timed (vLLM: the time of a
+``tokens``-token generation less a one-token one), median of ``--repeats``; the INT8 file's prefill of that prompt is
+timed too (its own line).
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int, kv_cac
     vocab = int(json.loads((bundle / "int8" / "config.json").read_text())["vocab_size"])
     out = {}
     for pos in positions:
-        times = []
+        times, fills = [], []
         for _ in range(repeats + 1):
             batch = SlotBatch(module, min(ctx, pos + tokens + 1), 1, KV_BLOCK)
             prompt = _prompt(pos, vocab)
-            for start in range(0, pos, LONG_PROMPT_CHUNK):  # the server's long-prompt chunks
-                logits = batch.prefill(prompt[start:start + LONG_PROMPT_CHUNK], start)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for start in range(0, pos, LONG_PROMPT_CHUNK):  # the server's long-prompt chunks
+                    logits = batch.prefill(prompt[start:start + LONG_PROMPT_CHUNK], start)
+            fills.append(time.perf_counter() - t0)
             batch.join(0)
             nxt = int(logits.argmax())
             t0 = time.perf_counter()
@@ -60,6 +64,7 @@ def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int, kv_cac
                     nxt = int(batch.step([nxt])[0].argmax())
             times.append(time.perf_counter() - t0)
         out[str(pos)] = tokens / statistics.median(times[1:])
+        out[f"prefill {pos}"] = pos / statistics.median(fills[1:])
     out["kv_bytes_per_token"] = SlotBatch(module, 32, 1, KV_BLOCK).bytes_per_position()
     return out
 
@@ -184,6 +189,10 @@ def main(argv=None) -> int:
         cells = " | ".join(f"{fig[str(p)]:.1f}" for p in positions)
         print(f"| {names[engine]} | {cells} | {fig[str(positions[-1])] / fig[str(positions[0])]:.2f}x | "
               f"{fig['kv_bytes_per_token']} |")
+    prefill = {e: f for e, f in figures.items() if f"prefill {positions[0]}" in f}
+    if prefill:
+        print("prefill tok/s of the prompt before each position (512-token chunks, as the server's): " + "; ".join(
+            f"{names[e]}: " + " / ".join(f"{f[f'prefill {p}']:.0f}" for p in positions) for e, f in prefill.items()))
     if "int8" in figures and "llama.cpp" in figures:
         print("INT8 / llama.cpp Q8_0: " + ", ".join(
             f"pos {p} {figures['int8'][str(p)] / figures['llama.cpp'][str(p)]:.2f}x" for p in positions))

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import tempfile
+import sys
 import threading
 import time
 from pathlib import Path
@@ -60,10 +61,10 @@ class PeakMemory:
             now = self.sample()
             for k, v in now.items():
                 self.peak[k] = max(self.peak[k], v)
-            if self.label and time.monotonic() - last >= 30:
+            if self.label and time.monotonic() - last >= 30:  # to stderr: vLLM's client holds stdout meanwhile
                 last = time.monotonic()
                 print(f"  {self.label}: {last - t0:.0f} s in, worker memory {now.get(self.label, 0):.0f} MB, peak "
-                      f"{self.peak.get(self.label, 0):.0f} MB", flush=True)
+                      f"{self.peak.get(self.label, 0):.0f} MB", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "PeakMemory":
         self.peak = self.sample()
