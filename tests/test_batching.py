@@ -334,6 +334,7 @@ def test_score_runs_the_head_on_the_last_position_as_a_prefill_does(artifact):
     prefill computes them (``next_logits`` over whole attention blocks), not a full forward's last row, whose
     [B, T, vocab] head output is what a long batch ran out of memory on; an artifact without ``next_logits`` keeps
     the full forward."""
+    from policy_bundle.quantize.blocks import cache_len_for
     from policy_bundle.quantize.model import full_logits
     from policy_bundle.quantize.slots import SlotBatch
     from policy_bundle.serve.engines import last_position_logits
@@ -343,7 +344,11 @@ def test_score_runs_the_head_on_the_last_position_as_a_prefill_does(artifact):
     batch = SlotBatch(artifact, 32, 1)
     assert torch.equal(got, batch.prefill(seqs[0]))  # bitwise what the served prefill gives
     full = full_logits(artifact, torch.tensor(seqs))[:, -1]
-    assert torch.allclose(torch.tensor(last_position_logits(artifact, seqs)), full, atol=1e-4)
+    # a full forward's last row over the same whole blocks: PyTorch's fused attention sums in an order that depends on
+    # the key count (``attention_len``), and one int8 activation code flipped by an ulp moved a logit of the reference
+    # policy by 0.06 between 5 keys and 32 under a float16 cache (bfloat16 happened to agree), so the blocks are matched
+    blocks = artifact(torch.tensor(seqs), 0, *artifact.new_cache(len(seqs), cache_len_for(len(seqs[0]))))[:, -1]
+    assert torch.allclose(torch.tensor(last_position_logits(artifact, seqs)), blocks, atol=1e-4)
 
     calls = []
 
