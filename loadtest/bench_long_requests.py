@@ -22,8 +22,8 @@ import asyncio
 import json
 import os
 import platform
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
