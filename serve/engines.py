@@ -21,7 +21,7 @@ from torch import Tensor
 from policy_bundle.quantize.blocks import cache_len_for
 from policy_bundle.quantize.decode import decode_steps
 from policy_bundle.quantize.model import full_logits
-from policy_bundle.quantize.vllm_launch import async_llm_engine
+from policy_bundle.quantize.vllm_launch import async_llm_engine, vllm_kv_space_bytes
 from policy_bundle.serve.schemas import MIN_TEMPERATURE
 
 
@@ -221,8 +221,8 @@ class SchedulerSnapshot:
             def __init__(self, vllm_config, engine_index: int = 0):
                 cache = vllm_config.cache_config
                 space = getattr(cache, "kv_cache_memory_bytes", None) or getattr(cache, "cpu_kvcache_space_bytes", None)
-                if not space and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                    space = float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+                if not space:
+                    space = vllm_kv_space_bytes()
                 snap.kv_budget_bytes = int(space) if space else None
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
