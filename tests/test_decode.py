@@ -76,6 +76,24 @@ def test_batched_greedy_generation_equals_one_sequence_at_a_time():
     assert greedy_generate_batch(torch.jit.script(policy), prompts[:5], 10, eos, batch_size=3) == alone[:5]
 
 
+def test_the_gate_decodes_golden_items_in_batches_only_where_rows_are_independent(monkeypatch):
+    """The gate's greedy completions in decode batches (80 SmolLM2-135M items: 46 s, one at a time 124) give each
+    item the tokens it gets alone; a recipe whose activations take one scale over the whole input (torch.ao
+    ``dynamic``, anywhere) decodes one item at a time, as it is served."""
+    import policy_bundle.quantize.fidelity as fidelity
+    from policy_bundle.build.gate.measure import decode_batch
+    from policy_bundle.quantize.recipes import RecipeConfig
+
+    assert decode_batch(RecipeConfig(scheme="smooth-w8a8")) == decode_batch(RecipeConfig(scheme="static")) > 1
+    assert decode_batch(RecipeConfig(scheme="dynamic")) == 1
+    assert decode_batch(RecipeConfig(scheme="static", overrides=(("down_proj", "dynamic"),))) == 1
+    policy = init_random_policy(CFG, seed=3)
+    items = [fidelity.GoldenItem(str(i), [1 + i, 7, 3 + 2 * i, 9][: 2 + i % 3], []) for i in range(7)]
+    alone = fidelity.greedy_completions(policy, items, 6, 5)
+    monkeypatch.setattr(fidelity, "greedy_generate", None)  # the batched path never decodes one item alone
+    assert fidelity.greedy_completions(policy, items, 6, 5, batch=3) == alone
+
+
 def test_the_gates_greedy_decodes_on_the_served_engines_thread_count_and_restores_the_callers():
     """A decode step's float rounding depends on torch's intra-op threads: the build's gate decodes with the served
     INT8 engine's default (``DECODE_THREADS``, serve's ``engine_threads``), not with the build's own."""

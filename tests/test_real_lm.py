@@ -6,8 +6,9 @@ candidates, calibration (each non-golden prompt of the shipped general set once)
 layers, held-out top-1, KL and greedy) are in docs/benchmarks.md.
 
 The negative control, torch.ao ``static`` with no fallback on the same model and gate, must fail it.
-Not in the default run: the builds take about 14 min alone on 2 cores. Run them with
-``.venv/bin/python -m pytest -m real_lm -n 0``.
+Not in the default run nor in ``.ci/run``: this module takes 23.6 min alone on 2 cores of an AMD EPYC with AVX2
+(the default build 12.6 min, the negative control 4.0, the decode checks 7.0), which with the suite and the scale
+tests would pass CI's 45 min. Run it with ``.venv/bin/python -m pytest -m real_lm -n 0``.
 """
 
 import json
@@ -18,6 +19,7 @@ import torch
 from cli_helpers import run_cli
 
 GATE = {"min_top1_agreement": 0.98, "max_kl_mean": 0.005, "min_greedy_agreement": 0.5}  # the shipped gate
+DEFAULT_CANDIDATES = ["smooth-w8a8 skip=[embed_tokens]", "smooth-w8a8", "w8a8"]  # recipe.auto_candidates' default
 
 
 def default_config(path, source, **recipe) -> str:
@@ -51,10 +53,15 @@ def test_auto_with_the_defaults_passes_the_shipped_gate_on_held_out_prompts_with
     out, _ = smollm2_bundle
     m = json.loads((out / "bundle.json").read_text())
     assert m["canary"]["verdict"] == "pass" and m["recipe"]["scheme"] in ("smooth-w8a8", "w8a8")
-    assert {c["scheme"] for c in m["recipe"]["candidates"]} == {"smooth-w8a8", "w8a8"}  # the default candidates
-    # the first default candidate ships: its LM head in int8 (top-64 rescored in float), never ranked for fallback
-    assert m["recipe"]["candidates"][0]["candidate"] == "smooth-w8a8 skip=[embed_tokens]"
-    assert "lm_head" not in m["recipe"]["skip"] and "lm_head" not in m["recipe"]["fp32_layers"]
+    # the default candidates, tried in order until one passes the held-out prompts: which one does sits at the gate's
+    # edge (the first passes at top-1 0.9804 on an AMD EPYC with AVX2, fails at 0.9785 on an Intel Xeon with AMX),
+    # so any of them may ship, each judged by the same gate below
+    trials = m["recipe"]["candidates"]
+    assert [c["candidate"] for c in trials] == DEFAULT_CANDIDATES, trials
+    verdicts = [c["verdict"] for c in trials]
+    shipped = verdicts.index("pass")  # the first to pass ships; those after it are not gated (one family, one kernel)
+    assert all(v not in ("pass", "not gated") for v in verdicts[:shipped]), trials
+    assert all(v == "not gated" for v in verdicts[shipped + 1:]), trials
     assert len(m["recipe"]["fp32_layers"]) <= 8, m["recipe"]["fp32_layers"]  # canary.max_fp_layers' default
     split = m["canary"]["golden_split"]
     assert split["search"] == 20 and split["gate"] == 80  # disjoint prompts: the gate's were never searched on
@@ -62,12 +69,18 @@ def test_auto_with_the_defaults_passes_the_shipped_gate_on_held_out_prompts_with
     assert ts["items"] == 80 and ts["tokens"] >= 2000, ts["tokens"]  # enough evidence for a 0.98 bar to mean something
     assert ts["top1_agreement"] >= GATE["min_top1_agreement"] and ts["kl_mean"] <= GATE["max_kl_mean"], ts
     assert ts["greedy_agreement"] >= GATE["min_greedy_agreement"], ts
-    # the vocabulary in int12 by default: the head's int8 rows and their 4-bit residuals, no float copy of the 49152 x
-    # 576 rows (113 MB in float32) in the file; 0.297x the FP32 weights with 3 float linears
-    assert m["recipe"]["vocab_rows"] == "int12"
     ts_file = (out / "int8" / "policy.ts").stat().st_size
     fp32_bytes = 134_515_008 * 4  # SmolLM2-135M's parameters, tied embedding once
-    assert ts_file < fp32_bytes * (0.30 + 0.005 * len(m["recipe"]["fp32_layers"])), ts_file  # each float linear: 2.6 MB
+    per_float_linear = 0.005  # each float linear: 2.6 MB
+    if shipped == 0:
+        # its LM head in int8 (top-64 rescored in float), never ranked for fallback; the vocabulary in int12: the
+        # head's int8 rows and their 4-bit residuals, no float copy of the 49152 x 576 rows (113 MB in float32)
+        assert "lm_head" not in m["recipe"]["skip"] and "lm_head" not in m["recipe"]["fp32_layers"]
+        assert m["recipe"]["vocab_rows"] == "int12"
+        assert ts_file < fp32_bytes * (0.30 + per_float_linear * len(m["recipe"]["fp32_layers"])), ts_file
+    else:  # the LM head in float32 with the embedding it is tied to: 113 MB once (0.21x), beside 0.15x of int8 codes
+        assert {"embed_tokens", "lm_head"} <= set(m["recipe"]["skip"])
+        assert ts_file < fp32_bytes * (0.40 + per_float_linear * len(m["recipe"]["fp32_layers"])), ts_file
     # ONNX (onnxruntime's per-tensor INT8) is not built for the per-token recipes, and says why
     assert m["artifacts"]["int8_onnx"] is None and "per-token" in m["artifacts"]["int8_onnx_skipped"]
 
@@ -125,12 +138,12 @@ def test_the_served_decode_is_what_the_gate_measured(smollm2_bundle):
         assert greedy_generate_batch(ts, prompts, new, eos, 8) == alone
         agree = sum(a == it.completion_ids for a, it in zip(alone, items)) / len(items)
         assert agree == m["fidelity"]["int8_torchscript"]["greedy_agreement"]
-        exact = slots.SlotBatch.attended
-        slots.SlotBatch.attended = lambda self, needed: needed  # exactly the positions needed: the negative control
+        whole_blocks = slots.attention_len
+        slots.attention_len = lambda needed, cache_len: needed  # exactly the positions needed: the negative control
         try:
             assert greedy_generate_batch(ts, prompts, new, eos, 8) != alone
         finally:
-            slots.SlotBatch.attended = exact
+            slots.attention_len = whole_blocks
 
 
 @pytest.mark.real_lm
