@@ -62,6 +62,7 @@ class Worker:
     spawn: int  # index into ``CalibrationMesh.spawns``: the proc mesh (and job) it runs on
     host: int = 0  # which of the spawn's proc meshes (one per host of a job)
     alive: bool = True
+    pid: int = 0  # its process (on its host), as its setup reported it
 
 
 @dataclass
@@ -118,7 +119,7 @@ class CalibrationMesh:
         futures = [w.actor.setup.call_one(w.rank, self.policy_dir, self.cfg.policy.max_seq_len, recipe, threads,
                                           self.fault, self.generation) for w in workers]
         for w, f in zip(workers, futures):
-            self._get(f, f"setup of rank {w.rank}")
+            w.pid = int(self._get(f, f"setup of rank {w.rank}")["pid"])
         if self.smoothing is not None:
             for w in workers:
                 self._get(w.actor.smooth.call_one(self.smoothing), f"smoothing on rank {w.rank}")
