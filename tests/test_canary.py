@@ -77,9 +77,10 @@ def test_broken_layer_is_fixed_by_fallback(tmp_path, reference_dir):
 
 
 def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones(small_bundle, tmp_path):
-    """0.4x the reference bundle's KL (measured on its held-out gate prompts): the search on its own prompts
-    finds a few float layers that meet it there (1 on the shipped reference policy with its float16 KV cache, whose
-    search prompts' KL with none in float is 0.48x the held-out one; 3 with the bfloat16 cache at 0.5x), but the held-out prompts
+    """0.35x the reference bundle's KL (measured on its held-out gate prompts): the search on its own prompts
+    finds a few float layers that meet it there (the shipped reference policy's search prompts' KL with none in float
+    is 0.48x the held-out one with its float16 KV cache, 0.5x with a bfloat16 one, 0.39x on an AMD EPYC with AVX2
+    alone, where 2 float layers meet 0.35x), but the held-out prompts
     judge the build, and on them those layers fall short; the walk keeps one more layer in float at a time
     (each prefix passing the search prompts' teacher-forced metrics first) up to the budget (4 here), falls short there too, and the
     build is refused with the held-out numbers, nothing ships. (Before the gate and the search used disjoint
@@ -89,7 +90,7 @@ def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones
     assert shipped["greedy_agreement"] is not None  # a passing held-out judgement ran its greedy confirmation
     out = tmp_path / "strict"
     res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST,
-                  "--set", f"canary.max_kl_mean={plain * 0.4}", "--set", "canary.max_fp_layers=4")
+                  "--set", f"canary.max_kl_mean={plain * 0.35}", "--set", "canary.max_fp_layers=4")
     assert res.returncode == 4 and "Traceback" not in res.stderr and not out.exists(), res.stderr[-2000:]
     found = re.search(r"passes on the search prompts but fails on the held-out gate prompts: .* \((\d+) layer\(s\) in "
                       r"float\)$", res.stderr, re.M)
@@ -99,7 +100,7 @@ def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones
     report = json.loads((tmp_path / "strict.canary-rejected" / "canary_report.json").read_text())
     kept = [r["layer"] for r in report["fp32_layers"]]
     assert len(kept) == 4 and all("sensitivity rank" in r["reason"] for r in report["fp32_layers"])
-    assert report["metrics"]["kl_mean"] > plain * 0.4  # the held-out verdict is the one reported
+    assert report["metrics"]["kl_mean"] > plain * 0.35  # the held-out verdict is the one reported
     # it failed teacher-forced, so its greedy generation never ran (the one greedy run is the confirmation)
     assert report["metrics"]["greedy_agreement"] is None
     assert "greedy generation not run: the teacher-forced metrics failed" in report["metrics"]["notes"]

@@ -37,7 +37,15 @@ def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch)
     assert torch.equal(together, alone)
 
     from policy_bundle.quantize import w8a8
-    from policy_bundle.quantize.fbgemm_int8 import row_qparams
+    from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates, row_qparams
+
+    if fbgemm_saturates():
+        # AVX2 without VNNI: one row runs on the rows kernel too (``FbgemmWeight.exact_one_row``), so both sides share
+        # one quantization; the negative control is one row on fbgemm's own kernel, whose int16 pair sums saturate
+        m.fbgemm.exact_one_row = False
+        alone = torch.cat([m(x[i : i + 1]) for i in range(x.shape[0])])
+        assert not torch.equal(together, alone)
+        return
 
     def two_roundings(flat, lo=None, hi=None):  # the negative control: the formula this kernel had
         scale, zp = row_qparams(flat, lo, hi)
@@ -240,14 +248,16 @@ except InexactInt8Error as exc:
 def test_a_policy_exported_before_exact_sums_is_refused_where_fbgemm_saturates(tmp_path):
     """A file carries its own TorchScript code: one exported before exact sums sends most weights through fbgemm's
     saturating kernel on a CPU without VNNI. Such a file (made here by editing the saved code back) is refused there
-    with a message naming the fix, and loads where fbgemm does not saturate (this machine)."""
+    with a message naming the fix (this machine where it saturates, and a process told to use AVX2 alone), and loads
+    where fbgemm does not saturate."""
     import os
     import re
     import subprocess
     import sys
     import zipfile
 
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
+    from policy_bundle.quantize.script_runner import InexactInt8Error, load_torchscript
 
     new = tmp_path / "new.ts"
     torch.jit.save(torch.jit.script(Int8TokenLinear.from_float(torch.nn.Linear(64, 8))), str(new))
@@ -261,7 +271,11 @@ def test_a_policy_exported_before_exact_sums_is_refused_where_fbgemm_saturates(t
                 data = text.encode()
             dst.writestr(item, data)
     assert edited == 1  # __setstate__ sets it (__init__ is not saved code)
-    assert load_torchscript(old).module.fbgemm.exact_one_row is False  # this machine (VNNI): loads as it is
+    if fbgemm_saturates():  # this machine (AVX2 without VNNI): refused here too
+        with pytest.raises(InexactInt8Error, match="rebuild the bundle"):
+            load_torchscript(old)
+    else:  # a CPU with VNNI: loads as it is
+        assert load_torchscript(old).module.fbgemm.exact_one_row is False
     env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-c", OLD_CODE_SCRIPT, str(new), str(old)], env=env, capture_output=True,
                          text=True, timeout=300)
