@@ -9,8 +9,9 @@ from typing import Callable, List, Optional, Tuple
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.source.policy_source import is_task_policy
 from policy_bundle.quantize import task
-from policy_bundle.quantize.fidelity import (GATE_DECODE_BATCH, LOGITS_ONLY_NOTE, FidelityReport, GoldenItem, completion_metrics,
-                                             greedy_completions, measure_fidelity, policy_logits_fn)
+from policy_bundle.quantize.fidelity import (GATE_DECODE_BATCH, LOGITS_ONLY_NOTE, FidelityReport, GoldenItem,
+                                             completion_metrics, greedy_completions, measure_fidelity,
+                                             policy_logits_fn)
 from policy_bundle.quantize.reference_logits import ReferenceLogits
 from policy_bundle.quantize.model import Policy
 from policy_bundle.quantize.text import ids_to_text
@@ -26,8 +27,9 @@ def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:
 def gate_measures(policy: Policy, golden: List[GoldenItem], kw: dict, dir: Optional[Path] = None
                   ) -> Tuple[Callable, Callable, ReferenceLogits]:
     """The gate's two measurements of a model on ``golden``: the whole gate (teacher-forced metrics, greedy
-    generation in decode batches of ``batch``: ``decode_batch``, reward) and the teacher-forced metrics alone; and the FP32 reference logits they share, computed once
-    (kept in a file in ``dir``, ``ReferenceLogits``: the exported artifacts are measured against them too)."""
+    generation in decode batches of ``batch``: ``decode_batch``, reward) and the teacher-forced metrics alone; and the
+    FP32 reference logits they share, computed once (kept in a file in ``dir``, ``ReferenceLogits``: the exported
+    artifacts are measured against them too)."""
     ref_outputs = [g.completion_ids for g in golden]  # the FP32 policy's greedy completions
     ref_logits = ReferenceLogits.compute(policy_logits_fn(policy), golden, dir)  # once for every gate attempt
     whole = lambda m, batch=1: measure_fidelity(policy, m, golden, reference_outputs=ref_outputs,  # noqa: E731
