@@ -206,8 +206,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not config.is_file():
             raise FileNotFoundError(f"--config: {config} is not a file")
         env["POLICY_BUNDLE_ROUTER_CONFIG"] = str(config.resolve())
-    cmd = [sys.executable, "-m", "bentoml", "serve", "policy_bundle.serve.service:PolicyRouter", "--host", args.host,
-           "--port", str(args.port)]
+    cmd = [sys.executable, "-m", "bentoml", "serve", "policy_bundle.serve.router.service:PolicyRouter",
+           "--host", args.host, "--port", str(args.port)]
     sys.stdout.flush()
     os.execve(sys.executable, cmd, env)
     return 0  # not reached: the server replaces this process
@@ -312,7 +312,7 @@ def parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_watch)
 
     sv = sub.add_parser("serve", parents=[common], help="serve the registered bundle pair: the router and both variants "
-                        "(bentoml serve policy_bundle.serve.service:PolicyRouter)")
+                        "(bentoml serve policy_bundle.serve.router.service:PolicyRouter)")
     sv.add_argument("--host", default="0.0.0.0", help="address to listen on")
     sv.add_argument("--port", type=int, default=3000, help="port to listen on")
     sv.add_argument("--bundle-version", help="the store version to serve (POLICY_BUNDLE_VERSION; default: the newest "

@@ -53,10 +53,11 @@ def main() -> None:
     env = vllm_env(POLICY_BUNDLE_ADMIN_TOKEN=TOKEN, POLICY_BUNDLE_STATE_DIR=str(tmp / "state"),
                    POLICY_BUNDLE_ROUTER_CONFIG=str(tmp / "router.yaml"))
     servers = {"router": Server(env, tmp / "router.log"),
-               "int8": Server(env, tmp / "int8.log", target="policy_bundle.serve.variants:Int8Policy")}
+               "int8": Server(env, tmp / "int8.log", target="policy_bundle.serve.variants.services:Int8Policy")}
     for s in servers.values():
         s.wait_ready(360)
-    servers["fp16"] = Server(env, tmp / "fp16.log", target="policy_bundle.serve.variants:Fp16Policy").wait_ready(360)
+    servers["fp16"] = Server(env, tmp / "fp16.log",
+                             target="policy_bundle.serve.variants.services:Fp16Policy").wait_ready(360)
     try:
         status = httpx.get(f"{servers['router'].url}/status", timeout=30).json()
         print(f"variants: int8={status['variants']['int8']['engine']} fp16={status['variants']['fp16']['engine']}")

@@ -8,7 +8,7 @@ dataset ``random`` drawn from the bundle's own tokenizer (``--tokenizer <bundle>
 request throughput, output tok/s, TTFT p50/p99 and ITL p50/p99.
 
 Targets:
-- ``int8`` / ``fp16``: ``bentoml serve policy_bundle.serve.service:PolicyRouter`` for the bundle, every
+- ``int8`` / ``fp16``: ``bentoml serve policy_bundle.serve.router.service:PolicyRouter`` for the bundle, every
   request forced onto one variant (``x-policy-variant`` + the admin token, the client's ``--header``);
   the router's ``/metrics`` counters confirm which variant served them. Golden canary and shadow calls
   are off, so the variant's own requests are what is measured.

@@ -54,7 +54,7 @@ class Server:
 
     ready_path = "/readyz"
 
-    def __init__(self, env: dict, log: Path, target: str = "policy_bundle.serve.service:PolicyRouter"):
+    def __init__(self, env: dict, log: Path, target: str = "policy_bundle.serve.router.service:PolicyRouter"):
         self.log, self.target, self.env = log, target, env
         self.launch()
 

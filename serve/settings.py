@@ -16,7 +16,7 @@ from policy_bundle.quantize.decode import DECODE_THREADS
 from policy_bundle.quantize.config_schema import (FieldError, choice, config_model, env_mapping, from_mapping, merged,
                                                  ranged, read_as, read_yaml, setting, variable_of)
 from policy_bundle.quantize.extras import MissingExtra, require
-from policy_bundle.serve.rollout_types import RolloutConfig
+from policy_bundle.serve.rollout.types import RolloutConfig
 
 INT8_ENGINES = ("torchscript", "vllm")
 

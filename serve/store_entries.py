@@ -11,7 +11,7 @@ import bentoml
 
 from policy_bundle.bundle.manifest import BundleVerificationError
 from policy_bundle.bundle.store import verified_store_path
-from policy_bundle.serve.rollout_db import BundlePair
+from policy_bundle.serve.rollout.state import BundlePair
 
 log = logging.getLogger("policy_bundle.serve")
 

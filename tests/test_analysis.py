@@ -1,9 +1,9 @@
-"""One analysis window's verdict (``serve/analysis.py``): golden runs judged by the bundle's gate, shadow flips and
-INT8 errors failing only with confidence, the p99 ratio judged only over enough samples."""
+"""One analysis window's verdict (``serve/rollout/analysis.py``): golden runs judged by the bundle's gate, shadow
+flips and INT8 errors failing only with confidence, the p99 ratio judged only over enough samples."""
 
 from policy_bundle.quantize.fidelity import GateThresholds
-from policy_bundle.serve.analysis import Window, analyse, wilson_interval
-from policy_bundle.serve.rollout_types import RolloutConfig
+from policy_bundle.serve.rollout.analysis import Window, analyse, wilson_interval
+from policy_bundle.serve.rollout.types import RolloutConfig
 
 
 def test_golden_runs_are_judged_with_the_bundle_thresholds():
@@ -49,7 +49,7 @@ def test_golden_items_fail_part_of_the_set_only_with_confidence_and_the_whole_se
     """The served SmolLM2-135M default bundle of 8696d32 (gate greedy 0.55 against 0.5 on its 20 held-out items) matched
     FP32 on 6 of 16 in one live run: judged on that point it failed the window, and two such windows roll INT8 back.
     Part of the set is judged with a bound; the whole set (the gate's own items) by the gate's rule, each item once."""
-    from policy_bundle.serve.analysis import GoldenTally
+    from policy_bundle.serve.rollout.analysis import GoldenTally
 
     t, cfg = GoldenTally, RolloutConfig(min_samples=1)
     gate = GateThresholds(min_greedy_agreement=0.5)
@@ -120,7 +120,7 @@ def test_every_shadow_outcome_counts_a_request_of_the_variant_it_went_to():
     import asyncio
     from types import SimpleNamespace
 
-    from policy_bundle.serve.canary import LiveCanary
+    from policy_bundle.serve.router.canary import LiveCanary
 
     class Counter:
         def labels(self, **_):

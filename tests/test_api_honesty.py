@@ -82,7 +82,7 @@ def test_the_published_spec_allows_no_other_fields():
 def test_logit_bias_and_penalties_change_the_logits_they_name():
     import torch
 
-    from policy_bundle.serve.engines import SamplingParams, adjusted_logits, pick_token
+    from policy_bundle.serve.variants.engines import SamplingParams, adjusted_logits, pick_token
 
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
     p = SamplingParams(logit_bias=((3, 5.0),), presence_penalty=0.5, frequency_penalty=0.25)

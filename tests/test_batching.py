@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from policy_bundle.quantize.decode import decode_steps, greedy_pick
-from policy_bundle.serve.batching import BatchedEngine, policy_engine
-from policy_bundle.serve.lanes import Lanes
-from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
+from policy_bundle.serve.variants.batching import BatchedEngine, policy_engine
+from policy_bundle.serve.variants.lanes import Lanes
+from policy_bundle.serve.variants.engines import CachedPolicyEngine, SamplingParams
 
 PROMPTS = [[1, 6, 8, 13, 7, 14], [1, 9, 9, 12, 4, 14], [1, 5, 13, 5, 14], [1, 7, 3, 2, 13, 8, 8, 14],
            [1, 4, 13, 4, 14], [1, 3, 3, 3, 12, 2, 14], [1, 8, 13, 6, 6, 14], [1, 2, 12, 9, 14]]
@@ -244,7 +244,7 @@ def test_served_int8_batches_concurrent_streams_and_frees_a_disconnected_ones_sl
     env = {"POLICY_BUNDLE_STATE_DIR": str(tmp_path / "state"), "POLICY_BUNDLE_VERSION": bundle_version(small_bundle),
            "POLICY_BUNDLE_DISABLE_VLLM": "1", "POLICY_BUNDLE_TEST_FAULT": "slow:factor=0.1",
            "POLICY_BUNDLE_ROUTER_CONFIG": str(tmp_path / "router.yaml")}
-    server = Server(env, tmp_path / "int8.log", target="policy_bundle.serve.variants:Int8Policy").wait_ready()
+    server = Server(env, tmp_path / "int8.log", target="policy_bundle.serve.variants.services:Int8Policy").wait_ready()
     prompts, n = PROMPTS[:4], 14
 
     async def scenario():
@@ -313,7 +313,7 @@ class ThreadsSeen:
 @pytest.mark.parametrize("engine_cls", [BatchedEngine, CachedPolicyEngine])
 def test_decode_thread_runs_with_the_configured_intra_op_threads_and_no_grad(artifact, engine_cls):
     """One intra-op thread on the decode thread by default (a second OpenMP team over-subscribes the cores:
-    serve/engines.py), whatever the main thread uses; the setting raises it."""
+    serve/variants/engines.py), whatever the main thread uses; the setting raises it."""
     main_threads = torch.get_num_threads()
     for threads in (1, 2):
         module = ThreadsSeen(artifact)
@@ -337,7 +337,7 @@ def test_score_runs_the_head_on_the_last_position_as_a_prefill_does(artifact):
     from policy_bundle.quantize.blocks import cache_len_for
     from policy_bundle.quantize.model import full_logits
     from policy_bundle.quantize.slots import SlotBatch
-    from policy_bundle.serve.engines import last_position_logits
+    from policy_bundle.serve.variants.engines import last_position_logits
 
     seqs = [p[:5] for p in PROMPTS if len(p) >= 5][:3]
     got = torch.tensor(last_position_logits(artifact, [seqs[0]]))[0]

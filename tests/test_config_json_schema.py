@@ -151,7 +151,7 @@ def test_the_config_models_are_pydantic_models_that_check_themselves_in_python_t
     from policy_bundle.quantize.config_schema import FieldError
     from policy_bundle.quantize.fidelity import GateThresholds
     from policy_bundle.quantize.recipes import RecipeConfig
-    from policy_bundle.serve.rollout_types import RolloutConfig
+    from policy_bundle.serve.rollout.types import RolloutConfig
     from policy_bundle.serve.settings import RouterSettings
 
     models = [BuildConfig, bc.PolicySection, bc.PromptsSection, bc.RolloutsSection, bc.CalibrationSection,

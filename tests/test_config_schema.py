@@ -164,7 +164,7 @@ def test_a_config_that_is_not_a_mapping_is_named(tmp_path):
 
 def test_a_number_written_as_a_string_is_refused_in_code_too():
     """Built in code, pydantic's lax mode would read "500" as 500 past the range check: it is refused as in YAML."""
-    from policy_bundle.serve.rollout_types import RolloutConfig
+    from policy_bundle.serve.rollout.types import RolloutConfig
 
     with pytest.raises(ThresholdError, match=r"^max_kl_mean: expected float, got str '500'$"):
         GateThresholds(max_kl_mean="500")

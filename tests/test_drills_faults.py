@@ -42,7 +42,7 @@ def test_stall_drill_leaves_nothing_in_flight(tmp_path, reference_dir):
 
 def test_int8_worker_pids_are_only_workers_inside_the_server():
     """A process named like the INT8 worker outside the server's process tree is never picked."""
-    worker = ["-m", WORKER_SCRIPT, "policy_bundle.serve.service:PolicyRouter", "--service-name", "int8-policy"]
+    worker = ["-m", WORKER_SCRIPT, "policy_bundle.serve.router.service:PolicyRouter", "--service-name", "int8-policy"]
     decoy = subprocess.Popen(SLEEPER + ["int8-policy", *worker])  # not a descendant of the "server"
     server = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])",
                                *SLEEPER, *worker], start_new_session=True)  # its child: the INT8 worker's command line

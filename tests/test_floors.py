@@ -7,6 +7,8 @@ installed namespace.
 
     build/:  config <- source <- calibrate <- gate <- artifacts <- pipeline <- watch <- cli
              (errors and progress below all of them; containerize beside config, for the CLI)
+    serve/:  rollout <- settings, store_entries;  schemas <- http;  wire, logs
+             <- variants (the variant workers) <- router (the router process)
 """
 
 import ast
@@ -29,6 +31,9 @@ ALLOWED = {
     "loadtest": {"quantize", "bundle", "build"},
 }
 GENERIC = {"build", "serve", "quantize", "loadtest", "bundle"}
+# the one exception to "loadtest talks to serve over HTTP": benchmarks of the variant engine's batching and of the
+# router's detokenizer measure code below any HTTP surface, in process (docs/contributing.md)
+IN_PROCESS_BENCHMARKS = {"loadtest/bench_batching.py", "loadtest/bench_detok.py"}
 EXAMPLES = "docs/examples"  # scripts outside the package; they may import what loadtest may
 # inside build/: what each unit (a stage sub-package, or a top-level module) may import of build/ (itself always)
 BASE = {"errors", "progress"}
@@ -47,6 +52,21 @@ BUILD_ALLOWED = {
     "watch": BASE | {"config", "source", "calibrate", "gate", "artifacts", "containerize", "pipeline"},
     "cli": BASE | {"config", "source", "calibrate", "gate", "artifacts", "containerize", "pipeline", "watch",
                    "rollout_client"},
+}
+# inside serve/: by the process a unit runs in. rollout/ (the control plane's state machine and store) sits at the
+# bottom, the modules both processes share above it, the variant workers above those, the router on top.
+SERVE_SHARED = {"schemas", "wire", "logs", "http", "settings", "store_entries"}
+SERVE_ALLOWED = {
+    "__init__": set(),
+    "rollout": set(),
+    "schemas": set(),
+    "wire": set(),
+    "logs": set(),
+    "http": {"schemas"},
+    "settings": {"rollout"},
+    "store_entries": {"rollout"},
+    "variants": SERVE_SHARED | {"rollout"},
+    "router": SERVE_SHARED | {"rollout", "variants"},
 }
 NAMED_ONCE = ("quantize", "bundle", "build", "serve")  # no two modules of these share a file name
 
@@ -67,37 +87,37 @@ def project_imports(path: Path):
                 yield node.lineno, f"top-level {parts[0]}"
 
 
-def build_imports(path: Path):
-    """(line, unit of build/ imported) for every import of ``policy_bundle.build.<unit>...`` in a file (a
-    unit: a stage sub-package or a top-level module; ``from policy_bundle.build import x`` names ``x``)."""
+def build_imports(path: Path, package: str = "build"):
+    """(line, unit of ``package`` imported) for every import of ``policy_bundle.<package>.<unit>...`` in a file (a
+    unit: a sub-package or a top-level module; ``from policy_bundle.<package> import x`` names ``x``)."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             modules = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules = [node.module] if node.module != "policy_bundle.build" else \
-                [f"policy_bundle.build.{a.name}" for a in node.names]
+            modules = [node.module] if node.module != f"policy_bundle.{package}" else \
+                [f"policy_bundle.{package}.{a.name}" for a in node.names]
         else:
             continue
         for name in modules:
             parts = name.split(".")
-            if parts[:2] == ["policy_bundle", "build"] and len(parts) > 2:
+            if parts[:2] == ["policy_bundle", package] and len(parts) > 2:
                 yield node.lineno, parts[2]
 
 
-def build_unit(path: Path) -> str:
-    """The unit of build/ a file belongs to: its stage sub-package, or its own name at build/'s top."""
-    rel = path.relative_to(ROOT / "build")
+def build_unit(path: Path, package: str = "build") -> str:
+    """The unit of ``package`` a file belongs to: its sub-package, or its own name at the package's top."""
+    rel = path.relative_to(ROOT / package)
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def build_floor_problems(path: Path, unit: str) -> list:
-    """What ``path``, a file of ``unit``, imports of build/ that its floor does not allow."""
-    if unit not in BUILD_ALLOWED:
-        return [f"{path.name}: build/{unit} is not in BUILD_ALLOWED (give the new unit its floor)"]
+def build_floor_problems(path: Path, unit: str, package: str = "build", allowed: dict = BUILD_ALLOWED) -> list:
+    """What ``path``, a file of ``unit``, imports of ``package`` that its floor does not allow."""
+    if unit not in allowed:
+        return [f"{path.name}: {package}/{unit} has no floor (give the new unit its floor in tests/test_floors.py)"]
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    return [f"{shown}:{line} imports build.{target} (build/{unit} may import "
-            f"{sorted(BUILD_ALLOWED[unit]) or 'nothing of build/'})"
-            for line, target in build_imports(path) if target != unit and target not in BUILD_ALLOWED[unit]]
+    return [f"{shown}:{line} imports {package}.{target} ({package}/{unit} may import "
+            f"{sorted(allowed[unit]) or f'nothing of {package}/'})"
+            for line, target in build_imports(path, package) if target != unit and target not in allowed[unit]]
 
 
 def same_named_modules(folders) -> dict:
@@ -115,7 +135,10 @@ def test_every_import_points_down_and_through_the_namespace():
     checked = {**ALLOWED, EXAMPLES: ALLOWED["loadtest"]}
     for folder, allowed in checked.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
             for line, target in project_imports(path):
+                if target == "serve" and rel in IN_PROCESS_BENCHMARKS:
+                    continue
                 if target.startswith("top-level"):
                     problems.append(f"{path.relative_to(ROOT)}:{line} imports {target} (use policy_bundle.*)")
                 elif target != folder and target not in allowed:
@@ -158,7 +181,26 @@ def test_the_build_floor_check_catches_a_stage_that_imports_the_pipeline_or_the_
     assert build_floor_problems(bad, "watch") == []
     bad.write_text("import policy_bundle.build.cli\n")
     assert len(build_floor_problems(bad, "watch")) == 1 and build_floor_problems(bad, "cli") == []
-    assert "not in BUILD_ALLOWED" in build_floor_problems(bad, "newstage")[0]
+    assert "has no floor" in build_floor_problems(bad, "newstage")[0]
+
+
+def test_inside_serve_every_import_points_down_the_process_roles():
+    """rollout <- the shared modules <- variants <- router: a variant worker never imports the router's code, the
+    rollout control plane imports nothing of the serving processes."""
+    paths = sorted((ROOT / "serve").rglob("*.py"))
+    assert {build_unit(p, "serve") for p in paths} >= {"router", "variants", "rollout", "settings", "wire"}
+    problems = [msg for path in paths for msg in build_floor_problems(path, build_unit(path, "serve"), "serve",
+                                                                      SERVE_ALLOWED)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_serve_floor_check_catches_a_variant_that_imports_the_router(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from policy_bundle.serve.router.pool import VariantPool\nfrom policy_bundle.serve import wire\n")
+    assert [t for _, t in build_imports(bad, "serve")] == ["router", "wire"]
+    assert len(build_floor_problems(bad, "variants", "serve", SERVE_ALLOWED)) == 1
+    assert len(build_floor_problems(bad, "rollout", "serve", SERVE_ALLOWED)) == 2
+    assert build_floor_problems(bad, "router", "serve", SERVE_ALLOWED) == []
 
 
 def module_graph(folder: Path, package: str) -> dict:
@@ -195,8 +237,8 @@ def import_cycle(graph: dict) -> list:
     return next((c for n in sorted(graph) if n not in state and (c := visit(n, [n]))), [])
 
 
-def test_build_and_bundle_have_no_import_cycle():
-    for folder in ("build", "bundle"):
+def test_no_package_has_an_import_cycle():
+    for folder in ("build", "bundle", "serve", "quantize"):
         cycle = import_cycle(module_graph(ROOT / folder, f"policy_bundle.{folder}"))
         assert not cycle, " -> ".join(cycle)
 
@@ -247,7 +289,7 @@ def test_the_wheel_installs_one_namespace(tmp_path):
     for sub in sorted(p.parent for p in (ROOT / "build").glob("*/__init__.py")):  # build's stage sub-packages
         assert f"policy_bundle/build/{sub.name}/__init__.py" in names
     assert not [n for n in names if "example" in n.split("/")[-1]]  # the examples stay out of the wheel
-    assert "policy_bundle/serve/service.py" in names and "policy_bundle/build/configs/main.yaml" in names
+    assert "policy_bundle/serve/router/service.py" in names and "policy_bundle/build/configs/main.yaml" in names
 
 
 def test_the_environment_has_no_top_level_build_of_ours(tmp_path):

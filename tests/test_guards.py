@@ -14,7 +14,7 @@ from policy_bundle.bundle.manifest import BundleVerificationError, read_manifest
 
 @pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-300, 1e-6])
 def test_the_engine_picks_greedily_below_the_minimum_temperature(temperature):
-    from policy_bundle.serve.engines import SamplingParams, pick_token
+    from policy_bundle.serve.variants.engines import SamplingParams, pick_token
 
     logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
     step = pick_token(logits, SamplingParams(temperature=temperature), torch.Generator().manual_seed(0))
@@ -29,7 +29,7 @@ def test_a_steps_greedy_rows_picked_together_are_each_rows_pick_alone():
     """The batched engine picks a step's greedy rows together (``greedy_steps``): each row's token and logprob are
     bitwise what ``pick_token`` gives it alone; a tie takes the first index alike; the token is the argmax of the row's
     log-softmax in double, and the logprob its value there within 1e-5."""
-    from policy_bundle.serve.engines import SamplingParams, greedy_steps, pick_token
+    from policy_bundle.serve.variants.engines import SamplingParams, greedy_steps, pick_token
 
     logits = torch.randn(17, 49152, generator=torch.Generator().manual_seed(0)) * 5  # a step's rows
     logits[3, 9] = logits[3, 7] = logits[3].max() + 1
@@ -70,7 +70,7 @@ class _Gauge:
 
 
 def test_a_variant_serving_another_builds_manifest_is_not_ready():
-    from policy_bundle.serve.pool import VariantPool
+    from policy_bundle.serve.router.pool import VariantPool
 
     def service(sha):
         async def health():
@@ -90,7 +90,7 @@ def test_a_variant_serving_another_builds_manifest_is_not_ready():
 
 def test_the_router_stays_ready_while_one_variant_restarts_once_both_came_up():
     """/readyz needed both variants: one restarting took the pod out of its Service though fail-over could serve."""
-    from policy_bundle.serve.pool import VariantPool
+    from policy_bundle.serve.router.pool import VariantPool
 
     up = {"int8": False, "fp16": True}
 
@@ -131,7 +131,7 @@ def test_the_router_stays_ready_while_one_variant_restarts_once_both_came_up():
     ({"engine_state": "running", "batch": None}, None),  # vLLM, alive
 ])
 def test_a_variant_whose_probe_answers_but_whose_engine_cannot_serve_is_not_ready(health, why):
-    from policy_bundle.serve.pool import VariantPool
+    from policy_bundle.serve.router.pool import VariantPool
 
     async def probe():
         return {"ready": True, "engine": "test", **health}
@@ -147,7 +147,7 @@ def test_a_variant_whose_probe_answers_but_whose_engine_cannot_serve_is_not_read
 
 
 def test_a_vllm_engine_whose_core_died_reports_dead():
-    from policy_bundle.serve.engines import VllmEngine
+    from policy_bundle.serve.variants.engines import VllmEngine
 
     engine = VllmEngine.__new__(VllmEngine)
     engine.engine = SimpleNamespace(errored=False)

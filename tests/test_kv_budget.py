@@ -17,8 +17,8 @@ from policy_bundle.quantize.hf_weights import init_random_policy
 from policy_bundle.quantize.model import KV_CACHES, set_kv_cache
 from policy_bundle.quantize.policy_config import PolicyConfig
 from policy_bundle.quantize.slots import SlotBatch
-from policy_bundle.serve.batching import KV_BLOCK, BatchedEngine, KvBudget, policy_engine
-from policy_bundle.serve.engines import CapacityError, SamplingParams
+from policy_bundle.serve.variants.batching import KV_BLOCK, BatchedEngine, KvBudget, policy_engine
+from policy_bundle.serve.variants.engines import CapacityError, SamplingParams
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=1024)
@@ -268,7 +268,7 @@ def test_the_default_budget_is_the_fp16_variants_kv_space_within_a_tenth_of_memo
     (``VLLM_CPU_KVCACHE_SPACE``, GiB, 1 by default), so an A/B split compares the engines and not their budgets; at
     most a tenth of the memory limit, at least 256 MiB."""
     import policy_bundle.quantize.memory as memory
-    from policy_bundle.serve.batching import MiB, auto_kv_budget
+    from policy_bundle.serve.variants.batching import MiB, auto_kv_budget
 
     limit = {"bytes": 20 * 1024 * MiB}  # the memory this process may use: a tenth is 2 GiB, above the KV space
     monkeypatch.setattr(memory, "memory_limit", lambda: (limit["bytes"], "test"))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from policy_bundle.serve.pool import VariantPool
+from policy_bundle.serve.router.pool import VariantPool
 from policy_bundle.serve.schemas import ApiError
 
 

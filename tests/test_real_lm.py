@@ -160,8 +160,8 @@ def test_newcomers_in_the_decode_steps_forward_change_no_row(smollm2_bundle):
     from policy_bundle.quantize.blocks import attention_len
     from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, threads
     from policy_bundle.quantize.script_runner import load_torchscript
-    from policy_bundle.serve.batching import policy_engine
-    from policy_bundle.serve.engines import SamplingParams
+    from policy_bundle.serve.variants.batching import policy_engine
+    from policy_bundle.serve.variants.engines import SamplingParams
 
     out, _ = smollm2_bundle
     m = json.loads((out / "bundle.json").read_text())

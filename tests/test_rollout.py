@@ -6,9 +6,9 @@ import time
 import pytest
 
 from policy_bundle.quantize.fidelity import GateThresholds
-from policy_bundle.serve.rollout import RolloutController
-from policy_bundle.serve.rollout_types import RolloutConfig, RolloutStep
-from policy_bundle.serve.rollout_db import BundlePair, RolloutDatabase, StateConflict, StoreUnavailable, default_url
+from policy_bundle.serve.rollout.machine import RolloutController
+from policy_bundle.serve.rollout.types import RolloutConfig, RolloutStep
+from policy_bundle.serve.rollout.state import BundlePair, RolloutDatabase, StateConflict, StoreUnavailable, default_url
 
 PAIR = BundlePair("a" * 64, "a" * 64, "ref-aaaa")
 
@@ -307,7 +307,7 @@ def test_an_inconclusive_window_keeps_collecting_until_its_pairs_bound_the_flip_
     (upper bound 0.08) and promotes."""
     from types import SimpleNamespace
 
-    from policy_bundle.serve.canary import LiveCanary
+    from policy_bundle.serve.router.canary import LiveCanary
 
     cfg = RolloutConfig(min_samples=8, inconclusive_limit=5)
     ctl = controller(tmp_path, min_samples=8, inconclusive_limit=5)

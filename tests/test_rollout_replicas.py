@@ -14,7 +14,7 @@ from test_serve import ADMIN, FORCE_INT8, admin, complete, env_for
 def users_on(variant: str, weight: float, n: int) -> list:
     """``n`` sticky users the router sends to ``variant`` at INT8 ``weight`` (default salt): routed traffic, which is
     rollout evidence (a forced variant is not)."""
-    from policy_bundle.serve.routing import sticky_bucket
+    from policy_bundle.serve.router.routing import sticky_bucket
 
     out, i = [], 0
     while len(out) < n:
@@ -51,9 +51,9 @@ def test_racing_replicas_on_postgres_never_write_the_same_version_twice(postgres
     lands at a distinct version, and the history holds exactly the transitions that succeeded."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from policy_bundle.serve.rollout import RolloutController
-    from policy_bundle.serve.rollout_types import RolloutConfig
-    from policy_bundle.serve.rollout_db import BundlePair, RolloutDatabase
+    from policy_bundle.serve.rollout.machine import RolloutController
+    from policy_bundle.serve.rollout.types import RolloutConfig
+    from policy_bundle.serve.rollout.state import BundlePair, RolloutDatabase
 
     pair = BundlePair("c" * 64, "c" * 64, "race")
     replicas = [RolloutController(RolloutDatabase(postgres.url, f"r{i}"), pair, RolloutConfig(), f"r{i}")

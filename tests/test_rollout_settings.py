@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from policy_bundle.serve.rollout_types import MatchRule, RolloutStep
+from policy_bundle.serve.rollout.types import MatchRule, RolloutStep
 from policy_bundle.serve.settings import SettingsError, load_settings
 
 
@@ -53,9 +53,9 @@ def test_the_state_url_comes_from_the_file_and_the_env_var_wins(tmp_path, monkey
 
 
 def test_an_unreachable_state_database_is_one_line(tmp_path):
-    from policy_bundle.serve.rollout_db import RolloutDatabase, StoreUnavailable
+    from policy_bundle.serve.rollout.state import RolloutDatabase, StoreUnavailable
 
-    from policy_bundle.serve.rollout_db import BundlePair
+    from policy_bundle.serve.rollout.state import BundlePair
 
     db = RolloutDatabase("postgresql+psycopg://user:secret@127.0.0.1:1/x")  # connects at its first use
     with pytest.raises(StoreUnavailable, match=r"rollout state database 127.0.0.1:1/x: ") as err:

@@ -63,7 +63,7 @@ def test_engine_threads_default_to_one_and_have_a_range(tmp_path, monkeypatch):
 
 
 def test_engine_lanes_default_to_one_per_usable_core_and_have_a_range(tmp_path, monkeypatch):
-    from policy_bundle.serve.lanes import lane_count, usable_cores
+    from policy_bundle.serve.variants.lanes import lane_count, usable_cores
 
     assert settings_from(tmp_path, monkeypatch, "model_name: policy\n").engine_lanes == 0
     assert lane_count(0, 1, 32) == min(usable_cores(), 4) and lane_count(0, 10_000, 32) == 1  # at least one lane

@@ -239,8 +239,8 @@ class FailingAllocation:
 
 
 def test_a_failed_kv_cache_allocation_answers_its_request_with_an_error(small_bundle):
-    from policy_bundle.serve.batching import BatchedEngine
-    from policy_bundle.serve.engines import SamplingParams
+    from policy_bundle.serve.variants.batching import BatchedEngine
+    from policy_bundle.serve.variants.engines import SamplingParams
 
     engine = BatchedEngine(FailingAllocation(torch.jit.load(str(small_bundle / "int8" / "policy.ts"))), 32, "int8")
 

@@ -79,7 +79,7 @@ def test_loops_survive_their_exceptions(faulty):
     # The analysis loop still judges new evidence: a fresh rollout (1 % on INT8), then a request of a user routed to
     # INT8 (which fails here: FP16 answers it) at a time; each must get a verdict from the loop, not from an admin
     # call. Routed, not forced: a forced variant is no rollout evidence.
-    from policy_bundle.serve.routing import sticky_bucket
+    from policy_bundle.serve.router.routing import sticky_bucket
 
     httpx.post(f"{faulty.url}/admin/rollout", json={"action": "restart"}, headers=ADMIN, timeout=30)
     users = [u for u in (f"user-{i}" for i in range(5000)) if sticky_bucket("policy-bundle", u) < 1.0][:2]

@@ -143,7 +143,7 @@ TOKENIZERS = {"byte-level": byte_level_tokenizer, "sentencepiece-byte-fallback":
 @pytest.mark.parametrize("stop", [[], ["caf"], ["é"], ["🙂 ok"]])
 def test_text_stream_equals_one_decode_for_split_utf8(stop, make):
     from policy_bundle.quantize.text import ids_to_text
-    from policy_bundle.serve.openai_api import TextStream
+    from policy_bundle.serve.router.openai_api import TextStream
 
     tok = TOKENIZERS[make]()
     text = "naïve café 日本語 🙂 ok and plain words"
@@ -180,7 +180,7 @@ def test_a_long_stream_is_decoded_incrementally_and_adds_up_to_the_whole_decode(
     """The stream re-decoded the whole sequence at every token (quadratic in the answer's length); it now decodes
     each token once (tokenizers' DecodeStream) and still adds up to one decode of everything, cut characters too."""
     from policy_bundle.quantize.text import ids_to_text
-    from policy_bundle.serve.openai_api import TextStream
+    from policy_bundle.serve.router.openai_api import TextStream
 
     if make in TOKENIZERS:
         tok = TOKENIZERS[make]()

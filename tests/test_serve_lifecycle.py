@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from policy_bundle.serve.engines import last_position_logits
+from policy_bundle.serve.variants.engines import last_position_logits
 from serve_helpers import Server, bundle_version
 
 SLOW_S = 0.25  # seconds per generated token under the injected `slow` fault
@@ -60,7 +60,7 @@ def test_sigterm_lets_in_flight_requests_finish(small_bundle, tmp_path):
 
 def test_score_api_batches_concurrent_callers_with_unbatched_results(small_bundle, tmp_path):
     server = Server(env(tmp_path, bundle_version(small_bundle)), tmp_path / "int8.log",
-                    target="policy_bundle.serve.variants:Int8Policy").wait_ready()
+                    target="policy_bundle.serve.variants.services:Int8Policy").wait_ready()
     rng = torch.Generator().manual_seed(0)
     vocab = json.loads((small_bundle / "int8" / "config.json").read_text())["vocab_size"]
     sequences = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in [5] * 12 + [8] * 12]

@@ -75,7 +75,7 @@ class _Service:
 
 
 def _pool_steps(chunks):
-    from policy_bundle.serve.pool import StreamFailed, VariantPool
+    from policy_bundle.serve.router.pool import StreamFailed, VariantPool
 
     pool = VariantPool.__new__(VariantPool)
     pool.services = {"int8": _Service(chunks)}

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 def test_no_service_cuts_a_stream_that_a_full_context_answer_needs(bentoml_home):
     from policy_bundle.serve.http import TRAFFIC_TIMEOUT_S
-    from policy_bundle.serve.service import PolicyRouter
-    from policy_bundle.serve.variants import Fp16Policy, Int8Policy
+    from policy_bundle.serve.router.service import PolicyRouter
+    from policy_bundle.serve.variants.services import Fp16Policy, Int8Policy
 
     # an 8192-token answer at 1 token a second, the slowest a served stream is expected to be, with room to spare
     assert TRAFFIC_TIMEOUT_S >= 4 * 8192

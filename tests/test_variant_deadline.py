@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from policy_bundle.serve.engines import SamplingParams, Step
+from policy_bundle.serve.variants.engines import SamplingParams, Step
 
 
 class SlowEngine:
@@ -27,7 +27,7 @@ class SlowEngine:
 def test_a_plain_generation_stops_at_its_deadline_and_closes_the_engines_stream(bentoml_home):
     # imported here, with the test store set: importing the variants module reads the model store, and BentoML
     # binds a process to the first store it reads
-    from policy_bundle.serve.variants import _collect
+    from policy_bundle.serve.variants.services import _collect
 
     engine = SlowEngine()
     with pytest.raises(TimeoutError, match=r"deadline_s: generation stopped after 0.5s \(2 tokens\)"):

@@ -9,7 +9,7 @@ from typing import Optional
 from fastapi import Request
 
 from policy_bundle.serve.http import check_token
-from policy_bundle.serve.pool import VARIANTS
+from policy_bundle.serve.router.pool import VARIANTS
 from policy_bundle.serve.schemas import ApiError
 
 

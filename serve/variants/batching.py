@@ -32,9 +32,9 @@ import torch
 
 from policy_bundle.quantize.percentile import percentile
 from policy_bundle.quantize.slots import KV_BLOCK, LONG_PROMPT_CHUNK, SlotBatch
-from policy_bundle.serve.engines import (CapacityError, SamplingParams, Step, check_threads, decode_thread_setup,
-                                         greedy_picks, last_position_logits, pick_token)
-from policy_bundle.serve.lanes import Lanes, lane_count
+from policy_bundle.serve.variants.engines import (CapacityError, SamplingParams, Step, check_threads,
+                                                  decode_thread_setup, greedy_picks, last_position_logits, pick_token)
+from policy_bundle.serve.variants.lanes import Lanes, lane_count
 
 log = logging.getLogger("policy_bundle.serve")
 MiB = 2**20
@@ -486,7 +486,7 @@ def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, pref
     """The batched engine when the module has ``decode_batch`` (artifacts since batched decode), in ``lanes`` lanes
     (``Lanes``; 0: one per ``threads`` usable cores) that share ``max_batch`` between them (so their KV caches hold no
     more slots than one lane's would), else the one-sequence-at-a-time engine, with one log line naming why."""
-    from policy_bundle.serve.engines import CachedPolicyEngine
+    from policy_bundle.serve.variants.engines import CachedPolicyEngine
 
     if hasattr(module, "decode_batch"):
         total = max(1, max_batch)

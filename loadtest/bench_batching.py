@@ -7,7 +7,7 @@ No HTTP, so it lives beside the engine in serve/ (loadtest/ only talks to the se
 
 Per concurrency level (closed-loop callers, greedy, ``--new-tokens`` each): generated tokens/s,
 requests/s and the inter-token latency p50 / p99 a caller sees. Printed, never asserted.
-Run: ``.venv/bin/python -m policy_bundle.serve.bench_batching --artifact bundles/reference/int8/policy.ts``
+Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_batching --artifact bundles/reference/int8/policy.ts``
 (or ``--bundle DIR``; a real LM: ``--bundle bundles/smollm2``).
 """
 
@@ -28,8 +28,8 @@ import torch
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.quantize.percentile import percentile
 from policy_bundle.quantize.script_runner import load_torchscript
-from policy_bundle.serve.batching import policy_engine
-from policy_bundle.serve.engines import CachedPolicyEngine, SamplingParams
+from policy_bundle.serve.variants.batching import policy_engine
+from policy_bundle.serve.variants.engines import CachedPolicyEngine, SamplingParams
 
 
 async def level(engine, prompts: List[List[int]], clients: int, seconds: float, new_tokens: int) -> dict:
@@ -100,7 +100,7 @@ def main() -> None:
     names = ["sequential", "batched"] + (["lanes"] if args.lanes != 1 else [])
     results = {}
     for name in names:
-        out = subprocess.run([sys.executable, "-m", "policy_bundle.serve.bench_batching", *sys.argv[1:],
+        out = subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.bench_batching", *sys.argv[1:],
                               "--engine", name], capture_output=True, text=True, check=True).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
     artifact = artifact_path(args)

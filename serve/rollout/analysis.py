@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 
 from policy_bundle.quantize.fidelity import GateThresholds
 from policy_bundle.quantize.percentile import percentile
-from policy_bundle.serve.rollout_types import RolloutConfig
+from policy_bundle.serve.rollout.types import RolloutConfig
 
 
 LATENCY_SAMPLES = 5000  # per variant, the newest kept in a window (its p99 is over these)

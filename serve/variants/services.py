@@ -26,8 +26,8 @@ from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_TORCHSCRIPT, IN
 from policy_bundle.bundle.store import pair_version
 from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
 from policy_bundle.serve import logs, wire
-from policy_bundle.serve.batching import policy_engine
-from policy_bundle.serve.engines import CapacityError, SamplingParams, Step, VllmEngine
+from policy_bundle.serve.variants.batching import policy_engine
+from policy_bundle.serve.variants.engines import CapacityError, SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import TRAFFIC_TIMEOUT_S, patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
 from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact, verified_bytes, verified_copy

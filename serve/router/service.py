@@ -1,7 +1,7 @@
 """PolicyRouter: the entry service. OpenAI-compatible API in front of the INT8 and FP16 variants, with
 weighted/sticky routing, shadow traffic, a canaried rollout and an authenticated admin API.
 
-Serve: ``bentoml serve policy_bundle.serve.service:PolicyRouter`` (after ``policy-bundle build``). The parts:
+Serve: ``bentoml serve policy_bundle.serve.router.service:PolicyRouter`` (after ``policy-bundle build``). The parts:
 ``openai_api`` (formats), ``pool`` (health, fail-over, admission), ``canary`` (window, shadow, golden,
 analysis loops), ``admin`` (commands), ``rollout`` (state machine + SQLite), ``http`` (bodies, auth)."""
 
@@ -24,20 +24,21 @@ from fastapi.responses import JSONResponse
 from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.info import BundleInfo, load_tokenizer
 from policy_bundle.bundle.layout import INT8_DIR
-from policy_bundle.serve import admin, logs
-from policy_bundle.serve.canary import LiveCanary
+from policy_bundle.serve import logs
+from policy_bundle.serve.router import admin
+from policy_bundle.serve.router.canary import LiveCanary
 from policy_bundle.serve.http import (TRAFFIC_TIMEOUT_S, ApiKeyGuard, ReleasingStream, error_response, read_json,
                                       require_admin, require_api_key)
-from policy_bundle.serve.metrics import Metrics
-from policy_bundle.serve.openai_api import Adapter, ChatAdapter, CompletionsAdapter
-from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, close_streams, interleaved
-from policy_bundle.serve.rollout import RolloutController
-from policy_bundle.serve.rollout_db import BundlePair, RolloutDatabase, StoreUnavailable, default_url, event_dict
-from policy_bundle.serve.routing import choose, forced_variant, matched_variant
+from policy_bundle.serve.router.metrics import Metrics
+from policy_bundle.serve.router.openai_api import Adapter, ChatAdapter, CompletionsAdapter
+from policy_bundle.serve.router.pool import VARIANTS, Admission, VariantPool, close_streams, interleaved
+from policy_bundle.serve.rollout.machine import RolloutController
+from policy_bundle.serve.rollout.state import BundlePair, RolloutDatabase, StoreUnavailable, default_url, event_dict
+from policy_bundle.serve.router.routing import choose, forced_variant, matched_variant
 from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest, openapi_operation, parse_request
 from policy_bundle.serve.settings import settings_or_exit
 from policy_bundle.serve.store_entries import bundle_pair, refuse, verified_artifact
-from policy_bundle.serve.variants import VERSION, Fp16Policy, Int8Policy
+from policy_bundle.serve.variants.services import VERSION, Fp16Policy, Int8Policy
 
 log = logging.getLogger("policy_bundle.router")
 # The spec is BentoML's /docs.json (it merges these routes); FastAPI's own copy would be a second one.

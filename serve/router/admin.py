@@ -9,8 +9,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policy_bundle.serve.rollout_types import ACTIONS as ROLLOUT_ACTIONS
-from policy_bundle.serve.rollout_db import BundlePair, StateConflict, StoreUnavailable
+from policy_bundle.serve.rollout.types import ACTIONS as ROLLOUT_ACTIONS
+from policy_bundle.serve.rollout.state import BundlePair, StateConflict, StoreUnavailable
 from policy_bundle.serve.schemas import ApiError, openapi30, parse_request
 
 ACTIONS = (*ROLLOUT_ACTIONS, "analyse", "golden-canary")

@@ -1,7 +1,7 @@
 """The streaming detokenizer's cost per token at an answer's 2000th token: one decode of the whole sequence per token
 (the router before) against ``TextStream``'s incremental decode, side by side in one run (nothing asserted).
 
-Run: ``.venv/bin/python -m policy_bundle.serve.bench_detok [--tokenizer DIR] [--tokens 2000]`` (default: the
+Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_detok [--tokenizer DIR] [--tokens 2000]`` (default: the
 SmolLM2-135M fixture's tokenizer, ``python -m policy_bundle.loadtest.real_lm``).
 """
 
@@ -27,7 +27,7 @@ def per_token_us(push, ids, last: int) -> float:
 def main() -> None:
     from policy_bundle.bundle.info import load_tokenizer
     from policy_bundle.quantize.text import ids_to_text
-    from policy_bundle.serve.openai_api import TextStream
+    from policy_bundle.serve.router.openai_api import TextStream
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", type=Path, default=Path.home() / ".cache/policy-bundle/smollm2-135m-instruct")

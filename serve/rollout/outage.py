@@ -8,8 +8,8 @@ import logging
 import time
 from dataclasses import asdict, replace
 
-from policy_bundle.serve.rollout_db import Event, StateConflict, StoreUnavailable
-from policy_bundle.serve.rollout_types import STOPPED, RolloutState
+from policy_bundle.serve.rollout.state import Event, StateConflict, StoreUnavailable
+from policy_bundle.serve.rollout.types import STOPPED, RolloutState
 
 log = logging.getLogger("policy_bundle.router")
 

@@ -12,10 +12,10 @@ from typing import Awaitable, Callable, Dict, List
 
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.quantize.text import ids_to_text
-from policy_bundle.serve.pool import VARIANTS, Admission, VariantPool, other_variant
-from policy_bundle.serve.analysis import LATENCY_SAMPLES, GoldenTally, Window, analyse
-from policy_bundle.serve.rollout import RolloutController
-from policy_bundle.serve.rollout_db import StoreUnavailable
+from policy_bundle.serve.router.pool import VARIANTS, Admission, VariantPool, other_variant
+from policy_bundle.serve.rollout.analysis import LATENCY_SAMPLES, GoldenTally, Window, analyse
+from policy_bundle.serve.rollout.machine import RolloutController
+from policy_bundle.serve.rollout.state import StoreUnavailable
 
 log = logging.getLogger("policy_bundle.router")
 

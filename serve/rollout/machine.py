@@ -23,9 +23,9 @@ from collections import deque
 from dataclasses import asdict, replace
 from typing import List, Optional
 
-from policy_bundle.serve.rollout_db import BundlePair, Event, RolloutDatabase, StateConflict, StoreUnavailable
-from policy_bundle.serve.rollout_outage import DatabaseOutage
-from policy_bundle.serve.rollout_types import ACTIONS, ANALYSED, STOPPED, RolloutConfig, RolloutState
+from policy_bundle.serve.rollout.state import BundlePair, Event, RolloutDatabase, StateConflict, StoreUnavailable
+from policy_bundle.serve.rollout.outage import DatabaseOutage
+from policy_bundle.serve.rollout.types import ACTIONS, ANALYSED, STOPPED, RolloutConfig, RolloutState
 
 UNREACHABLE = "database-unreachable"  # the status of a replica that started without its database: FP16 only
 STOPS = ("rollback", "abort")
