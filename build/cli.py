@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from policy_bundle.build.errors import (EXIT_ERROR, EXIT_GATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, CanaryGateError,
-                                         expected_errors)
+                                        expected_errors)
 
 
 def _quiet_runtime() -> None:
@@ -87,7 +87,7 @@ def cmd_config_defaults(args: argparse.Namespace) -> int:
     if args.what == "router":
         return _router_settings_output("defaults", "--defaults")
     from policy_bundle.build.config.build_config import BuildConfig
-    from policy_bundle.quantize.config_json_schema import defaults_yaml
+    from policy_bundle.quantize.config.json_schema import defaults_yaml
 
     print(defaults_yaml(BuildConfig, BUILD_DEFAULTS_HEADER), end="")
     return EXIT_OK
@@ -95,13 +95,13 @@ def cmd_config_defaults(args: argparse.Namespace) -> int:
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
     """The JSON Schema of the build config or the router settings: the keys, types, limits and defaults the readers
-    enforce (``quantize.config_schema.json_schema``), for editors and CI checks of a config file."""
+    enforce (``quantize.config.schema.json_schema``), for editors and CI checks of a config file."""
     import json
 
     if args.what == "router":
         return _router_settings_output("schema")
     from policy_bundle.build.config.build_config import BuildConfig
-    from policy_bundle.quantize.config_json_schema import json_schema
+    from policy_bundle.quantize.config.json_schema import json_schema
 
     print(json.dumps(json_schema(BuildConfig, "policy-bundle build config"), indent=2))
     return EXIT_OK
@@ -156,8 +156,8 @@ def cmd_canary(args: argparse.Namespace) -> int:
     from policy_bundle.bundle.info import load_tokenizer, read_golden_jsonl
     from policy_bundle.bundle.layout import BundleLayout
     from policy_bundle.bundle.manifest import read_manifest, verified_artifact, verify_bundle
-    from policy_bundle.quantize.fidelity import evaluate_gate, measure_fidelity
-    from policy_bundle.quantize.hf_weights import load_policy
+    from policy_bundle.quantize.fidelity.scores import evaluate_gate, measure_fidelity
+    from policy_bundle.quantize.model.hf_weights import load_policy
 
     bundle = Path(args.bundle)
     layout = BundleLayout(bundle)
@@ -169,7 +169,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
     if not (source / "config.json").is_file():
         print(f"note: FP32 source {source} is gone; using the bundle's FP16 weights upcast to FP32 as reference")
         source = layout.fp16_dir
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
 
     reference = load_policy(source, max_seq_len=cfg.policy.max_seq_len)
     candidate = load_torchscript(artifact)

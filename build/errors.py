@@ -67,8 +67,8 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     module load, so the CLI starts without torch)."""
     from policy_bundle.bundle.manifest import BundleVerificationError
     from policy_bundle.bundle.signing import SigningKeyError
-    from policy_bundle.quantize.model import UnsupportedModelError
-    from policy_bundle.quantize.config_schema import FieldError
+    from policy_bundle.quantize.model.policy import UnsupportedModelError
+    from policy_bundle.quantize.config.schema import FieldError
 
     # FieldError: a field outside its limit, e.g. RecipeError, or a section built in Python with a bad value
     return (BuildError, FieldError, UnsupportedModelError, BundleVerificationError, SigningKeyError, FileNotFoundError)

@@ -24,10 +24,10 @@ from policy_bundle.build.artifacts.int8_vllm import (Int8Vllm, check_int8_vllm, 
                                                      start_int8_vllm_check)
 from policy_bundle.build.artifacts.manifest_body import calibration_section, manifest_body, write_drift_report
 from policy_bundle.build.artifacts.output_dir import (check_output, move_into_place, new_partial_dir,
-                                                     remove_stale_work_dirs)
+                                                      remove_stale_work_dirs)
 from policy_bundle.build.calibrate.calibrated import CalibratedModels
 from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, resolve_defaults, search_share,
-                                                       split_golden, split_prompts)
+                                                        split_golden, split_prompts)
 from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_rollouts, read_rollouts_jsonl,
                                                     screen_odd_samples, vllm_rollouts)
 from policy_bundle.build.config.build_config import BuildConfig
@@ -44,11 +44,12 @@ from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.manifest import manifest_hash, read_manifest, write_manifest
 from policy_bundle.bundle.signing import sign_bundle, signing_key_from_env
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.export import copy_tokenizer_files, export_fp16_hf, export_onnx_int8, export_torchscript
-from policy_bundle.quantize.fidelity import GoldenItem
-from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
-from policy_bundle.quantize.model import Policy
-from policy_bundle.quantize.script_runner import release_freed_memory
+from policy_bundle.quantize.export.exporters import (copy_tokenizer_files, export_fp16_hf, export_onnx_int8,
+                                                     export_torchscript)
+from policy_bundle.quantize.fidelity.scores import GoldenItem
+from policy_bundle.quantize.model.hf_weights import load_hf_config, load_policy
+from policy_bundle.quantize.model.policy import Policy
+from policy_bundle.quantize.runtime.script_runner import release_freed_memory
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 from policy_bundle.bundle.layout import ARTIFACT_DIRS, BundleLayout
 from policy_bundle.bundle.manifest import read_manifest
-from policy_bundle.quantize.fidelity import GateThresholds, GoldenItem
+from policy_bundle.quantize.fidelity.scores import GateThresholds, GoldenItem
 
 
 def serving_section(max_seq_len: int, max_new_tokens: int, task: bool, thresholds: GateThresholds,

@@ -27,7 +27,7 @@ import torch
 
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.quantize.percentile import percentile
-from policy_bundle.quantize.script_runner import load_torchscript
+from policy_bundle.quantize.runtime.script_runner import load_torchscript
 from policy_bundle.serve.variants.batching import policy_engine
 from policy_bundle.serve.variants.engines import CachedPolicyEngine, SamplingParams
 

@@ -36,8 +36,8 @@ def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int, kv_cac
     import torch
 
     from policy_bundle.bundle.info import BundleInfo
-    from policy_bundle.quantize.script_runner import load_torchscript
-    from policy_bundle.quantize.slots import KV_BLOCK, LONG_PROMPT_CHUNK, SlotBatch
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
+    from policy_bundle.quantize.runtime.slots import KV_BLOCK, LONG_PROMPT_CHUNK, SlotBatch
 
     torch.set_num_threads(1)  # the served engine's decode thread (engine_threads: 1)
     module = load_torchscript(bundle / "int8" / "policy.ts")
@@ -70,8 +70,8 @@ def int8_worker(bundle: Path, positions: list, tokens: int, repeats: int, kv_cac
 
 
 def vllm_worker(bundle: Path, dtype: str, positions: list, tokens: int, repeats: int) -> dict:
-    from policy_bundle.quantize.hf_weights import load_hf_config
-    from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm
+    from policy_bundle.quantize.model.hf_weights import load_hf_config
+    from policy_bundle.quantize.runtime.vllm_launch import apply_vllm_env_defaults, offline_llm
 
     apply_vllm_env_defaults()
     from vllm import SamplingParams
@@ -105,7 +105,7 @@ def llama_worker(bundle: Path, gguf: Path, positions: list, tokens: int, repeats
     import numpy as np
 
     from policy_bundle.loadtest.gguf_peer import _plain_buffers, amx_cpu, write_gguf
-    from policy_bundle.quantize.hf_weights import load_hf_config
+    from policy_bundle.quantize.model.hf_weights import load_hf_config
 
     cfg = load_hf_config(bundle / "fp16")
     with tempfile.TemporaryDirectory() as tmp:

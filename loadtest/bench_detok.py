@@ -26,7 +26,7 @@ def per_token_us(push, ids, last: int) -> float:
 
 def main() -> None:
     from policy_bundle.bundle.info import load_tokenizer
-    from policy_bundle.quantize.text import ids_to_text
+    from policy_bundle.quantize.runtime.text import ids_to_text
     from policy_bundle.serve.router.openai_api import TextStream
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,5 +1,6 @@
 """Memory of the gate's teacher-forced measurement: the golden set's logits held whole and compared at once (as the
-gate did) against the reference kept in a file and compared a batch at a time (``quantize/reference_logits.py``).
+gate did) against the reference kept in a file and compared a batch at a time
+(``quantize/fidelity/reference_logits.py``).
 
 Each mode runs in a fresh process on the same golden items (the shipped prompt set's 100 golden prompts, each with a
 32-token completion), measuring one INT8 candidate (every decoder linear w8a8: int8 weights, per-token int8 activations) the way
@@ -29,7 +30,7 @@ ROUNDS = 3
 
 def _golden(policy_dir: Path, n: int):
     from policy_bundle.bundle.info import encode_prompt, load_tokenizer
-    from policy_bundle.quantize.fidelity import GoldenItem
+    from policy_bundle.quantize.fidelity.scores import GoldenItem
 
     tok = load_tokenizer(policy_dir)
     prompts = (Path(__file__).resolve().parents[1] / "build" / "prompts" / "general.txt").read_text().splitlines()
@@ -40,10 +41,10 @@ def _golden(policy_dir: Path, n: int):
 
 
 def run_mode(mode: str, policy_dir: Path, items: int) -> dict:
-    from policy_bundle.quantize.fidelity import compare_logits, policy_logits_fn, teacher_forced_logits
-    from policy_bundle.quantize.hf_weights import load_policy
-    from policy_bundle.quantize.reference_logits import ReferenceLogits, compare_streamed
-    from policy_bundle.quantize.w8a8 import Int8TokenLinear
+    from policy_bundle.quantize.fidelity.scores import compare_logits, policy_logits_fn, teacher_forced_logits
+    from policy_bundle.quantize.model.hf_weights import load_policy
+    from policy_bundle.quantize.fidelity.reference_logits import ReferenceLogits, compare_streamed
+    from policy_bundle.quantize.w8a8.linear import Int8TokenLinear
 
     torch.set_num_threads(2)
     golden = _golden(policy_dir, items)
@@ -66,7 +67,7 @@ def run_mode(mode: str, policy_dir: Path, items: int) -> dict:
 
 
 def cpu_description() -> str:
-    from policy_bundle.quantize.fbgemm_int8 import cpu_flags
+    from policy_bundle.quantize.runtime.fbgemm_int8 import cpu_flags
 
     name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                  if ln.startswith("model name")), platform.machine())

@@ -20,13 +20,13 @@ import torch
 
 from policy_bundle.loadtest.bench_models import bench_models
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.decode import decode_tokens_per_s
-from policy_bundle.quantize.export import export_onnx_int8, export_torchscript
-from policy_bundle.quantize.blocks import widen_narrow
-from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.script_runner import load_torchscript
-from policy_bundle.quantize.slots import SlotBatch
-from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm, vllm_available
+from policy_bundle.quantize.runtime.decode import decode_tokens_per_s
+from policy_bundle.quantize.export.exporters import export_onnx_int8, export_torchscript
+from policy_bundle.quantize.model.blocks import widen_narrow
+from policy_bundle.quantize.model.hf_weights import load_policy
+from policy_bundle.quantize.runtime.script_runner import load_torchscript
+from policy_bundle.quantize.runtime.slots import SlotBatch
+from policy_bundle.quantize.runtime.vllm_launch import apply_vllm_env_defaults, offline_llm, vllm_available
 
 warnings.filterwarnings("ignore")
 BATCH_ROWS = 32  # the batched-decode column: sequences decoding together

@@ -31,9 +31,9 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from policy_bundle.quantize import blocks
-    from policy_bundle.quantize.hf_weights import load_policy
-    from policy_bundle.quantize.model import set_kv_cache
+    from policy_bundle.quantize.model import blocks
+    from policy_bundle.quantize.model.hf_weights import load_policy
+    from policy_bundle.quantize.model.policy import set_kv_cache
 
     items = [json.loads(line) for line in (args.bundle / "golden.jsonl").read_text().splitlines() if line.strip()]
     items = items[-args.items:] if args.items else items

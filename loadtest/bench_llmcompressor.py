@@ -33,9 +33,9 @@ from policy_bundle.bundle.info import encode_prompt, load_tokenizer, read_golden
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.bundle.manifest import read_manifest
 from policy_bundle.loadtest.bench_int8 import run_worker
-from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.model import full_logits
-from policy_bundle.quantize.reference_logits import ReferenceLogits
+from policy_bundle.quantize.model.hf_weights import load_policy
+from policy_bundle.quantize.model.policy import full_logits
+from policy_bundle.quantize.fidelity.reference_logits import ReferenceLogits
 
 ONESHOT = Path(__file__).with_name("llmc_oneshot.py")
 

@@ -36,7 +36,7 @@ from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.loadtest.bench_vllm_client import MODEL, TOKEN, run_client, served_by_variant, store_version
 from policy_bundle.loadtest.procs import server_processes
 from policy_bundle.loadtest.servers import Server
-from policy_bundle.quantize.vllm_launch import vllm_env
+from policy_bundle.quantize.runtime.vllm_launch import vllm_env
 
 
 class PeakMemory:

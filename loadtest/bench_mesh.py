@@ -19,7 +19,7 @@ import torch
 from policy_bundle.build.calibrate.mesh import calibration_mesh, mesh_calibrate, mesh_rollouts
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.loadtest.bench_models import bench_models
-from policy_bundle.quantize.vllm_launch import vllm_available
+from policy_bundle.quantize.runtime.vllm_launch import vllm_available
 
 warnings.filterwarnings("ignore")
 OLD_LOCAL_RATE = 0.6  # seq/s: 64 rollouts x 32 tokens of a 135M Llama on 2 procs before batched decoding (issue 14)
@@ -27,7 +27,7 @@ OLD_LOCAL_RATE = 0.6  # seq/s: 64 rollouts x 32 tokens of a 135M Llama on 2 proc
 
 def workload(name: str, policy_dir: Path, quick: bool):
     g = torch.Generator().manual_seed(0)
-    from policy_bundle.quantize.hf_weights import load_hf_config
+    from policy_bundle.quantize.model.hf_weights import load_hf_config
 
     vocab = load_hf_config(policy_dir).vocab_size
     if name == "reference":

@@ -27,7 +27,7 @@ from policy_bundle.build.calibrate.w8a8_statistics import stream_plan
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.loadtest.bench_build import SHAPES, make_policy
 from policy_bundle.loadtest.real_lm import smollm2_dir
-from policy_bundle.quantize.hf_weights import load_policy
+from policy_bundle.quantize.model.hf_weights import load_policy
 
 
 def rollup(pid: int) -> tuple:

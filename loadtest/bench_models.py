@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_bundle.quantize.model import PolicyConfig
+from policy_bundle.quantize.model.policy import PolicyConfig
 
-from policy_bundle.quantize.hf_weights import init_random_policy
-from policy_bundle.quantize.reference import default_cache_dir, ensure_reference_policy, write_policy_dir
+from policy_bundle.quantize.model.hf_weights import init_random_policy
+from policy_bundle.quantize.reference.embedded import default_cache_dir, ensure_reference_policy, write_policy_dir
 
 RANDOM_100M = PolicyConfig(family="llama", vocab_size=16000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4,
                            head_dim=64, intermediate_size=2304, max_seq_len=256, tie_embeddings=True,
@@ -33,8 +33,8 @@ def outlier_reference_dir(channels: int = 4, factor: float = 100.0) -> Path:
     import json
     import shutil
 
-    from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
-    from policy_bundle.quantize.smooth import make_outlier_model
+    from policy_bundle.quantize.model.hf_weights import load_hf_config, load_policy
+    from policy_bundle.quantize.calibration.smooth import make_outlier_model
 
     src = ensure_reference_policy()
     out = default_cache_dir() / f"{src.name}-outliers-{channels}x{factor:g}"

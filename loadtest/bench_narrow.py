@@ -30,10 +30,10 @@ def rss() -> int:
 def child(source: Path, mode: str, batch: int, tokens: int, new: int) -> dict:
     import torch
 
-    from policy_bundle.quantize.blocks import widen_narrow
-    from policy_bundle.quantize.decode import greedy_generate_batch
-    from policy_bundle.quantize.hf_weights import load_policy
-    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.model.blocks import widen_narrow
+    from policy_bundle.quantize.runtime.decode import greedy_generate_batch
+    from policy_bundle.quantize.model.hf_weights import load_policy
+    from policy_bundle.quantize.model.policy import full_logits
 
     torch.set_num_threads(2)
     out: dict = {"mode": mode}

@@ -24,8 +24,8 @@ CASES = [("8 x ~1000", [1000 + 37 * i for i in range(8)]), ("16 x ~1500", [1500 
 def run(bundle: Path, repeats: int) -> dict:
     import torch
 
-    from policy_bundle.quantize.script_runner import load_torchscript
-    from policy_bundle.quantize.slots import KV_BLOCK
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
+    from policy_bundle.quantize.runtime.slots import KV_BLOCK
 
     torch.set_num_threads(1)
     module = load_torchscript(bundle / "int8" / "policy.ts")

@@ -25,13 +25,13 @@ from policy_bundle.build.gate.recipe_choice import decode_speed
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.loadtest.real_lm import smollm2_dir
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.decode import greedy_generate
-from policy_bundle.quantize.fidelity import GoldenItem, measure_fidelity
-from policy_bundle.quantize.blocks import widen_narrow
-from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
-from policy_bundle.quantize.sensitivity import sensitivity_probe
-from policy_bundle.quantize.w8a8_plan import plan_sensitivity
+from policy_bundle.quantize.runtime.decode import greedy_generate
+from policy_bundle.quantize.fidelity.scores import GoldenItem, measure_fidelity
+from policy_bundle.quantize.model.blocks import widen_narrow
+from policy_bundle.quantize.model.hf_weights import load_policy
+from policy_bundle.quantize.calibration.smooth import apply_smoothing, collect_channel_absmax, smoothing_scales
+from policy_bundle.quantize.fidelity.sensitivity import sensitivity_probe
+from policy_bundle.quantize.w8a8.plan import plan_sensitivity
 
 warnings.filterwarnings("ignore")
 

@@ -21,7 +21,7 @@ import httpx
 
 from policy_bundle.loadtest.servers import Server
 from policy_bundle.quantize.percentile import percentile
-from policy_bundle.quantize.vllm_launch import vllm_env
+from policy_bundle.quantize.runtime.vllm_launch import vllm_env
 
 TOKEN = "bench-admin-token"
 PROMPT = "358+64="

@@ -30,8 +30,8 @@ import httpx
 from policy_bundle.loadtest.load import tree_rss_mb
 from policy_bundle.loadtest.servers import Server
 from policy_bundle.quantize.percentile import percentile
-from policy_bundle.quantize.task import rollout_prompts
-from policy_bundle.quantize.vllm_launch import vllm_env
+from policy_bundle.quantize.reference.task import rollout_prompts
+from policy_bundle.quantize.runtime.vllm_launch import vllm_env
 
 TOKEN = "bench-admin-token"
 LEVELS = (1, 2, 4, 8, 16, 32)

@@ -24,7 +24,7 @@ import json, sys, time, torch
 path, mode, new, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 torch.set_num_threads(1)
 if mode == "project":
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
     m = load_torchscript(path)
     ctx = torch.jit.optimized_execution(True)  # load_torchscript turns them off per call itself
 else:

@@ -39,7 +39,7 @@ from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.bundle.manifest import manifest_hash
 from policy_bundle.loadtest.servers import ROOT, Server
-from policy_bundle.quantize.vllm_launch import serve_cli_args, vllm_env
+from policy_bundle.quantize.runtime.vllm_launch import serve_cli_args, vllm_env
 
 TOKEN = "bench-admin-token"
 MODEL = "policy"  # the router's served model name (serve/settings.py); vllm-direct serves the same name

@@ -17,7 +17,7 @@ import yaml
 from policy_bundle.bundle.layout import BundleLayout
 from policy_bundle.loadtest.load import ADMIN, TOKEN, DrillRun
 from policy_bundle.loadtest.servers import ROOT, Server
-from policy_bundle.quantize.vllm_launch import vllm_env
+from policy_bundle.quantize.runtime.vllm_launch import vllm_env
 
 SMALL = ["--set", "calibration.samples=64", "--set", "calibration.batch_size=16", "--set", "calibration.golden=64",
          "--set", "calibration.procs=0", "--set", "export.onnx=false",

@@ -24,9 +24,9 @@ import httpx
 from policy_bundle.loadtest.load import ADMIN, TOKEN, DrillRun, load_and_watch
 from policy_bundle.loadtest.servers import ROOT
 from policy_bundle.loadtest.drill_faults import (BACKGROUND, LOAD_CAP, drill_bad_input, drill_crash, drill_overload,
-                                                  drill_soak, pin_weight)
+                                                 drill_soak, pin_weight)
 from policy_bundle.loadtest.drill_kit import all_answered, build_bundle, history, start_server
-from policy_bundle.quantize.vllm_launch import vllm_available
+from policy_bundle.quantize.runtime.vllm_launch import vllm_available
 
 
 # ---- the drills ------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def write_gguf(src: Path, out: Path, qtype: str) -> Path:
 
 def amx_cpu() -> bool:
     """Whether this CPU has AMX int8 tiles (where llama.cpp's AMX buffer crashes on batches: see the module doc)."""
-    from policy_bundle.quantize.fbgemm_int8 import cpu_flags
+    from policy_bundle.quantize.runtime.fbgemm_int8 import cpu_flags
 
     return "amx_int8" in cpu_flags()
 
@@ -167,7 +167,7 @@ def teacher_forced_fn(path: Path, n_ctx: int) -> Callable:
 
 def fidelity(paths: Dict[str, Path], ref_logits_fn: Callable, items: Sequence, n_ctx: int) -> Dict[str, dict]:
     """Top-1 agreement and KL mean against the FP32 policy, teacher-forced on ``items`` (GoldenItems), per GGUF."""
-    from policy_bundle.quantize.fidelity import compare_logits, teacher_forced_logits
+    from policy_bundle.quantize.fidelity.scores import compare_logits, teacher_forced_logits
 
     ref = teacher_forced_logits(ref_logits_fn, items)
     out: Dict[str, dict] = {}
@@ -181,8 +181,8 @@ def fidelity(paths: Dict[str, Path], ref_logits_fn: Callable, items: Sequence, n
 def bundle_fidelity(paths: Dict[str, Path], bundle: Path, policy_dir: Path) -> Dict[str, dict]:
     """``fidelity`` on the bundle's held-out golden set (``golden.jsonl``), where its manifest's figures come from."""
     from policy_bundle.bundle.info import read_golden_jsonl
-    from policy_bundle.quantize.fidelity import policy_logits_fn
-    from policy_bundle.quantize.hf_weights import load_policy
+    from policy_bundle.quantize.fidelity.scores import policy_logits_fn
+    from policy_bundle.quantize.model.hf_weights import load_policy
 
     items = read_golden_jsonl(bundle / "golden.jsonl")
     n_ctx = max(len(g.prompt_ids) + len(g.completion_ids) for g in items) + 1

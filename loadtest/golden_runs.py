@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from policy_bundle.loadtest.servers import Server
-from policy_bundle.quantize.vllm_launch import vllm_env
+from policy_bundle.quantize.runtime.vllm_launch import vllm_env
 
 TOKEN = "golden-runs-admin-token"
 

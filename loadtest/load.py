@@ -15,7 +15,7 @@ import httpx
 
 from policy_bundle.loadtest.procs import tree_rss_mb
 from policy_bundle.loadtest.servers import Server
-from policy_bundle.quantize.task import rollout_prompts
+from policy_bundle.quantize.reference.task import rollout_prompts
 
 TOKEN = "drill-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

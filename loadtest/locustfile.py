@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import gevent
 from locust import HttpUser, between, events, task
 
-from policy_bundle.quantize.task import rollout_prompts
+from policy_bundle.quantize.reference.task import rollout_prompts
 
 PROMPTS = rollout_prompts(512)
 SHORT = [p for p in PROMPTS if len(p) <= 6]

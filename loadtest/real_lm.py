@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from policy_bundle.quantize.reference import default_cache_dir
+from policy_bundle.quantize.reference.embedded import default_cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURE_NAME = "smollm2-135m-instruct"

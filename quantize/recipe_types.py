@@ -4,7 +4,7 @@ handler per config type): a caller registers a handler per type and looks it up 
 - ``TorchAoRecipe``: eager ``torch.ao.quantization`` (``recipes.prepare`` -> ``calibrate`` -> ``convert``):
   static, dynamic and weight-only, smoothed or not; per-tensor activation scales, which onnxruntime's static
   INT8 carries too.
-- ``W8A8Recipe``: per-token int8 activations at run time (``quantize.w8a8``): linear statistics ->
+- ``W8A8Recipe``: per-token int8 activations at run time (``quantize.w8a8.linear``): linear statistics ->
   ``w8a8_plan.build_plan`` -> ``plan.convert``; no per-tensor ONNX carries them.
 
 Both keep every ``RecipeConfig`` field (a config file names one recipe section whatever the family); the type
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, ClassVar, Dict, Tuple, Type, TypeVar
 
-from policy_bundle.quantize.config_schema import config_model
+from policy_bundle.quantize.config.schema import config_model
 from policy_bundle.quantize.recipes import SCHEMES, RecipeConfig, RecipeError
 
 W8A8_SCHEMES = ("w8a8", "smooth-w8a8")

@@ -1,7 +1,7 @@
 """Quantization recipes: which linears become INT8 and how (eager ``torch.ao.quantization``).
 
 One entry point per phase, torchao-style: ``prepare(policy, recipe)`` inserts observers,
-``calibrate`` feeds data (``quantize/observers.py`` moves the results between processes), and
+``calibrate`` feeds data (``quantize/calibration/observers.py`` moves the results between processes), and
 ``convert(prepared, recipe)`` returns the INT8 module.
 
 - ``static``: W8A8 post-training static quantization. Per-channel symmetric int8 weights,
@@ -21,18 +21,12 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.ao.quantization import (
-    DeQuantStub,
-    MinMaxObserver,
-    PerChannelMinMaxObserver,
-    QConfig,
-    QuantStub,
-    per_channel_dynamic_qconfig,
-)
+from torch.ao.quantization import (DeQuantStub, MinMaxObserver, PerChannelMinMaxObserver, QConfig, QuantStub,
+                                   per_channel_dynamic_qconfig)
 
-from policy_bundle.quantize.blocks import widen_narrow
-from policy_bundle.quantize.config_schema import FieldError, choice, config_model, ranged, setting
-from policy_bundle.quantize.model import KV_CACHES, full_logits
+from policy_bundle.quantize.model.blocks import widen_narrow
+from policy_bundle.quantize.config.schema import FieldError, choice, config_model, ranged, setting
+from policy_bundle.quantize.model.policy import KV_CACHES, full_logits
 
 SCHEMES = ("static", "dynamic", "weight-only", "smooth-static", "smooth-dynamic", "w8a8", "smooth-w8a8")
 MODES = ("static", "dynamic", "weight-only", "w8a8", "fp32")  # per-layer overrides

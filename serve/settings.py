@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 
-from policy_bundle.quantize.decode import DECODE_THREADS
-from policy_bundle.quantize.config_schema import (FieldError, choice, config_model, env_mapping, from_mapping, merged,
-                                                 ranged, read_as, read_yaml, setting, variable_of)
+from policy_bundle.quantize.runtime.decode import DECODE_THREADS
+from policy_bundle.quantize.config.schema import (FieldError, choice, config_model, env_mapping, from_mapping, merged,
+                                                  ranged, read_as, read_yaml, setting, variable_of)
 from policy_bundle.quantize.extras import MissingExtra, require
 from policy_bundle.serve.rollout.types import RolloutConfig
 
@@ -198,7 +198,7 @@ def settings_or_exit() -> RouterSettings:
 
 def router_schema() -> dict:
     """The router settings file's JSON Schema (``policy-bundle config schema router``)."""
-    from policy_bundle.quantize.config_json_schema import json_schema
+    from policy_bundle.quantize.config.json_schema import json_schema
 
     return json_schema(RouterSettings, "policy-bundle router settings (POLICY_BUNDLE_ROUTER_CONFIG)")
 
@@ -212,7 +212,7 @@ if __name__ == "__main__":  # the CLI (build/) runs this as a process: build/ ne
     import sys
 
     if sys.argv[1:] == ["--defaults"]:
-        from policy_bundle.quantize.config_json_schema import defaults_yaml
+        from policy_bundle.quantize.config.json_schema import defaults_yaml
 
         print(defaults_yaml(RouterSettings, ROUTER_DEFAULTS_HEADER), end="")
     else:

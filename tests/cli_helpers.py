@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from policy_bundle.quantize.vllm_launch import vllm_available
+from policy_bundle.quantize.runtime.vllm_launch import vllm_available
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "policy_bundle.build.cli"]

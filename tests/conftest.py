@@ -28,7 +28,7 @@ def bentoml_home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference_dir() -> Path:
-    from policy_bundle.quantize.reference import ensure_reference_policy
+    from policy_bundle.quantize.reference.embedded import ensure_reference_policy
 
     return ensure_reference_policy()
 
@@ -108,7 +108,7 @@ def cpu_line() -> str:
     """The CPU the suite ran on: kernels and figures differ between AVX2, AVX-512 VNNI and AMX machines (fbgemm's int8
     sums saturate without VNNI), and CI's machine has not always been the one described. Never fails the run."""
     try:
-        from policy_bundle.quantize.fbgemm_int8 import cpu_flags, fbgemm_saturates, use_fbgemm
+        from policy_bundle.quantize.runtime.fbgemm_int8 import cpu_flags, fbgemm_saturates, use_fbgemm
 
         flags = cpu_flags()
         named = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16") if f in flags]

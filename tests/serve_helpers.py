@@ -9,7 +9,7 @@ import httpx
 import yaml
 
 from policy_bundle.loadtest.servers import Server, free_port  # noqa: F401 - re-exported for the tests
-from policy_bundle.quantize.vllm_launch import vllm_env
+from policy_bundle.quantize.runtime.vllm_launch import vllm_env
 
 
 def bundle_version(bundle: Path) -> str:

@@ -1,7 +1,7 @@
 """One analysis window's verdict (``serve/rollout/analysis.py``): golden runs judged by the bundle's gate, shadow
 flips and INT8 errors failing only with confidence, the p99 ratio judged only over enough samples."""
 
-from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.fidelity.scores import GateThresholds
 from policy_bundle.serve.rollout.analysis import Window, analyse, wilson_interval
 from policy_bundle.serve.rollout.types import RolloutConfig
 

@@ -40,7 +40,7 @@ def test_an_onnx_model_that_fails_the_gate_is_left_out_and_the_bundle_still_veri
 
 
 def test_the_gate_judges_on_golden_prompts_the_float_layer_search_never_saw(faulty_onnx):
-    from policy_bundle.quantize import task
+    from policy_bundle.quantize.reference import task
 
     _, out, m = faulty_onnx
     split = m["canary"]["golden_split"]
@@ -58,7 +58,7 @@ def test_a_candidate_the_search_passes_is_rejected_when_the_held_out_prompts_fai
 
     from policy_bundle.build.gate.canary_report import CanaryOutcome
     from policy_bundle.build.gate.recipe_choice import held_out_verdict
-    from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict
+    from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds, GateVerdict
 
     gate = GateThresholds(min_top1_agreement=0.9)
     searched = CanaryOutcome(GateVerdict(True, []), FidelityReport(16, 100, 0.99, 0.001, 0.01), ["lm_head"], nn.Identity())
@@ -104,8 +104,8 @@ def test_the_artifact_checks_say_which_artifact_they_measure_for_the_heartbeat()
 
     from policy_bundle.build.artifacts.artifact_fidelity import reference_logits_of
     from policy_bundle.build.progress import heartbeat_line, set_status
-    from policy_bundle.quantize.fidelity import GoldenItem
-    from policy_bundle.quantize.hf_weights import init_random_policy
+    from policy_bundle.quantize.fidelity.scores import GoldenItem
+    from policy_bundle.quantize.model.hf_weights import init_random_policy
 
     from test_int8_embedding import CFG
 
@@ -122,10 +122,10 @@ def test_the_loaded_files_greedy_metrics_are_the_gates_only_where_its_logits_mat
     from dataclasses import replace
 
     from policy_bundle.build.artifacts.artifact_fidelity import GREEDY_REUSED_NOTE, torchscript_fidelity
-    from policy_bundle.quantize.fidelity import GoldenItem, greedy_completions, measure_fidelity
-    from policy_bundle.quantize.hf_weights import init_random_policy
-    from policy_bundle.quantize.reference_logits import ReferenceLogits
-    from policy_bundle.quantize.fidelity import policy_logits_fn
+    from policy_bundle.quantize.fidelity.scores import GoldenItem, greedy_completions, measure_fidelity
+    from policy_bundle.quantize.model.hf_weights import init_random_policy
+    from policy_bundle.quantize.fidelity.reference_logits import ReferenceLogits
+    from policy_bundle.quantize.fidelity.scores import policy_logits_fn
 
     from test_int8_embedding import CFG
 

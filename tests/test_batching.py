@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from policy_bundle.quantize.decode import decode_steps, greedy_pick
+from policy_bundle.quantize.runtime.decode import decode_steps, greedy_pick
 from policy_bundle.serve.variants.batching import BatchedEngine, policy_engine
 from policy_bundle.serve.variants.lanes import Lanes
 from policy_bundle.serve.variants.engines import CachedPolicyEngine, SamplingParams
@@ -334,9 +334,9 @@ def test_score_runs_the_head_on_the_last_position_as_a_prefill_does(artifact):
     prefill computes them (``next_logits`` over whole attention blocks), not a full forward's last row, whose
     [B, T, vocab] head output is what a long batch ran out of memory on; an artifact without ``next_logits`` keeps
     the full forward."""
-    from policy_bundle.quantize.blocks import cache_len_for
-    from policy_bundle.quantize.model import full_logits
-    from policy_bundle.quantize.slots import SlotBatch
+    from policy_bundle.quantize.model.blocks import cache_len_for
+    from policy_bundle.quantize.model.policy import full_logits
+    from policy_bundle.quantize.runtime.slots import SlotBatch
     from policy_bundle.serve.variants.engines import last_position_logits
 
     seqs = [p[:5] for p in PROMPTS if len(p) >= 5][:3]

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from cli_helpers import EXAMPLES, SMALL, needs_vllm, run_cli
 from policy_bundle.build.cli import EXIT_CODES
-from policy_bundle.quantize import recipes, task
-from policy_bundle.quantize.vllm_launch import vllm_env
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.reference import task
+from policy_bundle.quantize.runtime.vllm_launch import vllm_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +60,7 @@ def test_manifest_records_versions_config_calibration_and_fidelity(small_bundle)
 def test_torchscript_generates_in_a_fresh_process_like_eager_int8(small_bundle, tmp_path):
     golden = [json.loads(line) for line in (small_bundle / "golden.jsonl").read_text().splitlines()[:5]]
     scripted = torch.jit.load(str(small_bundle / "int8/policy.ts"))
-    from policy_bundle.quantize.model import greedy_generate
+    from policy_bundle.quantize.runtime.decode import greedy_generate
 
     tok = task.build_tokenizer()
     for g in golden:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cli_helpers import SMALL, run_cli
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate, kl_per_token, top1_agreement
+from policy_bundle.quantize.fidelity.scores import (FidelityReport, GateThresholds, evaluate_gate, kl_per_token,
+                                                    top1_agreement)
 
 FAST = (*SMALL, "--set", "calibration.procs=0", "--set", "register.bentoml=false", "--set", "export.onnx=false")
 
@@ -163,9 +164,9 @@ def test_the_held_out_greedy_confirmation_completes_the_teacher_forced_report_as
     from policy_bundle.build.config.build_config import load_config
     from policy_bundle.build.gate.measure import fidelity_kwargs, gate_measures, greedy_completion
     from policy_bundle.bundle.info import load_tokenizer, read_golden_jsonl
-    from policy_bundle.quantize.fidelity import LOGITS_ONLY_NOTE
-    from policy_bundle.quantize.hf_weights import load_policy
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.fidelity.scores import LOGITS_ONLY_NOTE
+    from policy_bundle.quantize.model.hf_weights import load_policy
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
 
     cfg, golden = resolve_defaults(load_config(None)), read_golden_jsonl(small_bundle / "golden.jsonl")[:12]
     kw = fidelity_kwargs(cfg, load_tokenizer(reference_dir))

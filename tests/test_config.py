@@ -7,7 +7,7 @@ import pytest
 
 from cli_helpers import run_cli
 from policy_bundle.build.config.build_config import ConfigError, config_from_dict, load_config
-from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.fidelity.scores import GateThresholds
 from policy_bundle.quantize.recipe_types import W8A8Recipe
 
 

@@ -11,7 +11,7 @@ import yaml
 
 from cli_helpers import run_cli
 from policy_bundle.build.config.build_config import BuildConfig, ConfigError, config_from_dict
-from policy_bundle.quantize.config_schema import to_mapping
+from policy_bundle.quantize.config.schema import to_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_the_committed_defaults_file_is_what_the_config_fields_give_and_reads_ba
     """build/configs/reference.yaml is `policy-bundle config defaults build`'s output now (so its values are the real
     defaults, and a changed default leaves it stale: this fails), and read back it is ``BuildConfig()``."""
     from policy_bundle.build.config.build_config import BuildConfig
-    from policy_bundle.quantize.config_schema import from_mapping
+    from policy_bundle.quantize.config.schema import from_mapping
 
     res = run_cli("config", "defaults", "build")
     assert res.returncode == 0, res.stderr
@@ -97,7 +97,7 @@ def test_the_committed_defaults_file_is_what_the_config_fields_give_and_reads_ba
 
 
 def test_the_router_defaults_read_back_to_the_router_defaults():
-    from policy_bundle.quantize.config_schema import from_mapping
+    from policy_bundle.quantize.config.schema import from_mapping
     from policy_bundle.serve.settings import RouterSettings
 
     res = run_cli("config", "defaults", "router")
@@ -122,8 +122,8 @@ def test_every_setting_has_help_in_the_schema_and_in_the_defaults_file(build_sch
     """Each key of the build config and the router settings says what it does: a ``description`` in the JSON Schema
     and comment lines above it in the defaults file. A model with a field declared without help is caught (the
     control)."""
-    from policy_bundle.quantize.config_json_schema import json_schema
-    from policy_bundle.quantize.config_schema import config_model, ranged, setting
+    from policy_bundle.quantize.config.json_schema import json_schema
+    from policy_bundle.quantize.config.schema import config_model, ranged, setting
 
     router = json.loads(run_cli("config", "schema", "router").stdout)
     assert undocumented(build_schema) == [] and undocumented(router) == []
@@ -148,8 +148,8 @@ def test_the_config_models_are_pydantic_models_that_check_themselves_in_python_t
     from pydantic.dataclasses import is_pydantic_dataclass
 
     from policy_bundle.build.config import build_config as bc
-    from policy_bundle.quantize.config_schema import FieldError
-    from policy_bundle.quantize.fidelity import GateThresholds
+    from policy_bundle.quantize.config.schema import FieldError
+    from policy_bundle.quantize.fidelity.scores import GateThresholds
     from policy_bundle.quantize.recipes import RecipeConfig
     from policy_bundle.serve.rollout.types import RolloutConfig
     from policy_bundle.serve.settings import RouterSettings

@@ -1,4 +1,4 @@
-"""The config loader (quantize/config_schema.py): a limit declared on a field holds for YAML and for Python alike,
+"""The config loader (quantize/config/schema.py): a limit declared on a field holds for YAML and for Python alike,
 and the build and the router name the field and its limit."""
 
 import pickle
@@ -7,9 +7,9 @@ from typing import Optional, Tuple
 import pytest
 
 from policy_bundle.build.config.build_config import ConfigError, load_config
-from policy_bundle.quantize.config_schema import (FieldError, choice, config_model, from_mapping, inline, ranged, setting,
-                                                  to_mapping)
-from policy_bundle.quantize.fidelity import GateThresholds, ThresholdError
+from policy_bundle.quantize.config.schema import (FieldError, choice, config_model, from_mapping, inline, ranged,
+                                                  setting, to_mapping)
+from policy_bundle.quantize.fidelity.scores import GateThresholds, ThresholdError
 from policy_bundle.quantize.recipes import RecipeConfig, RecipeError
 from policy_bundle.serve.settings import SettingsError, load_settings
 
@@ -200,7 +200,7 @@ def test_yaml_values_outside_json_are_named_not_turned_into_text():
 
 
 def test_an_optional_sections_keys_come_from_the_environment_too():
-    from policy_bundle.quantize.config_schema import from_mapping
+    from policy_bundle.quantize.config.schema import from_mapping
     from policy_bundle.serve.settings import RouterSettings, env_settings
 
     values, source = env_settings({"POLICY_BUNDLE_ROLLOUT__THRESHOLDS__MAX_KL_MEAN": "0.2"})

@@ -2,9 +2,9 @@
 
 import torch
 
-from policy_bundle.quantize.decode import decode_steps, decode_tokens_per_s, greedy_generate
-from policy_bundle.quantize.model import PolicyConfig, full_logits
-from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.runtime.decode import decode_steps, decode_tokens_per_s, greedy_generate
+from policy_bundle.quantize.model.policy import PolicyConfig, full_logits
+from policy_bundle.quantize.model.hf_weights import init_random_policy
 
 CFG = PolicyConfig("llama", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    intermediate_size=64, max_seq_len=64)
@@ -60,7 +60,7 @@ def test_decode_speed_times_only_the_decode_steps():
 
 def test_batched_greedy_generation_equals_one_sequence_at_a_time():
     """Prompts of different lengths, rows leaving at the stop token or the length limit, odd batch sizes."""
-    from policy_bundle.quantize.decode import greedy_generate_batch
+    from policy_bundle.quantize.runtime.decode import greedy_generate_batch
 
     policy = init_random_policy(CFG, 1)
     g = torch.Generator().manual_seed(0)
@@ -80,7 +80,7 @@ def test_the_gate_decodes_golden_items_in_batches_only_where_rows_are_independen
     """The gate's greedy completions in decode batches (80 SmolLM2-135M items: 46 s, one at a time 124) give each
     item the tokens it gets alone; a recipe whose activations take one scale over the whole input (torch.ao
     ``dynamic``, anywhere) decodes one item at a time, as it is served."""
-    import policy_bundle.quantize.fidelity as fidelity
+    import policy_bundle.quantize.fidelity.scores as fidelity
     from policy_bundle.build.gate.measure import decode_batch
     from policy_bundle.quantize.recipes import RecipeConfig
 
@@ -97,8 +97,8 @@ def test_the_gate_decodes_golden_items_in_batches_only_where_rows_are_independen
 def test_the_gates_greedy_decodes_on_the_served_engines_thread_count_and_restores_the_callers():
     """A decode step's float rounding depends on torch's intra-op threads: the build's gate decodes with the served
     INT8 engine's default (``DECODE_THREADS``, serve's ``engine_threads``), not with the build's own."""
-    from policy_bundle.quantize.decode import DECODE_THREADS
-    from policy_bundle.quantize.fidelity import GoldenItem, greedy_completions
+    from policy_bundle.quantize.runtime.decode import DECODE_THREADS
+    from policy_bundle.quantize.fidelity.scores import GoldenItem, greedy_completions
     from policy_bundle.serve.settings import RouterSettings
 
     seen = []

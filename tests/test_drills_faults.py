@@ -60,7 +60,7 @@ def test_int8_worker_pids_are_only_workers_inside_the_server():
 
 def test_crash_drill_with_vllm_kills_only_its_own_int8_worker(tmp_path, reference_dir):
     """The crash drill (FP16 on vLLM) passes, and a process outside its server named "int8-policy" survives it."""
-    decoy = subprocess.Popen(SLEEPER + ["int8-policy", "Int8Policy", "serve.variants"])
+    decoy = subprocess.Popen(SLEEPER + ["int8-policy", "Int8Policy", "serve.variants.services"])
     try:
         figures = passed_report(run_drill("crash", tmp_path, "--seconds", "40", "--fp16-engine", "vllm"),
                                 tmp_path / "crash")

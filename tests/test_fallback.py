@@ -8,7 +8,7 @@ import torch
 
 from policy_bundle.build.gate.fallback import FallbackSearch, search_fallback
 from policy_bundle.build.progress import heartbeat, set_status
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds
+from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds
 
 RANKING = [(f"layers.{i}.mlp.down_proj", 1.0 / (i + 1)) for i in range(10)]
 GATE = GateThresholds(max_kl_mean=0.1, min_greedy_agreement=0.5)
@@ -78,7 +78,7 @@ def held_out(passes_from: int, judged: list):
     """A held-out judgement that passes with at least ``passes_from`` layers in float; records each k judged."""
     from dataclasses import replace
 
-    from policy_bundle.quantize.fidelity import GateVerdict
+    from policy_bundle.quantize.fidelity.scores import GateVerdict
 
     def confirm(out):
         k = len(out.fp32_layers)

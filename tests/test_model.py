@@ -4,11 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-
-from policy_bundle.quantize.model import UnsupportedModelError, full_logits, greedy_generate
-
-
-from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
+from policy_bundle.quantize.runtime.decode import greedy_generate
+from policy_bundle.quantize.model.hf_weights import load_hf_config, load_policy
+from policy_bundle.quantize.model.policy import UnsupportedModelError, full_logits
 
 FAMILIES = {
     "llama-gqa": (LlamaConfig, {}),
@@ -64,7 +62,7 @@ def test_torchscript_fp32_policy_equals_eager(tmp_path):
 def test_rotary_and_attention_mask_rewrites_equal_hf_forms_bitwise():
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from policy_bundle.quantize.blocks import additive_mask, rope
+    from policy_bundle.quantize.model.blocks import additive_mask, rope
 
     g = torch.Generator().manual_seed(0)
     x, freqs = torch.randn(2, 3, 5, 24, generator=g), torch.randn(5, 12, generator=g)

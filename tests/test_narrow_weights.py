@@ -8,17 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy_bundle.quantize import linear_stats as ls
-from policy_bundle.quantize.blocks import NARROW, widened
-from policy_bundle.quantize.export import script_int8
-from policy_bundle.quantize.layer_stream import embed_batches
-from policy_bundle.quantize.hf_weights import init_random_policy, load_policy, save_hf_weights
-from policy_bundle.quantize.decode import greedy_generate_batch
-from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_generate
+from policy_bundle.quantize.calibration import linear_stats as ls
+from policy_bundle.quantize.model.blocks import NARROW, widened
+from policy_bundle.quantize.export.exporters import script_int8
+from policy_bundle.quantize.calibration.layer_stream import embed_batches
+from policy_bundle.quantize.model.hf_weights import init_random_policy, load_policy, save_hf_weights
+from policy_bundle.quantize.runtime.decode import greedy_generate_batch
+from policy_bundle.quantize.model.policy import PolicyConfig, full_logits
+from policy_bundle.quantize.runtime.decode import greedy_generate
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
-from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, make_outlier_model, smoothing_scales
-from policy_bundle.quantize.w8a8_plan import build_plan
-from policy_bundle.quantize.w8a8_stream import merge_plans, plan_layers
+from policy_bundle.quantize.calibration.smooth import (apply_smoothing, collect_channel_absmax, make_outlier_model,
+                                                       smoothing_scales)
+from policy_bundle.quantize.w8a8.plan import build_plan
+from policy_bundle.quantize.w8a8.stream import merge_plans, plan_layers
 
 CFG = PolicyConfig(family="qwen2", vocab_size=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=64, attention_bias=True)
@@ -137,7 +139,7 @@ def test_a_narrow_policy_runs_in_and_out_of_inference_mode_and_nested(sources):
     inference tensors that a later call could not copy into), and a block run inside another's widened call (a hook)
     gets buffers of its own: the outer block's weights are not overwritten mid-call."""
     narrow, wide, _ = sources
-    from policy_bundle.quantize import blocks
+    from policy_bundle.quantize.model import blocks
 
     blocks._SCRATCH.clear()
     with torch.inference_mode():

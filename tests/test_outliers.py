@@ -8,9 +8,10 @@ import torch
 
 from cli_helpers import SMALL, run_cli
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.model import PolicyConfig, full_logits
-from policy_bundle.quantize.hf_weights import init_random_policy
-from policy_bundle.quantize.smooth import apply_smoothing, collect_channel_absmax, make_outlier_model, smoothing_scales
+from policy_bundle.quantize.model.policy import PolicyConfig, full_logits
+from policy_bundle.quantize.model.hf_weights import init_random_policy
+from policy_bundle.quantize.calibration.smooth import (apply_smoothing, collect_channel_absmax, make_outlier_model,
+                                                       smoothing_scales)
 
 FAST = (*SMALL, "--set", "register.bentoml=false", "--set", "export.onnx=false", "--set", "calibration.procs=0")
 

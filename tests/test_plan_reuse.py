@@ -8,7 +8,7 @@ import torch
 from policy_bundle.build.calibrate import w8a8_statistics
 from policy_bundle.build.calibrate.calibrated import CalibratedModels, layer_key
 from policy_bundle.build.config.build_config import config_from_dict
-from policy_bundle.quantize.hf_weights import load_policy
+from policy_bundle.quantize.model.hf_weights import load_policy
 
 
 def same_plan(a, b) -> None:

@@ -4,8 +4,8 @@ import re
 
 from policy_bundle.build import progress
 from policy_bundle.build.pipeline import logged_local_rollouts
-from policy_bundle.quantize.hf_weights import init_random_policy
-from policy_bundle.quantize.model import PolicyConfig
+from policy_bundle.quantize.model.hf_weights import init_random_policy
+from policy_bundle.quantize.model.policy import PolicyConfig
 
 CFG = PolicyConfig("llama", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    intermediate_size=64, max_seq_len=64)

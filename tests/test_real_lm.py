@@ -122,10 +122,10 @@ def test_the_served_decode_is_what_the_gate_measured(smollm2_bundle):
     gets alone, and the share matching FP32's is the manifest's figure. With attention over exactly the positions
     needed, its sums depended on the cache length handed to it: 9 of 20 continuations changed in a batch, and a
     16-item served golden run scored 6 of 16 against the gate's 0.55. Those views are the negative control."""
-    import policy_bundle.quantize.slots as slots
+    import policy_bundle.quantize.runtime.slots as slots
     from policy_bundle.bundle.info import read_golden_jsonl
-    from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, greedy_generate_batch, threads
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.runtime.decode import DECODE_THREADS, greedy_generate, greedy_generate_batch, threads
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
 
     out, _ = smollm2_bundle
     m = json.loads((out / "bundle.json").read_text())
@@ -157,9 +157,9 @@ def test_newcomers_in_the_decode_steps_forward_change_no_row(smollm2_bundle):
     import asyncio
 
     from policy_bundle.bundle.info import read_golden_jsonl
-    from policy_bundle.quantize.blocks import attention_len
-    from policy_bundle.quantize.decode import DECODE_THREADS, greedy_generate, threads
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.model.blocks import attention_len
+    from policy_bundle.quantize.runtime.decode import DECODE_THREADS, greedy_generate, threads
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
     from policy_bundle.serve.variants.batching import policy_engine
     from policy_bundle.serve.variants.engines import SamplingParams
 

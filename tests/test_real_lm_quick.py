@@ -23,7 +23,7 @@ HELD_OUT = [  # not in build/prompts/general.txt
 
 def agreement(ref: torch.Tensor, cand: torch.Tensor) -> tuple:
     """(top-1 agreement, mean KL(ref || cand)) over every position."""
-    from policy_bundle.quantize.fidelity import kl_per_token, top1_agreement
+    from policy_bundle.quantize.fidelity.scores import kl_per_token, top1_agreement
 
     return top1_agreement(ref, cand), float(kl_per_token(ref, cand).mean())
 
@@ -34,11 +34,11 @@ def real():
 
     from policy_bundle.build.calibrate.prompt_split import read_prompts_file
     from policy_bundle.loadtest.real_lm import smollm2_dir
-    from policy_bundle.quantize import linear_stats as ls
-    from policy_bundle.quantize.hf_weights import load_policy
-    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.calibration import linear_stats as ls
+    from policy_bundle.quantize.model.hf_weights import load_policy
+    from policy_bundle.quantize.model.policy import full_logits
     from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
-    from policy_bundle.quantize.w8a8_plan import build_plan
+    from policy_bundle.quantize.w8a8.plan import build_plan
 
     d = smollm2_dir()
     policy = load_policy(d, max_seq_len=128).eval()
@@ -59,14 +59,14 @@ def real():
 
 
 def logits_of(model, held) -> torch.Tensor:
-    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.model.policy import full_logits
 
     with torch.no_grad():
         return torch.cat([full_logits(model, x)[0] for x in held])
 
 
 def test_every_selected_linear_in_per_token_int8_keeps_the_real_lm_and_a_broken_scale_is_caught(real):
-    from policy_bundle.quantize.w8a8 import Int8TokenLinear
+    from policy_bundle.quantize.w8a8.linear import Int8TokenLinear
 
     int8 = real["plan"].convert(real["policy"], real["names"])
     assert len(real["names"]) == 210 and sum(isinstance(m, Int8TokenLinear) for m in int8.modules()) == 210
@@ -83,7 +83,7 @@ def test_every_selected_linear_in_per_token_int8_keeps_the_real_lm_and_a_broken_
 
 
 def test_the_real_lm_int8_torchscript_decodes_with_int8_kernels_like_eager(real, tmp_path):
-    from policy_bundle.quantize.export import export_torchscript
+    from policy_bundle.quantize.export.exporters import export_torchscript
 
     int8 = real["plan"].convert(real["policy"], real["names"])
     ts = torch.jit.load(str(export_torchscript(int8, tmp_path / "policy.ts")))
@@ -109,8 +109,8 @@ def test_a_prefill_gives_the_full_forwards_last_row_bitwise_with_the_int8_head(r
     """``prefill`` runs the LM head on the last position alone; with the shipped int8 head (a row's int8 logits do
     not depend on its batch) that is the full forward's last row, bitwise. The float head is the control: its GEMV
     and GEMM round apart."""
-    from policy_bundle.quantize.w8a8 import Int8TokenLinear
-    from policy_bundle.quantize.w8a8_head import Int8RescoredHead
+    from policy_bundle.quantize.w8a8.linear import Int8TokenLinear
+    from policy_bundle.quantize.w8a8.head import Int8RescoredHead
 
     int8 = real["plan"].convert(real["policy"], real["names"])
     float_ts = torch.jit.script(int8)

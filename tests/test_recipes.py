@@ -5,10 +5,12 @@ import random
 import pytest
 import torch
 
-from policy_bundle.quantize import observers, recipes
-from policy_bundle.quantize.export import export_torchscript
-from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_generate
-from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.calibration import observers
+from policy_bundle.quantize.export.exporters import export_torchscript
+from policy_bundle.quantize.model.policy import PolicyConfig, full_logits
+from policy_bundle.quantize.runtime.decode import greedy_generate
+from policy_bundle.quantize.model.hf_weights import init_random_policy
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=48)

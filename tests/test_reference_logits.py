@@ -3,8 +3,8 @@ candidate's compared as they come, with the numbers the whole-set comparison giv
 
 import torch
 
-from policy_bundle.quantize.fidelity import GoldenItem, compare_logits, teacher_forced_logits
-from policy_bundle.quantize.reference_logits import ReferenceLogits, compare_streamed, length_batches
+from policy_bundle.quantize.fidelity.scores import GoldenItem, compare_logits, teacher_forced_logits
+from policy_bundle.quantize.fidelity.reference_logits import ReferenceLogits, compare_streamed, length_batches
 
 VOCAB = 97
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.fidelity.scores import GateThresholds
 from policy_bundle.serve.rollout.machine import RolloutController
 from policy_bundle.serve.rollout.types import RolloutConfig, RolloutStep
 from policy_bundle.serve.rollout.state import BundlePair, RolloutDatabase, StateConflict, StoreUnavailable, default_url

@@ -1,4 +1,5 @@
-"""A float linear kept in an int8 policy (``quantize/row_stable.py``): a decode step's rows come out as each does alone,
+"""A float linear kept in an int8 policy (``quantize/runtime/row_stable.py``): a decode step's rows come out as each
+does alone,
 in chunks of the rows this CPU's BLAS keeps apart (probed), not one call per row."""
 
 from __future__ import annotations
@@ -6,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from policy_bundle.quantize import row_stable
-from policy_bundle.quantize.row_stable import RowStableLinear, probe_row_stable, stable_rows_per_call
+from policy_bundle.quantize.runtime import row_stable
+from policy_bundle.quantize.runtime.row_stable import RowStableLinear, probe_row_stable, stable_rows_per_call
 
 
 def float_linear(seed: int = 3) -> torch.nn.Linear:
@@ -58,7 +59,7 @@ def test_a_cpu_whose_two_row_calls_differ_keeps_one_call_per_row(monkeypatch):
 def test_a_loaded_policy_probes_its_float_linears_on_the_cpu_that_runs_it(tmp_path):
     """``load_torchscript`` probes ``rows_per_call`` again (the file holds the build machine's), so a policy built
     elsewhere never chunks rows this CPU would mix."""
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
 
     model = torch.nn.Sequential(RowStableLinear(float_linear()))
     model[0].rows_per_call = 1

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from policy_bundle.quantize.script_runner import ScriptRunner, load_torchscript
+from policy_bundle.quantize.runtime.script_runner import ScriptRunner, load_torchscript
 
 
 class Tiny(torch.nn.Module):
@@ -60,7 +60,7 @@ from typing import List
 
 import torch
 
-from policy_bundle.quantize.script_runner import TRIM_POSITIONS, ScriptRunner
+from policy_bundle.quantize.runtime.script_runner import TRIM_POSITIONS, ScriptRunner
 
 
 class Churn(torch.nn.Module):

@@ -1,4 +1,5 @@
-"""One layer-sensitivity implementation for both recipe families (quantize/sensitivity.py): a linear swapped for a
+"""One layer-sensitivity implementation for both recipe families (quantize/fidelity/sensitivity.py): a linear swapped
+for a
 broken copy is ranked first, an exact copy scores zero, the float module is back afterwards, and the torch.ao and
 w8a8 rankings score the same linears."""
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.sensitivity import SwapSensitivity, layer_sensitivity, sensitivity_probe
+from policy_bundle.quantize.model.hf_weights import load_policy
+from policy_bundle.quantize.fidelity.sensitivity import SwapSensitivity, layer_sensitivity, sensitivity_probe
 
 BROKEN = "layers.0.mlp.down_proj"
 
@@ -44,8 +45,8 @@ def test_scores_from_each_layers_cached_input_equal_whole_forward_scores(referen
     import torch.nn.functional as F
 
     from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan
-    from policy_bundle.quantize.model import full_logits
-    from policy_bundle.quantize.w8a8_plan import unsmoothed_swap
+    from policy_bundle.quantize.model.policy import full_logits
+    from policy_bundle.quantize.w8a8.plan import unsmoothed_swap
 
     policy = load_policy(reference_dir)
     g = torch.Generator().manual_seed(2)
@@ -89,7 +90,7 @@ def test_the_float_module_is_restored_when_a_swapped_forward_fails(reference_dir
 def test_torch_ao_and_w8a8_rankings_score_the_same_linears_on_one_probe(reference_dir):
     from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan
     from policy_bundle.build.gate.fallback import torch_ao_sensitivity
-    from policy_bundle.quantize.w8a8_plan import plan_sensitivity
+    from policy_bundle.quantize.w8a8.plan import plan_sensitivity
 
     policy = load_policy(reference_dir)
     g = torch.Generator().manual_seed(1)

@@ -9,9 +9,8 @@ import httpx
 import pytest
 
 from cli_helpers import needs_vllm
-from policy_bundle.quantize.vllm_launch import vllm_available
-from serve_helpers import (ADMIN, FORCE_INT8, Server, admin, bundle_version, burst, complete, env_for,
-                           sse_events)
+from policy_bundle.quantize.runtime.vllm_launch import vllm_available
+from serve_helpers import ADMIN, FORCE_INT8, Server, admin, bundle_version, burst, complete, env_for, sse_events
 
 
 @pytest.fixture(scope="module")

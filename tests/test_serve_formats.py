@@ -142,7 +142,7 @@ TOKENIZERS = {"byte-level": byte_level_tokenizer, "sentencepiece-byte-fallback":
 @pytest.mark.parametrize("make", TOKENIZERS)
 @pytest.mark.parametrize("stop", [[], ["caf"], ["é"], ["🙂 ok"]])
 def test_text_stream_equals_one_decode_for_split_utf8(stop, make):
-    from policy_bundle.quantize.text import ids_to_text
+    from policy_bundle.quantize.runtime.text import ids_to_text
     from policy_bundle.serve.router.openai_api import TextStream
 
     tok = TOKENIZERS[make]()
@@ -164,7 +164,7 @@ def test_text_stream_equals_one_decode_for_split_utf8(stop, make):
 def test_the_build_gate_scores_the_text_the_service_returns():
     from policy_bundle.build.config.build_config import load_config
     from policy_bundle.build.gate.measure import fidelity_kwargs
-    from policy_bundle.quantize.text import ids_to_text
+    from policy_bundle.quantize.runtime.text import ids_to_text
 
     tok = byte_level_tokenizer()
     # a tokenizer whose own decode drops the space before "." (a BPE one only with the second switch)
@@ -179,7 +179,7 @@ def test_the_build_gate_scores_the_text_the_service_returns():
 def test_a_long_stream_is_decoded_incrementally_and_adds_up_to_the_whole_decode(make, tmp_path):
     """The stream re-decoded the whole sequence at every token (quadratic in the answer's length); it now decodes
     each token once (tokenizers' DecodeStream) and still adds up to one decode of everything, cut characters too."""
-    from policy_bundle.quantize.text import ids_to_text
+    from policy_bundle.quantize.runtime.text import ids_to_text
     from policy_bundle.serve.router.openai_api import TextStream
 
     if make in TOKENIZERS:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy_bundle.quantize.decode import greedy_generate, greedy_generate_batch
-from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.slots import SlotBatch
-from policy_bundle.quantize.task import EOS, VOCAB, rollout_prompts
+from policy_bundle.quantize.runtime.decode import greedy_generate, greedy_generate_batch
+from policy_bundle.quantize.model.hf_weights import load_policy
+from policy_bundle.quantize.runtime.slots import SlotBatch
+from policy_bundle.quantize.reference.task import EOS, VOCAB, rollout_prompts
 
 EOS_ID = VOCAB.index(EOS)
 
@@ -89,8 +89,8 @@ def test_a_part_prefilled_prompt_follows_the_rows_when_a_slot_is_released(policy
 def test_each_sequences_cache_grows_by_blocks_as_it_does_keeping_its_tokens():
     """Blocks of 32 positions: rows crossing them at different steps get a block more each, one at a time, and their
     tokens are the ones they get alone; no row is priced at another's length."""
-    from policy_bundle.quantize.hf_weights import init_random_policy
-    from policy_bundle.quantize.model import PolicyConfig
+    from policy_bundle.quantize.model.hf_weights import init_random_policy
+    from policy_bundle.quantize.model.policy import PolicyConfig
 
     module = init_random_policy(PolicyConfig("llama", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                              head_dim=8, intermediate_size=64, max_seq_len=128), seed=0)
@@ -182,8 +182,8 @@ def test_a_step_attends_over_whole_blocks_whatever_cache_it_is_handed(which, pol
     of 32, the same for any cache at least that long, and the slot batch hands it such views. On SmolLM2-135M's INT8
     policy the old views moved logits by up to 0.52 in one step, and a row's greedy continuation beside others
     differed from its own in 9 of 20 golden prompts (0 of 20 now, at ``DECODE_THREADS``)."""
-    from policy_bundle.quantize.decode import DECODE_THREADS, threads
-    from policy_bundle.quantize.script_runner import load_torchscript
+    from policy_bundle.quantize.runtime.decode import DECODE_THREADS, threads
+    from policy_bundle.quantize.runtime.script_runner import load_torchscript
 
     module = policy if which == "fp32 policy" else load_torchscript(small_bundle / "int8" / "policy.ts")
     exact_differs = []
@@ -207,9 +207,9 @@ def test_a_step_attends_over_whole_blocks_whatever_cache_it_is_handed(which, pol
 def test_the_slot_batch_hands_each_step_whole_blocks_of_its_cache():
     """``attention_len``: the positions needed rounded up to 32, within the cache; the slot batch allocates whole blocks
     (``cache_len_for``) and hands a step, a prefill and a part-prefilled chunk such views, never ``pos + 1``."""
-    from policy_bundle.quantize.blocks import attention_len, cache_len_for
-    from policy_bundle.quantize.hf_weights import init_random_policy
-    from policy_bundle.quantize.model import PolicyConfig
+    from policy_bundle.quantize.model.blocks import attention_len, cache_len_for
+    from policy_bundle.quantize.model.hf_weights import init_random_policy
+    from policy_bundle.quantize.model.policy import PolicyConfig
 
     assert [attention_len(n, 128) for n in (1, 31, 32, 33, 64, 65, 128)] == [32, 32, 32, 64, 64, 96, 128]
     assert (attention_len(33, 40), attention_len(100, 100), cache_len_for(100), cache_len_for(64)) == (40, 100, 128, 64)

@@ -1,6 +1,6 @@
 """The reference task: reward, disjoint splits, HF tokenizer round trip, trained policy accuracy."""
 
-from policy_bundle.quantize import task
+from policy_bundle.quantize.reference import task
 
 
 def test_reward_is_exact_match_on_reversed_sum():
@@ -22,8 +22,8 @@ def test_tokenizer_round_trips_and_prepends_bos():
 
 
 def test_reference_policy_solves_held_out_task(reference_dir):
-    from policy_bundle.quantize.hf_weights import load_policy
-    from policy_bundle.quantize.reference import evaluate_accuracy
+    from policy_bundle.quantize.model.hf_weights import load_policy
+    from policy_bundle.quantize.reference.embedded import evaluate_accuracy
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(reference_dir))
@@ -32,9 +32,9 @@ def test_reference_policy_solves_held_out_task(reference_dir):
 
 
 def test_the_shipped_reference_policy_is_what_this_code_trains():
-    """Changing the task or the training code without re-shipping (``python -m policy_bundle.quantize.reference
+    """Changing the task or the training code without re-shipping (``python -m policy_bundle.quantize.reference.embedded
     --ship``) would make every machine train its own weights again: this fails first."""
-    from policy_bundle.quantize.reference import SHIPPED, TrainConfig, ensure_reference_policy, shipped_policy
+    from policy_bundle.quantize.reference.embedded import SHIPPED, TrainConfig, ensure_reference_policy, shipped_policy
 
     assert shipped_policy(TrainConfig()) == SHIPPED
     said = []
@@ -43,6 +43,6 @@ def test_the_shipped_reference_policy_is_what_this_code_trains():
 
 
 def test_a_changed_training_config_is_not_served_the_shipped_weights():
-    from policy_bundle.quantize.reference import TrainConfig, shipped_policy
+    from policy_bundle.quantize.reference.embedded import TrainConfig, shipped_policy
 
     assert shipped_policy(TrainConfig(steps=999)) is None  # negative control: the key names the config

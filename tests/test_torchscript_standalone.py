@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from policy_bundle.quantize.decode import decode_steps, greedy_pick
-from policy_bundle.quantize.script_runner import load_torchscript
+from policy_bundle.quantize.runtime.decode import decode_steps, greedy_pick
+from policy_bundle.quantize.runtime.script_runner import load_torchscript
 
 PROMPT = [1, 6, 8, 13, 7, 14]
 NEW = 12

@@ -55,9 +55,9 @@ def build_titan(step: Path, tmp_path: Path, *args: str):
 def test_converted_policy_logits_equal_torchtitans_forward(trained, tmp_path):
     from policy_bundle.build.config.build_config import TorchtitanSection
     from policy_bundle.build.source.torchtitan_checkpoint import REFERENCE_FLAVOR, resolve_torchtitan_source
-    from policy_bundle.quantize import task
-    from policy_bundle.quantize.hf_weights import load_policy
-    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.reference import task
+    from policy_bundle.quantize.model.hf_weights import load_policy
+    from policy_bundle.quantize.model.policy import full_logits
 
     step, trainer = trained
     src = TorchtitanSection(model="llama3", flavor=REFERENCE_FLAVOR, tokenizer="reference")
@@ -114,9 +114,9 @@ def test_stock_debugmodel_checkpoints_convert_to_torchtitans_logits(model, tmp_p
 
     from policy_bundle.build.config.build_config import TorchtitanSection
     from policy_bundle.build.source.torchtitan_checkpoint import model_spec, resolve_torchtitan_source
-    from policy_bundle.quantize import task
-    from policy_bundle.quantize.hf_weights import load_policy
-    from policy_bundle.quantize.model import full_logits
+    from policy_bundle.quantize.reference import task
+    from policy_bundle.quantize.model.hf_weights import load_policy
+    from policy_bundle.quantize.model.policy import full_logits
 
     spec = model_spec(model, "debugmodel")
     for layer in spec.model.layers:  # the stock FlexAttention forward compiles on CPU; same weights, causal SDPA

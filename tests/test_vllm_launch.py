@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 
 from cli_helpers import needs_vllm
-from policy_bundle.quantize.vllm_launch import (VLLM_ENV_DEFAULTS, apply_vllm_env_defaults, engine_args,
-                                                serve_cli_args, vllm_available, vllm_env)
+from policy_bundle.quantize.runtime.vllm_launch import (VLLM_ENV_DEFAULTS, apply_vllm_env_defaults, engine_args,
+                                                        serve_cli_args, vllm_available, vllm_env)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ RSS_SCRIPT = """
 import sys
 def rss_mb():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
-from policy_bundle.quantize.vllm_launch import offline_engine
+from policy_bundle.quantize.runtime.vllm_launch import offline_engine
 from vllm import SamplingParams
 with offline_engine(sys.argv[1], "float32") as llm:
     out = llm.generate([{"prompt_token_ids": [1, 6, 13, 11, 14]}], SamplingParams(temperature=0, max_tokens=6),

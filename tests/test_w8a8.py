@@ -5,16 +5,17 @@ import copy
 import pytest
 import torch
 
-from policy_bundle.quantize import linear_stats as ls
-from policy_bundle.quantize.gptq import gptq_quantize
-from policy_bundle.quantize.model import PolicyConfig, full_logits, greedy_generate
-from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.calibration import linear_stats as ls
+from policy_bundle.quantize.w8a8.gptq import gptq_quantize
+from policy_bundle.quantize.model.policy import PolicyConfig, full_logits
+from policy_bundle.quantize.runtime.decode import greedy_generate
+from policy_bundle.quantize.model.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig, RecipeError, selected_linears
-from policy_bundle.quantize.smooth import make_outlier_model
-from policy_bundle.quantize.w8a8 import (OUTLIER_CHANNELS, Int8TokenLinear, fuse_projections, quantize_weight,
-                                         rotation_block, rotation_matrix)
-from policy_bundle.quantize.w8a8_head import Int8RescoredHead
-from policy_bundle.quantize.w8a8_plan import build_plan
+from policy_bundle.quantize.calibration.smooth import make_outlier_model
+from policy_bundle.quantize.w8a8.linear import (OUTLIER_CHANNELS, Int8TokenLinear, fuse_projections, quantize_weight,
+                                                rotation_block, rotation_matrix)
+from policy_bundle.quantize.w8a8.head import Int8RescoredHead
+from policy_bundle.quantize.w8a8.plan import build_plan
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=48)
@@ -160,7 +161,7 @@ def test_w8a8_plan_tracks_fp32_and_exports_to_torchscript(scheme, rounding, tmp_
         assert not torch.allclose(loaded.next_logits(x[:, 9:], 9, *loaded.new_cache(2, 16)), full[:, -1:], atol=1e-3)
     kept = plan.convert(policy, names[1:])  # the fallback re-converts without the data
     assert isinstance(kept.get_submodule(names[0]), torch.nn.Linear)
-    from policy_bundle.quantize.w8a8 import RowStableLinear, stabilize_float_linears
+    from policy_bundle.quantize.w8a8.linear import RowStableLinear, stabilize_float_linears
 
     head = kept.lm_head
     assert stabilize_float_linears(kept) >= 1 and isinstance(kept.get_submodule(names[0]), RowStableLinear)
@@ -219,7 +220,7 @@ def test_rescored_head_gives_a_row_the_same_logits_alone_or_in_any_batch():
 def test_exported_int8_head_keeps_its_float_rows_tied_to_the_embedding(tmp_path):
     from dataclasses import replace
 
-    from policy_bundle.quantize.export import export_torchscript
+    from policy_bundle.quantize.export.exporters import export_torchscript
 
     policy = init_random_policy(replace(CFG, tie_embeddings=True), seed=4)
     int8 = copy.deepcopy(policy)
@@ -233,7 +234,7 @@ def test_exported_int8_head_keeps_its_float_rows_tied_to_the_embedding(tmp_path)
 
 
 def test_exported_int8_policy_is_for_inference_without_a_no_grad_block(tmp_path):
-    from policy_bundle.quantize.export import export_torchscript
+    from policy_bundle.quantize.export.exporters import export_torchscript
 
     policy = init_random_policy(CFG, seed=5)
     int8 = copy.deepcopy(policy)

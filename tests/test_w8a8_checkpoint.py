@@ -6,13 +6,13 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from policy_bundle.quantize import linear_stats as ls
-from policy_bundle.quantize.model import PolicyConfig
-from policy_bundle.quantize.hf_weights import init_random_policy
+from policy_bundle.quantize.calibration import linear_stats as ls
+from policy_bundle.quantize.model.policy import PolicyConfig
+from policy_bundle.quantize.model.hf_weights import init_random_policy
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
-from policy_bundle.quantize.smooth import make_outlier_model
-from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint, hf_name
-from policy_bundle.quantize.w8a8_plan import build_plan
+from policy_bundle.quantize.calibration.smooth import make_outlier_model
+from policy_bundle.quantize.export.w8a8_checkpoint import export_w8a8_checkpoint, hf_name
+from policy_bundle.quantize.w8a8.plan import build_plan
 
 CFG = PolicyConfig(family="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=48)
@@ -74,7 +74,7 @@ def test_the_checkpoint_streamed_from_the_unsmoothed_policy_is_the_one_from_a_sm
     (``smoothed_tensors``): every tensor and the config are those written from the plan's smoothed float copy, with
     rotations (their signs folded into norms and up_proj rows, their transforms added) and a biased family (Qwen2:
     its rotated q/k/v rounded from the unrotated smoothed weight)."""
-    from policy_bundle.quantize.w8a8_plan import smoothed_tensors
+    from policy_bundle.quantize.w8a8.plan import smoothed_tensors
 
     cfg = PolicyConfig(family="qwen2", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_seq_len=48, attention_bias=True)

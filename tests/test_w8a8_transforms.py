@@ -7,12 +7,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cli_helpers import needs_vllm
-from policy_bundle.quantize import linear_stats as ls
-from policy_bundle.quantize.hf_weights import load_hf_config, load_policy
+from policy_bundle.quantize.calibration import linear_stats as ls
+from policy_bundle.quantize.model.hf_weights import load_hf_config, load_policy
 from policy_bundle.quantize.recipes import RecipeConfig, selected_linears
-from policy_bundle.quantize.rotation import hadamard, rotation_matrix, rotation_signs
-from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint
-from policy_bundle.quantize.w8a8_plan import build_plan
+from policy_bundle.quantize.w8a8.rotation import hadamard, rotation_matrix, rotation_signs
+from policy_bundle.quantize.export.w8a8_checkpoint import export_w8a8_checkpoint
+from policy_bundle.quantize.w8a8.plan import build_plan
 
 
 def rotated_plan(policy):
@@ -72,9 +72,9 @@ def test_the_checkpoint_carries_each_rotation_as_a_transform_and_its_signs_folde
 def test_a_linear_with_a_bias_is_not_rotated_for_vllm(tmp_path):
     """vLLM's input transforms assert their layer has no bias: Qwen2's q/k/v (biased) get nearest rounding of their
     unrotated smoothed weight and no transform (nor a fold into their norm); the other linears keep theirs."""
-    from policy_bundle.quantize.hf_weights import init_random_policy
-    from policy_bundle.quantize.model import PolicyConfig
-    from policy_bundle.quantize.w8a8 import quantize_weight
+    from policy_bundle.quantize.model.hf_weights import init_random_policy
+    from policy_bundle.quantize.model.policy import PolicyConfig
+    from policy_bundle.quantize.w8a8.linear import quantize_weight
 
     cfg = PolicyConfig(family="qwen2", vocab_size=64, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32,
                        intermediate_size=128, max_seq_len=32, attention_bias=True)
@@ -138,8 +138,8 @@ def test_vllm_rotates_the_inputs_and_runs_the_float_policy(reference_dir, tmp_pa
 def test_outlier_linears_are_the_consumers_of_groups_with_outlier_rows():
     """int8-vllm/ keeps in float the linears whose calibration inputs had rows over the outlier threshold (vLLM's
     kernel would quantize those rows whole): a group's consumers, and only those of groups with such rows."""
-    from policy_bundle.quantize.hf_weights import init_random_policy
-    from policy_bundle.quantize.model import PolicyConfig
+    from policy_bundle.quantize.model.hf_weights import init_random_policy
+    from policy_bundle.quantize.model.policy import PolicyConfig
 
     policy = init_random_policy(PolicyConfig(family="llama", vocab_size=32, dim=32, n_layers=2, n_heads=2,
                                              n_kv_heads=1, head_dim=16, intermediate_size=64, max_seq_len=16), seed=0)

@@ -185,7 +185,7 @@ def policy_with_a_one_hot_pad(reference_dir: Path, dst: Path) -> Path:
 def calibration_jsonl(path: Path, n: int = 64) -> Path:
     """``n`` task rollouts (prompt and correct answer); record ``ODD_INDEX`` opens with a run of a character
     the task never uses (tokenized as ``<pad>``)."""
-    from policy_bundle.quantize import task
+    from policy_bundle.quantize.reference import task
 
     golden = frozenset(i.prompt for i in task.golden_set(1000))
     items = task.make_items(task.PROMPT_SEED, n, exclude=golden)
@@ -196,7 +196,7 @@ def calibration_jsonl(path: Path, n: int = 64) -> Path:
 
 
 def test_odd_samples_are_found_against_the_others_and_dropped_on_request(reference_dir, tmp_path):
-    from policy_bundle.quantize.odd_samples import odd_samples
+    from policy_bundle.quantize.calibration.odd_samples import odd_samples
 
     # Unit: one sample 20 std above 60 others is found; the same set without it has none above 10.
     g = torch.Generator().manual_seed(0)

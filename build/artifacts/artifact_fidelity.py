@@ -16,12 +16,12 @@ from policy_bundle.build.errors import CanaryGateError
 from policy_bundle.build.gate.measure import fidelity_kwargs, greedy_completion
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
-from policy_bundle.quantize.fidelity import (LOGITS_ONLY_NOTE, FidelityReport, GateThresholds, evaluate_gate,
-                                             measure_fidelity, policy_logits_fn)
-from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.model import Policy
-from policy_bundle.quantize.reference_logits import ReferenceLogits
-from policy_bundle.quantize.script_runner import load_torchscript, release_freed_memory
+from policy_bundle.quantize.fidelity.scores import (LOGITS_ONLY_NOTE, FidelityReport, GateThresholds, evaluate_gate,
+                                                    measure_fidelity, policy_logits_fn)
+from policy_bundle.quantize.model.hf_weights import load_policy
+from policy_bundle.quantize.model.policy import Policy
+from policy_bundle.quantize.fidelity.reference_logits import ReferenceLogits
+from policy_bundle.quantize.runtime.script_runner import load_torchscript, release_freed_memory
 
 
 FP16_GREEDY_NOTE = ("teacher-forced metrics of the directory's float16 weights computed in float32: what its bytes "

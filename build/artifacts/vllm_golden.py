@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_llm
+from policy_bundle.quantize.runtime.vllm_launch import apply_vllm_env_defaults, offline_llm
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from monarch.actor import Actor, current_rank, endpoint
 from torch import Tensor
 
 from policy_bundle.bundle.faults import Fault
-from policy_bundle.quantize import observers, recipes
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.calibration import observers
 
 class CalibrationActor(Actor):
     """Maps the policy's weights when an endpoint needs the whole model (rollouts, observers) and lets
@@ -45,7 +46,7 @@ class CalibrationActor(Actor):
     def policy(self):
         """The whole policy, its weights memory-mapped (``hf_weights.load_policy``) on first use."""
         if self._policy is None:
-            from policy_bundle.quantize.hf_weights import load_policy
+            from policy_bundle.quantize.model.hf_weights import load_policy
 
             self._policy = load_policy(self.policy_dir, max_seq_len=self.max_seq_len)
         return self._policy
@@ -54,7 +55,7 @@ class CalibrationActor(Actor):
     def prepared(self):
         """The policy with the recipe's observers (smoothed first where the controller said so), made on first use."""
         if self._prepared is None:
-            from policy_bundle.quantize.smooth import apply_smoothing
+            from policy_bundle.quantize.calibration.smooth import apply_smoothing
 
             base = self.policy if self.smoothing is None else apply_smoothing(self.policy, self.smoothing)
             self._prepared = recipes.prepare(base, self.recipe)
@@ -70,7 +71,7 @@ class CalibrationActor(Actor):
 
     def _share(self, layers: List[int]):
         """A share of the decoder layers, only those weights mapped; kept while the share is being planned."""
-        from policy_bundle.quantize.hf_weights import load_policy
+        from policy_bundle.quantize.model.hf_weights import load_policy
 
         if self._layers is None or self._layers[0] != tuple(layers):
             self._layers = (tuple(layers), load_policy(self.policy_dir, max_seq_len=self.max_seq_len, layers=layers))
@@ -79,7 +80,7 @@ class CalibrationActor(Actor):
     @endpoint
     def forward_layers(self, shard: int, layers: List[int], hidden: List[Tensor]) -> List[Tensor]:
         """A share's float output from its input (the next share's input), the share's weights mapped for its plan."""
-        from policy_bundle.quantize.layer_stream import run_layer
+        from policy_bundle.quantize.calibration.layer_stream import run_layer
 
         self._maybe_fail(shard, 0)
         share = self._share(layers)
@@ -90,12 +91,12 @@ class CalibrationActor(Actor):
 
     @endpoint
     def plan_share(self, shard: int, key: str, layers: List[int], hidden: List[Tensor], recipe, upto: int):
-        """The w8a8 plan of ``layers[:upto]`` of a share (``quantize.w8a8_stream.plan_layers``), from the share's input
+        """The w8a8 plan of ``layers[:upto]`` of a share (``quantize.w8a8.stream.plan_layers``), from the share's input
         ``hidden``, continuing where this actor's last call on the share (``key``) stopped; an actor that has not seen
         the share (a re-run after a crash) starts it from its input. Returns the layers done, and with the last
         (plan, statistics kept, the share's output): the last share's output is the head's input, kept by the
         controller to plan another candidate's head without streaming the layers again."""
-        from policy_bundle.quantize.w8a8_stream import PlanPart, absorb_part, plan_layers
+        from policy_bundle.quantize.w8a8.stream import PlanPart, absorb_part, plan_layers
 
         state = self._plans.get(key)
         if state is None or state["done"] >= upto:
@@ -128,7 +129,7 @@ class CalibrationActor(Actor):
     @endpoint
     def rollouts(self, shard: int, prompt_ids: List[List[int]], max_new_tokens: int,
                  eos: Optional[int], engine: str, batch_size: int = 16) -> List[List[int]]:
-        from policy_bundle.quantize.decode import greedy_generate_batch
+        from policy_bundle.quantize.runtime.decode import greedy_generate_batch
 
         if engine == "vllm":  # one engine per actor, on this actor's share of the prompts
             from policy_bundle.build.calibrate.rollouts import vllm_rollouts
@@ -155,7 +156,7 @@ class CalibrationActor(Actor):
     @endpoint
     def channel_stats(self, shard: int, batches: List[Tensor]) -> Dict[str, Tensor]:
         """Per input channel max |x| of the smoothing groups' linears over this shard."""
-        from policy_bundle.quantize.smooth import collect_channel_absmax
+        from policy_bundle.quantize.calibration.smooth import collect_channel_absmax
 
         self._maybe_fail(shard, 0)
         return collect_channel_absmax(self.policy, batches)
@@ -169,7 +170,7 @@ class CalibrationActor(Actor):
     @endpoint
     def token_absmax(self, shard: int, batches: List[Tensor]) -> Dict[str, Tensor]:
         """w8a8 pass 1: every row's max |x| per input group, over this shard."""
-        from policy_bundle.quantize.linear_stats import collect_token_absmax
+        from policy_bundle.quantize.calibration.linear_stats import collect_token_absmax
 
         self._maybe_fail(shard, 0)
         return collect_token_absmax(self.policy, batches)
@@ -177,7 +178,7 @@ class CalibrationActor(Actor):
     @endpoint
     def group_stats(self, shard: int, batches: List[Tensor], thresholds: Dict[str, float], hessians: bool):
         """w8a8 pass 2 for the groups in ``thresholds`` (a few layers per call: Hessians are large)."""
-        from policy_bundle.quantize.linear_stats import collect_group_stats
+        from policy_bundle.quantize.calibration.linear_stats import collect_group_stats
 
         self._maybe_fail(shard, 0)
         return collect_group_stats(self.policy, batches, thresholds, hessians=hessians, seed=shard)
@@ -189,7 +190,7 @@ def _return_freed_memory() -> None:
     per actor while it held one share's Hessians)."""
     import gc
 
-    from policy_bundle.quantize.script_runner import release_freed_memory
+    from policy_bundle.quantize.runtime.script_runner import release_freed_memory
 
     gc.collect()
     release_freed_memory()

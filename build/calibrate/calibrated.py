@@ -12,8 +12,9 @@ from dataclasses import replace
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.progress import bar, log
 from policy_bundle.bundle.faults import apply_scale_fault
-from policy_bundle.quantize import observers, recipes
-from policy_bundle.quantize.model import Policy
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.calibration import observers
+from policy_bundle.quantize.model.policy import Policy
 
 
 def calibrate_observers(mesh, prepared, batches) -> observers.ObserverState:
@@ -71,7 +72,7 @@ class CalibratedModels:
         return self.plans[key]
 
     def smoothing_scales(self, alpha: float):
-        from policy_bundle.quantize.smooth import collect_channel_absmax, smoothing_scales
+        from policy_bundle.quantize.calibration.smooth import collect_channel_absmax, smoothing_scales
 
         if self.mesh is not None:
             from policy_bundle.build.calibrate.mesh import mesh_channel_stats
@@ -85,7 +86,7 @@ class CalibratedModels:
     def get(self, smooth: bool):
         """(prepared, observer state) of the plain or the smoothed policy."""
         if smooth not in self.cache:
-            from policy_bundle.quantize.smooth import apply_smoothing
+            from policy_bundle.quantize.calibration.smooth import apply_smoothing
 
             base = apply_smoothing(self.policy, self.scales) if smooth else self.policy
             prepared = recipes.prepare(base, self.cfg.recipe_config())

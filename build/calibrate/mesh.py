@@ -27,7 +27,7 @@ from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import ConfigError, MeshError
 
 from policy_bundle.build.progress import Throttled, log, set_status
-from policy_bundle.quantize import observers
+from policy_bundle.quantize.calibration import observers
 
 
 
@@ -246,7 +246,7 @@ def mesh_calibrate(mesh: CalibrationMesh, batches: Sequence[Tensor]) -> observer
 
 def mesh_channel_stats(mesh: CalibrationMesh, batches: Sequence[Tensor]):
     """Per-channel max |x| for smoothing, sharded over the actors and merged (exact max)."""
-    from policy_bundle.quantize.smooth import merge_channel_stats
+    from policy_bundle.quantize.calibration.smooth import merge_channel_stats
 
     shards = shard(batches, len(mesh.workers))
     parts = mesh.run_shards("channel_stats", [(s,) for s in shards], [sum(len(b) for b in s) for s in shards],

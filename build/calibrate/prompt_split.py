@@ -12,8 +12,8 @@ from typing import List, Optional, Sequence
 from policy_bundle.build.config.build_config import BuildConfig, check_batch_size
 from policy_bundle.build.errors import ConfigError
 from policy_bundle.build.source.policy_source import is_task_policy
-from policy_bundle.quantize import task
-from policy_bundle.quantize.fidelity import GoldenItem
+from policy_bundle.quantize.reference import task
+from policy_bundle.quantize.fidelity.scores import GoldenItem
 
 GENERAL_PROMPTS = Path(__file__).parents[1] / "prompts" / "general.txt"
 DEFAULT_TASK_GOLDEN = 128  # calibration.golden unset, task prompts

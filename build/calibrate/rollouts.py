@@ -14,8 +14,8 @@ from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import ConfigError
 from policy_bundle.build.progress import Throttled
 from policy_bundle.bundle.info import encode_prompt
-from policy_bundle.quantize.decode import greedy_generate_batch
-from policy_bundle.quantize.vllm_launch import apply_vllm_env_defaults, offline_engine
+from policy_bundle.quantize.runtime.decode import greedy_generate_batch
+from policy_bundle.quantize.runtime.vllm_launch import apply_vllm_env_defaults, offline_engine
 
 
 @torch.no_grad()
@@ -67,7 +67,7 @@ def screen_odd_samples(cfg: BuildConfig, policy, seqs: List[List[int]], tok,
     """Calibration sequences whose activation range stands out (``calibration.outlier_sigma``), reported
     and, with ``calibration.drop_outliers``, left out. Returns the sequences to calibrate on and the
     manifest's record of what was found."""
-    from policy_bundle.quantize.odd_samples import odd_samples, sample_absmax
+    from policy_bundle.quantize.calibration.odd_samples import odd_samples, sample_absmax
     from policy_bundle.quantize.recipes import selected_linears
 
     c = cfg.calibration

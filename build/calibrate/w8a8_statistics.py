@@ -12,10 +12,10 @@ from typing import Callable, Dict, List, Sequence, Tuple
 from torch import Tensor, nn
 
 from policy_bundle.build.progress import Throttled, log, set_status
-from policy_bundle.quantize import linear_stats as ls
+from policy_bundle.quantize.calibration import linear_stats as ls
 from policy_bundle.quantize.recipe_types import typed
 from policy_bundle.quantize.recipes import RecipeConfig, kept_float, selected_linears
-from policy_bundle.quantize.w8a8_plan import W8A8Plan, build_plan, plan_sensitivity
+from policy_bundle.quantize.w8a8.plan import W8A8Plan, build_plan, plan_sensitivity
 
 LAYERS_PER_CALL = 4  # Hessians of 4 SmolLM2-135M layers are ~110 MB per shard
 
@@ -51,11 +51,11 @@ def collect_stats(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: Re
 def stream_plan(mesh, policy: nn.Module, batches: Sequence[Tensor], recipe: RecipeConfig
                 ) -> Tuple[W8A8Plan, ls.LinearStats, List[Tensor]]:
     """The recipe's plan, the statistics a build keeps and the last layer's float output (the head's input), one
-    decoder layer at a time (``quantize.w8a8_stream``): in this process, or as a pipeline over the mesh's actors, each
+    decoder layer at a time (``quantize.w8a8.stream``): in this process, or as a pipeline over the mesh's actors, each
     holding only its share of the layers and passing its output to the next. Progress: a line per layer at most
     every 20 s with the rate and an ETA."""
-    from policy_bundle.quantize.layer_stream import embed_batches
-    from policy_bundle.quantize.w8a8_stream import layer_shares, merge_plans, plan_layers
+    from policy_bundle.quantize.calibration.layer_stream import embed_batches
+    from policy_bundle.quantize.w8a8.stream import layer_shares, merge_plans, plan_layers
 
     n = len(policy.layers)
     tick = Throttled()
@@ -86,7 +86,7 @@ def replan_head(policy: nn.Module, plan: W8A8Plan, stats: ls.LinearStats, last: 
     """``recipe``'s plan from another candidate's (``plan``, ``stats``) whose decoder layers ``recipe`` plans the same
     way (``calibrated.layer_key``): its layers' entries kept, the head planned again from ``last`` (the last layer's
     float output), as ``stream_plan`` would plan it. Seconds instead of streaming every layer again."""
-    from policy_bundle.quantize.w8a8_stream import merge_plans, plan_layers, without_head
+    from policy_bundle.quantize.w8a8.stream import merge_plans, plan_layers, without_head
 
     head = plan_layers(policy, [], last, recipe, head=True)
     kept = {k: v for k, v in stats.items() if k != ls.HEAD_GROUP}
@@ -125,7 +125,8 @@ def make_plan(policy: nn.Module, stats: ls.LinearStats, recipe: RecipeConfig) ->
 
 def rank_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], probe: Tensor,
                      status: Callable[[str], str] = lambda s: s) -> List[Tuple[str, float]]:
-    """Every linear's probe KL alone in int8 (``quantize.sensitivity``), most sensitive first, in this process: the
+    """Every linear's probe KL alone in int8 (``quantize.fidelity.sensitivity``), most sensitive first, in this
+    process: the
     controller holds the float model anyway, and each linear runs only from its own layer up (the probe's layer
     inputs are computed once), so no mesh actor maps the whole model for it. A progress line at most every 20 s."""
     tick = Throttled()

@@ -1,4 +1,4 @@
-"""Build configuration: pydantic models (``quantize/config_schema.py``: frozen pydantic dataclasses), each field's
+"""Build configuration: pydantic models (``quantize/config/schema.py``: frozen pydantic dataclasses), each field's
 limit and help declared on the field (the library's ``RecipeConfig`` and ``GateThresholds`` are held whole, their
 keys inlined)."""
 
@@ -11,11 +11,11 @@ import yaml
 
 from policy_bundle.build.config.candidates import parse_candidate
 from policy_bundle.build.errors import ConfigError
-from policy_bundle.quantize.config_schema import (FieldError, choice, config_model, env_mapping, from_mapping, inline,
+from policy_bundle.quantize.config.schema import (FieldError, choice, config_model, env_mapping, from_mapping, inline,
                                                   merged, ranged, read_field, read_yaml, setting, to_mapping,
                                                   variable_of)
 from policy_bundle.quantize.extras import installed, require
-from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.fidelity.scores import GateThresholds
 from policy_bundle.quantize.recipe_types import recipe_of
 from policy_bundle.quantize.recipes import SCHEMES, RecipeConfig
 

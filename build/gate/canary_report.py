@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 from torch import nn
 
 from policy_bundle.bundle.layout import BundleLayout
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict
+from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds, GateVerdict
 from policy_bundle.quantize.percentile import percentile
 
 

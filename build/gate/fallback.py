@@ -37,8 +37,8 @@ from torch import Tensor, nn
 from policy_bundle.build.gate.canary_report import Attempt, CanaryOutcome
 from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, GateVerdict, evaluate_gate
-from policy_bundle.quantize.sensitivity import layer_sensitivity
+from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds, GateVerdict, evaluate_gate
+from policy_bundle.quantize.fidelity.sensitivity import layer_sensitivity
 
 Measure = Callable[[nn.Module], FidelityReport]
 Confirm = Callable[[CanaryOutcome], CanaryOutcome]
@@ -225,7 +225,7 @@ def _rejected(search: FallbackSearch, hi: int) -> CanaryOutcome:
 
 def torch_ao_sensitivity(prepared: nn.Module, recipe: recipes.RecipeConfig, probe: Tensor,
                          progress: Callable[[int, int, str, float], None]) -> List[Tuple[str, float]]:
-    """The torch.ao ranking (``quantize.sensitivity``, the one the w8a8 recipes use too): two conversions
+    """The torch.ao ranking (``quantize.fidelity.sensitivity``, the one the w8a8 recipes use too): two conversions
     in all, every layer quantized and none quantized (the reference: the smoothed float model where the
     recipe smooths); each layer's converted module is swapped into the float one for a probe forward.
     (One conversion per layer took over 25 minutes on a 135M LM, a golden-set pass per layer 29.)"""

@@ -5,7 +5,7 @@ w8a8 plan, present for that family only) rather than the family.
 
 - prepare: SmoothQuant scales from per-channel statistics (torch.ao candidates that smooth);
 - calibrate: observer states (torch.ao), computed once for all candidates of the family; the first w8a8
-  candidate's plan, one decoder layer at a time (``quantize.w8a8_stream``: a layer's statistics are dropped once it
+  candidate's plan, one decoder layer at a time (``quantize.w8a8.stream``: a layer's statistics are dropped once it
   is quantized, so a later candidate streams the calibration again, only if it is gated);
 - gate: convert with the layer-fallback search (``build/gate/fallback.py``) or, with the canary off, measure;
 - calibration_summary: the manifest's calibration section for the recipe that shipped;
@@ -21,11 +21,12 @@ from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.gate.canary_report import CanaryOutcome
 from policy_bundle.build.gate.fallback import gate_torch_ao, gate_w8a8
 from policy_bundle.build.progress import log, set_status
-from policy_bundle.quantize import observers, recipes
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.calibration import observers
 from policy_bundle.quantize.recipe_types import TorchAoRecipe, W8A8Recipe, family_of
-from policy_bundle.quantize.fidelity import GateVerdict
-from policy_bundle.quantize.model import Policy
-from policy_bundle.quantize.sensitivity import sensitivity_probe
+from policy_bundle.quantize.fidelity.scores import GateVerdict
+from policy_bundle.quantize.model.policy import Policy
+from policy_bundle.quantize.fidelity.sensitivity import sensitivity_probe
 
 Status = Callable[[str], str]
 

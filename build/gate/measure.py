@@ -8,13 +8,13 @@ from typing import Callable, List, Optional, Tuple
 
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.source.policy_source import is_task_policy
-from policy_bundle.quantize import task
-from policy_bundle.quantize.fidelity import (GATE_DECODE_BATCH, LOGITS_ONLY_NOTE, FidelityReport, GoldenItem,
-                                             completion_metrics, greedy_completions, measure_fidelity,
-                                             policy_logits_fn)
-from policy_bundle.quantize.reference_logits import ReferenceLogits
-from policy_bundle.quantize.model import Policy
-from policy_bundle.quantize.text import ids_to_text
+from policy_bundle.quantize.reference import task
+from policy_bundle.quantize.fidelity.scores import (GATE_DECODE_BATCH, LOGITS_ONLY_NOTE, FidelityReport, GoldenItem,
+                                                    completion_metrics, greedy_completions, measure_fidelity,
+                                                    policy_logits_fn)
+from policy_bundle.quantize.fidelity.reference_logits import ReferenceLogits
+from policy_bundle.quantize.model.policy import Policy
+from policy_bundle.quantize.runtime.text import ids_to_text
 
 
 def fidelity_kwargs(cfg: BuildConfig, tok) -> dict:

@@ -19,12 +19,12 @@ from policy_bundle.build.gate.families import handler
 from policy_bundle.build.gate.measure import decode_batch, fidelity_kwargs, gate_measures, greedy_completion
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
-from policy_bundle.quantize.decode import decode_tokens_per_s
-from policy_bundle.quantize.export import script_int8
-from policy_bundle.quantize.fidelity import FidelityReport, GateThresholds, evaluate_gate
-from policy_bundle.quantize.model import Policy, set_kv_cache
-from policy_bundle.quantize.reference_logits import ReferenceLogits
-from policy_bundle.quantize.script_runner import ScriptRunner, release_freed_memory
+from policy_bundle.quantize.runtime.decode import decode_tokens_per_s
+from policy_bundle.quantize.export.exporters import script_int8
+from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds, evaluate_gate
+from policy_bundle.quantize.model.policy import Policy, set_kv_cache
+from policy_bundle.quantize.fidelity.reference_logits import ReferenceLogits
+from policy_bundle.quantize.runtime.script_runner import ScriptRunner, release_freed_memory
 
 
 @dataclass

@@ -8,7 +8,8 @@ layer at a time is widened to float32 for its call; the embedding and head are w
 in every calibration actor that loads the whole model), a decoder layer's Hessians (float64, one per input group) and GPTQ temporaries, the calibration set's hidden states
 (a layer's input and output), the int8 policy the gate converts, the gate's teacher-forced batch (its float32 logits
 and their double-precision log-softmax copies, ``TEACHER_FORCED_TOKENS`` positions: the reference's logits live in a
-file, ``quantize/reference_logits.py``), and a fixed share per process for Python, torch and Monarch. ``docs/benchmarks.md`` has the measured peaks beside them.
+file, ``quantize/fidelity/reference_logits.py``), and a fixed share per process for Python, torch and Monarch.
+``docs/benchmarks.md`` has the measured peaks beside them.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from policy_bundle.build.errors import BuildError
-from policy_bundle.quantize.memory import memory_limit
-from policy_bundle.quantize.reference_logits import TEACHER_FORCED_TOKENS
+from policy_bundle.quantize.runtime.memory import memory_limit
+from policy_bundle.quantize.fidelity.reference_logits import TEACHER_FORCED_TOKENS
 
 PROCESS_BASE = 450 * 2**20  # Python + torch + the project's imports, resident, measured per process
 ACTOR_BASE = 350 * 2**20  # a Monarch calibration actor before it maps any weights
@@ -52,7 +53,7 @@ class MemoryPlan:
 
 def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:
     """The plan for building ``policy_dir`` with ``tokens`` calibration tokens (padded) and ``procs`` actors."""
-    from policy_bundle.quantize.hf_weights import hf_weight_bytes, load_hf_config
+    from policy_bundle.quantize.model.hf_weights import hf_weight_bytes, load_hf_config
 
     pc = load_hf_config(policy_dir, cfg.policy.max_seq_len)
     q, kv = pc.n_heads * pc.head_dim, pc.n_kv_heads * pc.head_dim
@@ -60,7 +61,8 @@ def plan_memory(cfg, policy_dir: Path, tokens: int, procs: int) -> MemoryPlan:
     embed = pc.vocab_size * pc.dim
     params = pc.n_layers * per_layer + embed * (1 if pc.tie_embeddings else 2)
     source = sum(hf_weight_bytes(policy_dir).values())
-    # a 16-bit source's layers stay 16-bit (``quantize.blocks.Block.narrow``), one widened at a time; its embedding
+    # a 16-bit source's layers stay 16-bit (``quantize.model.blocks.Block.narrow``), one widened at a time; its
+    # embedding
     # and head are widened at load
     narrow = source < 0.75 * params * 4
     head = embed * 4 * (1 if pc.tie_embeddings else 2)

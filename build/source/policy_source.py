@@ -8,8 +8,8 @@ from typing import Callable
 
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import ConfigError, UnsupportedPolicyError
-from policy_bundle.quantize.hf_weights import load_hf_config
-from policy_bundle.quantize.model import UnsupportedModelError
+from policy_bundle.quantize.model.hf_weights import load_hf_config
+from policy_bundle.quantize.model.policy import UnsupportedModelError
 
 
 def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> Path:
@@ -17,12 +17,12 @@ def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> 
     converted (once, into the cache) from a torchtitan checkpoint."""
     if cfg.policy.torchtitan is not None:
         from policy_bundle.build.source.torchtitan_checkpoint import resolve_torchtitan_source
-        from policy_bundle.quantize.reference import default_cache_dir
+        from policy_bundle.quantize.reference.embedded import default_cache_dir
 
         return resolve_torchtitan_source(Path(cfg.policy.source).expanduser(), cfg.policy.torchtitan,
                                          default_cache_dir(), log=log)
     if cfg.policy.source == "reference":
-        from policy_bundle.quantize.reference import ensure_reference_policy
+        from policy_bundle.quantize.reference.embedded import ensure_reference_policy
 
         return ensure_reference_policy(log=log)
     path = Path(cfg.policy.source).expanduser()

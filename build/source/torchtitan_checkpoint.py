@@ -24,9 +24,9 @@ import torch
 
 from policy_bundle.build.config.build_config import TorchtitanSection
 from policy_bundle.build.errors import CheckpointError, ConfigError, UnsupportedPolicyError
-from policy_bundle.quantize import task
+from policy_bundle.quantize.reference import task
 from policy_bundle.quantize.extras import MissingExtra, require
-from policy_bundle.quantize.model import PolicyConfig
+from policy_bundle.quantize.model.policy import PolicyConfig
 
 # Our model family for each torchtitan model we convert; the adapter comes from torchtitan's model spec.
 FAMILIES = {"llama3": "llama", "qwen3": "qwen3"}

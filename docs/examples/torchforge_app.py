@@ -23,9 +23,11 @@ from policy_bundle.build.calibrate.actor import CalibrationActor
 from policy_bundle.build.calibrate.mesh import _import_monarch, shard
 from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer
-from policy_bundle.quantize import observers, recipes, task
-from policy_bundle.quantize.hf_weights import load_policy
-from policy_bundle.quantize.reference import ensure_reference_policy
+from policy_bundle.quantize import recipes
+from policy_bundle.quantize.calibration import observers
+from policy_bundle.quantize.reference import task
+from policy_bundle.quantize.model.hf_weights import load_policy
+from policy_bundle.quantize.reference.embedded import ensure_reference_policy
 
 
 def collect_rollouts(policy_dir: Path, n: int) -> list[tuple[str, str, list[int]]]:

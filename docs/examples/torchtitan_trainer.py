@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 import torch
 from monarch.actor import Actor, endpoint
 
-from policy_bundle.quantize import task
+from policy_bundle.quantize.reference import task
 
 
 class TorchtitanTrainerActor(Actor):
@@ -91,7 +91,7 @@ class TorchtitanTrainerActor(Actor):
 def task_batch(rng: random.Random, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and labels from the reference task (held-out golden prompts excluded); only the answer and
     its EOS are labelled, the rest is torchtitan's ignore index (-100)."""
-    from policy_bundle.quantize.reference import _batch
+    from policy_bundle.quantize.reference.embedded import _batch
 
     golden = frozenset(i.prompt for i in task.golden_set(1000))
     items = []

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import List, Optional, Tuple
 
-from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.fidelity.scores import GateThresholds
 from policy_bundle.quantize.percentile import percentile
 from policy_bundle.serve.rollout.types import RolloutConfig
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Tuple
 
-from policy_bundle.quantize.config_schema import FieldError, config_model, ranged, read_as, setting
-from policy_bundle.quantize.fidelity import GateThresholds
+from policy_bundle.quantize.config.schema import FieldError, config_model, ranged, read_as, setting
+from policy_bundle.quantize.fidelity.scores import GateThresholds
 
 VARIANT_NAMES = ("int8", "fp16")
 

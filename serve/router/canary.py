@@ -1,5 +1,5 @@
 """The live canary: what each analysis window saw (requests, errors, latencies, shadow pairs, golden runs),
-the golden-set run through both variants (``quantize.fidelity``'s metrics, thresholds from the bundle),
+the golden-set run through both variants (``quantize.fidelity.scores``'s metrics, thresholds from the bundle),
 the analysis that drives the rollout, and the supervised loops that run them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import random
 from typing import Awaitable, Callable, Dict, List
 
 from policy_bundle.bundle.info import BundleInfo
-from policy_bundle.quantize.text import ids_to_text
+from policy_bundle.quantize.runtime.text import ids_to_text
 from policy_bundle.serve.router.pool import VARIANTS, Admission, VariantPool, other_variant
 from policy_bundle.serve.rollout.analysis import LATENCY_SAMPLES, GoldenTally, Window, analyse
 from policy_bundle.serve.rollout.machine import RolloutController
@@ -87,8 +87,8 @@ class LiveCanary:
     # -- golden set ----------------------------------------------------------------------------
     async def run_golden(self) -> dict:
         """Golden items through both variants, compared with the build's FP32 completions (same metric code)."""
-        from policy_bundle.quantize import task
-        from policy_bundle.quantize.fidelity import FidelityReport, completion_metrics
+        from policy_bundle.quantize.reference import task
+        from policy_bundle.quantize.fidelity.scores import FidelityReport, completion_metrics
 
         n = min(self.settings.rollout.golden_items, len(self.golden))
         if n == 0:

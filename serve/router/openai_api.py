@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 
 from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.info import BundleInfo, ContentNotFound, control_token_texts, encode_chat, encode_text
-from policy_bundle.quantize.text import ids_to_text
+from policy_bundle.quantize.runtime.text import ids_to_text
 from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest
 
 

@@ -31,7 +31,7 @@ from typing import AsyncIterator, Deque, List, Optional, Tuple
 import torch
 
 from policy_bundle.quantize.percentile import percentile
-from policy_bundle.quantize.slots import KV_BLOCK, LONG_PROMPT_CHUNK, SlotBatch
+from policy_bundle.quantize.runtime.slots import KV_BLOCK, LONG_PROMPT_CHUNK, SlotBatch
 from policy_bundle.serve.variants.engines import (CapacityError, SamplingParams, Step, check_threads,
                                                   decode_thread_setup, greedy_picks, last_position_logits, pick_token)
 from policy_bundle.serve.variants.lanes import Lanes, lane_count
@@ -47,8 +47,8 @@ def auto_kv_budget() -> int:
     the machine's available memory; that tenth at least 256 MiB) and 8 GiB. Measured with a tenth of 22.6 GB instead (2.26
     GB): 32 long requests on SmolLM2-135M held 1.5 GB of cache, and the INT8 worker peaked at 0.65x vLLM's memory
     where vLLM had 1 GiB."""
-    from policy_bundle.quantize.memory import memory_limit
-    from policy_bundle.quantize.vllm_launch import vllm_kv_space_bytes
+    from policy_bundle.quantize.runtime.memory import memory_limit
+    from policy_bundle.quantize.runtime.vllm_launch import vllm_kv_space_bytes
 
     limit, _ = memory_limit()
     space = vllm_kv_space_bytes(fallback=True) or 0  # not a number: vLLM refuses it; the budget takes the default

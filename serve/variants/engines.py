@@ -18,10 +18,10 @@ from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor
 
-from policy_bundle.quantize.blocks import cache_len_for
-from policy_bundle.quantize.decode import decode_steps
-from policy_bundle.quantize.model import full_logits
-from policy_bundle.quantize.vllm_launch import async_llm_engine, vllm_kv_space_bytes
+from policy_bundle.quantize.model.blocks import cache_len_for
+from policy_bundle.quantize.runtime.decode import decode_steps
+from policy_bundle.quantize.model.policy import full_logits
+from policy_bundle.quantize.runtime.vllm_launch import async_llm_engine, vllm_kv_space_bytes
 from policy_bundle.serve.schemas import MIN_TEMPERATURE
 
 
@@ -177,7 +177,7 @@ class CachedPolicyEngine:
                                            initializer=decode_thread_setup, initargs=(check_threads(threads),))
 
     def _run(self, prompt_ids: List[int], params: SamplingParams) -> Iterator[Step]:
-        """The one decode loop (``quantize.decode``) with this request's sampling."""
+        """The one decode loop (``quantize.runtime.decode``) with this request's sampling."""
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         history: List[int] = []
 

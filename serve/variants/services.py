@@ -24,7 +24,7 @@ from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_TORCHSCRIPT, INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.store import pair_version
-from policy_bundle.quantize.vllm_launch import vllm_available, vllm_switched_off
+from policy_bundle.quantize.runtime.vllm_launch import vllm_available, vllm_switched_off
 from policy_bundle.serve import logs, wire
 from policy_bundle.serve.variants.batching import policy_engine
 from policy_bundle.serve.variants.engines import CapacityError, SamplingParams, Step, VllmEngine
@@ -302,7 +302,7 @@ class Int8Policy:
     model = bentoml.models.BentoModel(f"policy-int8:{VERSION}")
 
     def __init__(self) -> None:
-        from policy_bundle.quantize.script_runner import InexactInt8Error, load_torchscript
+        from policy_bundle.quantize.runtime.script_runner import InexactInt8Error, load_torchscript
 
         vllm, copied = settings_or_exit().int8_engine == "vllm", bool(settings_or_exit().trusted_keys)
         # what is read through a hashing reader: the TorchScript always (``verified_bytes``), int8-vllm/ when
@@ -384,8 +384,8 @@ class Fp16Policy:
                 log.error("refusing to start: require_vllm is set and vLLM did not load: %s", exc)
                 raise SystemExit(f"policy-bundle: require_vllm: vLLM did not load ({type(exc).__name__}: {exc})"[:500]) \
                     from None
-            from policy_bundle.quantize.blocks import widen_narrow
-            from policy_bundle.quantize.hf_weights import load_policy
+            from policy_bundle.quantize.model.blocks import widen_narrow
+            from policy_bundle.quantize.model.hf_weights import load_policy
 
             self.fallback_reason = f"{type(exc).__name__}: {exc}"[:300] + \
                 "; serving the FP16 weights with our policy module (FP32)"

@@ -1,0 +1,166 @@
+"""Which int8 matmul is cheaper than float on this CPU: one linear of SmolLM2-135M's shapes, side by side.
+
+    .venv/bin/python -m policy_bundle.loadtest.bench_kernels [--rows 1 8 32] [--repeat 200]
+
+Per shape (in -> out features) and rows (1: a batch-1 decode step; 32: a prefill chunk or 32 decoding rows) it
+times, in one process, one after the other, and prints the median microseconds and each one's ratio to float:
+
+- ``fp32``: ``F.linear`` (what the FP32 eager policy runs);
+- ``int_mm``: our per-token W8A8 (``quantize/w8a8/linear.py``'s ``Int8TokenLinear``: per-row activation scale, int8,
+  ``torch._int_mm``, rescale);
+- ``fbgemm-dyn``: fbgemm's dynamic quantized linear over per-channel int8 weights (``quantized::linear_dynamic``,
+  what torch.ao's ``dynamic`` recipe ships): one activation scale per call, so per-token only at one row;
+- ``fbgemm-norm``: per-token scales on fbgemm at any row count: each row mapped onto [0, 1] by its own range
+  (exactly 0 and 1 there), so fbgemm's one scale per call is 1/255 for every row, then rescaled and offset back
+  with the weight's row sums (tried as ``Int8TokenLinear``'s kernel: docs/recipes.md);
+- ``fbgemm-dyn/row``: the same kernel called once per row (per-token scales at any row count).
+
+Also each one's relative error against fp32 on the same inputs (activations with a few large channels, as
+real LMs have). Weights and inputs are seeded random at the real shapes: timings depend on shapes, not values.
+
+``--stream``: a batch-1 decode step's linears as they meet the memory, each with its own weight (SmolLM2-135M: 30
+layers of fused q/k/v, o, fused gate/up and down, then the head; 134 MB of int8), so the weights come from DRAM
+and not from a cache as above. It prints each kernel's milliseconds per step and GB/s of int8 (float) weights,
+beside a plain read of the same int8 bytes: how far the one-row kernel is from this machine's memory bandwidth,
+which bounds any int8 decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from policy_bundle.quantize.runtime.fbgemm_int8 import pack_int8
+
+SMOLLM2_SHAPES = {"q_proj": (576, 576), "k_proj": (576, 192), "gate_proj": (576, 1536), "down_proj": (1536, 576),
+                  "lm_head": (576, 49152)}
+
+
+def per_channel_int8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+    return torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8), scales
+
+
+def kernels(w: torch.Tensor) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    q, scales = per_channel_int8(w)
+    packed = packed_fbgemm(q, scales)
+    qt = q.t()
+
+    def int_mm(x: torch.Tensor) -> torch.Tensor:
+        row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+        xq = torch.round(x / row_scale).clamp(-127, 127).to(torch.int8)
+        return torch._int_mm(xq, qt).float() * row_scale * scales
+
+    def fbgemm_dyn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x, packed, True)
+
+    w_sums = (q.float() * scales.unsqueeze(1)).sum(dim=1)
+
+    def fbgemm_norm(x: torch.Tensor) -> torch.Tensor:  # each row mapped onto [0, 1]: per-tensor == per-row
+        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+        span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+        return torch.ops.quantized.linear_dynamic((x - lo) / span, packed, False) * span + lo * w_sums
+
+    def fbgemm_rows(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.ops.quantized.linear_dynamic(x[i:i + 1], packed, True) for i in range(x.shape[0])])
+
+    return {"fp32": lambda x: F.linear(x, w), "int_mm": int_mm, "fbgemm-dyn": fbgemm_dyn,
+            "fbgemm-norm": fbgemm_norm, "fbgemm-dyn/row": fbgemm_rows}
+
+
+def packed_fbgemm(q: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's pre-packed weight of an int8 [out, in] and its scales (``fbgemm_int8.pack_int8``, warnings off:
+    quantized tensors are deprecated as a user type, the packing needs one)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pack_int8(q, scales)
+
+
+def median_us(fn: Callable[[], torch.Tensor], repeat: int) -> float:
+    for _ in range(max(3, repeat // 10)):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+STEP_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2-135M's layer, q/k/v and gate/up fused
+
+
+def stream(layers: int, repeat: int) -> None:
+    """One decode step's one-row linears, every weight its own (streamed from DRAM): ms per step and GB/s."""
+    g = torch.Generator().manual_seed(0)
+    shapes = STEP_SHAPES * layers + [SMOLLM2_SHAPES["lm_head"]]
+    weights = [torch.randn(n_out, n_in, generator=g) for n_in, n_out in shapes]
+    int8 = [per_channel_int8(w) for w in weights]
+    fbgemm = [packed_fbgemm(q, s) for q, s in int8]
+    onednn = [(torch.ops.onednn.qlinear_prepack(q, [1, q.shape[1]]), torch.ones(q.shape[0]),
+               torch.zeros(q.shape[0], dtype=torch.long)) for q, _ in int8]
+    xs = {n: torch.randn(1, n, generator=g) for n, _ in shapes}
+    qx = {n: torch.randint(0, 256, (1, n), dtype=torch.uint8, generator=g) for n, _ in shapes}
+    flat = torch.cat([q.reshape(-1) for q, _ in int8]).view(torch.uint8)
+    int8_gb = flat.numel() / 1e9
+    runs = {
+        "int8 bytes read (max)": (lambda: flat.max(), int8_gb),
+        "fbgemm one row (linear_dynamic)": (lambda: [torch.ops.quantized.linear_dynamic(xs[s[0]], p, False)
+                                                     for s, p in zip(shapes, fbgemm)], int8_gb),
+        "oneDNN one row (qlinear, input pre-quantized)": (lambda: [torch.ops.onednn.qlinear_pointwise(
+            qx[s[0]], 1.0, 128, p, one, zero, None, 1.0, 0, torch.float32, "none", [], "")
+            for s, (p, one, zero) in zip(shapes, onednn)], int8_gb),
+        "fp32 F.linear": (lambda: [F.linear(xs[s[0]], w) for s, w in zip(shapes, weights)], 4 * int8_gb),
+    }
+    print(f"one decode step's linears, {layers} layers + head, {int8_gb * 1e3:.0f} MB of int8, "
+          f"{torch.get_num_threads()} threads; median of {repeat} steps")
+    base = None
+    for name, (fn, gb) in runs.items():
+        ms = median_us(fn, repeat) / 1e3
+        base = base or ms
+        print(f"  {name:<46s} {ms:8.2f} ms  {gb / ms * 1e3:6.1f} GB/s  ({ms / base:4.2f}x the read)", flush=True)
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument("--stream", action="store_true", help="a decode step's linears with their weights from DRAM")
+    ap.add_argument("--layers", type=int, default=30, help="with --stream: decoder layers (SmolLM2-135M: 30)")
+    args = ap.parse_args(argv)
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        torch.backends.quantized.engine = "x86"
+    if args.stream:
+        with torch.inference_mode():
+            stream(args.layers, args.repeat)
+        return 0
+    g = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quantized engine "
+          f"{torch.backends.quantized.engine}; median us over {args.repeat} calls (ratio to fp32); rel. error vs fp32")
+    with torch.inference_mode():
+        for name, (n_in, n_out) in SMOLLM2_SHAPES.items():
+            w = torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
+            fns = kernels(w)
+            for rows in args.rows:
+                x = torch.randn(rows, n_in, generator=g)
+                x[:, :4] *= 20.0  # a few outlier channels
+                ref = fns["fp32"](x)
+                cells = []
+                base = None
+                for k, fn in fns.items():
+                    us = median_us(lambda: fn(x), args.repeat)
+                    base = base or us
+                    err = float((fn(x) - ref).norm() / ref.norm())
+                    cells.append(f"{k} {us:8.1f} ({us / base:4.2f}x, err {err:.3f})")
+                print(f"{name:<9} {n_in:>5}->{n_out:<5} rows {rows:>3}: " + " | ".join(cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
