@@ -162,12 +162,23 @@ def test_the_floor_check_catches_an_import_that_runs_backwards(tmp_path):
     assert [t for _, t in project_imports(bad)] == ["build", "top-level serve"]
 
 
-def test_inside_build_every_import_points_down_the_stages():
-    """config <- source <- calibrate <- gate <- artifacts <- pipeline <- watch <- cli; no stage sub-package
-    imports build.pipeline or build.cli (watch drives the pipeline and may import it)."""
-    paths = sorted((ROOT / "build").rglob("*.py"))
-    assert {build_unit(p) for p in paths} >= {"config", "source", "calibrate", "gate", "artifacts", "watch"}
-    problems = [msg for path in paths for msg in build_floor_problems(path, build_unit(path))]
+INNER_FLOORS = {
+    # config <- source <- calibrate <- gate <- artifacts <- pipeline <- watch <- cli; no stage sub-package imports
+    # build.pipeline or build.cli (watch drives the pipeline and may import it)
+    "build": (BUILD_ALLOWED, {"config", "source", "calibrate", "gate", "artifacts", "watch"}),
+    # rollout <- the shared modules <- variants <- router: a variant worker never imports the router's code, the
+    # rollout control plane imports nothing of the serving processes
+    "serve": (SERVE_ALLOWED, {"router", "variants", "rollout", "settings", "wire"}),
+    "quantize": (QUANTIZE_ALLOWED, {"model", "runtime", "calibration", "fidelity", "w8a8", "export", "reference"}),
+}
+
+
+@pytest.mark.parametrize("package", sorted(INNER_FLOORS))
+def test_inside_each_package_every_import_points_down(package):
+    allowed, expected_units = INNER_FLOORS[package]
+    paths = sorted((ROOT / package).rglob("*.py"))
+    assert {build_unit(p, package) for p in paths} >= expected_units
+    problems = [msg for path in paths for msg in build_floor_problems(path, build_unit(path, package), package, allowed)]
     assert not problems, "\n".join(problems)
 
 
@@ -193,16 +204,6 @@ def test_the_build_floor_check_catches_a_stage_that_imports_the_pipeline_or_the_
     assert "has no floor" in build_floor_problems(bad, "newstage")[0]
 
 
-def test_inside_serve_every_import_points_down_the_process_roles():
-    """rollout <- the shared modules <- variants <- router: a variant worker never imports the router's code, the
-    rollout control plane imports nothing of the serving processes."""
-    paths = sorted((ROOT / "serve").rglob("*.py"))
-    assert {build_unit(p, "serve") for p in paths} >= {"router", "variants", "rollout", "settings", "wire"}
-    problems = [msg for path in paths for msg in build_floor_problems(path, build_unit(path, "serve"), "serve",
-                                                                      SERVE_ALLOWED)]
-    assert not problems, "\n".join(problems)
-
-
 def test_the_serve_floor_check_catches_a_variant_that_imports_the_router(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from policy_bundle.serve.router.pool import VariantPool\nfrom policy_bundle.serve import wire\n")
@@ -210,15 +211,6 @@ def test_the_serve_floor_check_catches_a_variant_that_imports_the_router(tmp_pat
     assert len(build_floor_problems(bad, "variants", "serve", SERVE_ALLOWED)) == 1
     assert len(build_floor_problems(bad, "rollout", "serve", SERVE_ALLOWED)) == 2
     assert build_floor_problems(bad, "router", "serve", SERVE_ALLOWED) == []
-
-
-def test_inside_quantize_every_import_points_down_the_layers():
-    paths = sorted((ROOT / "quantize").rglob("*.py"))
-    assert {build_unit(p, "quantize") for p in paths} >= {"model", "runtime", "calibration", "fidelity", "w8a8",
-                                                          "export", "reference", "config"}
-    problems = [msg for path in paths for msg in build_floor_problems(path, build_unit(path, "quantize"), "quantize",
-                                                                      QUANTIZE_ALLOWED)]
-    assert not problems, "\n".join(problems)
 
 
 def test_the_quantize_floor_check_catches_the_model_importing_the_runtime(tmp_path):
