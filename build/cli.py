@@ -1,4 +1,4 @@
-"""The ``policy-bundle`` command: build, verify, canary, check-fp16, watch, containerize. Errors become one line and a non-zero exit."""
+"""The ``policy-bundle`` command: build, verify, gate, check-fp16, watch, containerize. Errors become one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from policy_bundle.build.errors import (EXIT_ERROR, EXIT_GATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, CanaryGateError,
+from policy_bundle.build.errors import (EXIT_ERROR, EXIT_GATE, EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, GateError,
                                         expected_errors)
 
 
@@ -149,9 +149,12 @@ def cmd_check_fp16(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_GATE
 
 
-def cmd_canary(args: argparse.Namespace) -> int:
+def cmd_gate(args: argparse.Namespace) -> int:
+    if args.command == "canary":
+        print("policy-bundle: `policy-bundle canary` is now `policy-bundle gate` (the old name works, and will be "
+              "dropped)", file=sys.stderr)
     from policy_bundle.build.config.build_config import config_from_dict
-    from policy_bundle.build.gate.canary_report import metrics_table
+    from policy_bundle.build.gate.report import metrics_table
     from policy_bundle.build.gate.measure import fidelity_kwargs
     from policy_bundle.bundle.info import load_tokenizer, read_golden_jsonl
     from policy_bundle.bundle.layout import BundleLayout
@@ -175,7 +178,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
     candidate = load_torchscript(artifact)
     golden = read_golden_jsonl(layout.golden)
     report = measure_fidelity(reference, candidate, golden, **fidelity_kwargs(cfg, load_tokenizer(layout.int8_dir)))
-    verdict = evaluate_gate(report, cfg.canary.gate)
+    verdict = evaluate_gate(report, cfg.gate.thresholds)
     print(metrics_table([("INT8 vs FP32", report.summary())]))
     for note in report.notes:
         print(f"note: {note}")
@@ -289,10 +292,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--key", required=True, help="the private key (policy-bundle keygen)")
     s.set_defaults(func=cmd_sign)
 
-    c = sub.add_parser("canary", parents=[common], help="re-run the accuracy canary on a bundle (exit 0 pass, 4 fail)")
+    c = sub.add_parser("gate", aliases=["canary"], parents=[common],
+                       help="re-run the accuracy gate on a bundle (exit 0 pass, 4 fail; `canary` is its old name)")
     _bundle_argument(c, "the bundle directory")
-    c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a threshold, e.g. canary.max_kl_mean=0.01")
-    c.set_defaults(func=cmd_canary)
+    c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a threshold, e.g. gate.max_kl_mean=0.01")
+    c.set_defaults(func=cmd_gate)
 
     w = sub.add_parser("watch", parents=[common],
                        help="rebuild the bundle when a newer training checkpoint's calibration drifts")
@@ -340,11 +344,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-EXIT_CODES = """exit codes: 0 done (a build or canary that passed its gate); 1 an unexpected error (its type; --debug for
+EXIT_CODES = """exit codes: 0 done (a build or gate run that passed); 1 an unexpected error (its type; --debug for
 the traceback), or a router that cannot be reached; 2 a usage error (flags, arguments); 3 an input or state refused
 with one line naming it (a config field and its limit, a file, a key, a signature, a router's refusal, a failed mesh
 shard; watch --once: the checkpoint's check or rebuild failed); 4 the accuracy gate failed (the build's gate, the
-exported TorchScript's, canary's verdict, check-fp16 under --min-agreement); 130 interrupted"""
+exported TorchScript's, gate's verdict, check-fp16 under --min-agreement); 130 interrupted"""
 
 
 class _DefaultsShown(argparse.HelpFormatter):
@@ -401,7 +405,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the CLI boundary turns errors into one line
         if args.debug:
             raise
-        if isinstance(exc, CanaryGateError):
+        if isinstance(exc, GateError):
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_GATE
         if isinstance(exc, expected_errors()):  # the message is the whole story: no traceback

@@ -2,7 +2,7 @@
 
 A ``BuildError`` is an expected failure whose message is the whole story (the field, the value and
 the limit, or what to do next): the CLI prints it as one line, without a traceback, and exits 3
-(``EXIT_REFUSED``; a failed accuracy gate, ``CanaryGateError``, exits 4).
+(``EXIT_REFUSED``; a failed accuracy gate, ``GateError``, exits 4).
 The libraries below build/ (quantize/, bundle/) cannot derive from it; their expected failures are
 listed in ``expected_errors()`` and treated the same way.
 """
@@ -46,7 +46,7 @@ class MeshError(BuildError, RuntimeError):
     """A shard failed on the mesh (its endpoint raised, timed out, or every process died)."""
 
 
-class CanaryGateError(BuildError, RuntimeError):
+class GateError(BuildError, RuntimeError):
     """The INT8 candidate failed the accuracy gate even after layer fallback."""
 
 

@@ -1,7 +1,7 @@
 """The build: FP32 policy -> calibrated INT8 (TorchScript + ONNX) + FP16 HF dir, manifest, model store.
 
 The stages of docs/architecture.md, one function each, and each stage's code lives in one sub-package:
-load (source/), rollouts, prepare and calibrate (calibrate/), convert + accuracy canary (gate/), export,
+load (source/), rollouts, prepare and calibrate (calibrate/), convert + accuracy gate (gate/), export,
 fidelity, manifest and register (artifacts/); the build config is config/. Everything is written into a
 partial directory next to the output, renamed into place at the very end (artifacts/output_dir.py), then
 registered in the model store: a failed or interrupted build leaves nothing where the next step would look.
@@ -32,7 +32,7 @@ from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_r
                                                     screen_odd_samples, vllm_rollouts)
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import RegistrationError
-from policy_bundle.build.gate.canary_report import add_artifact_comparison
+from policy_bundle.build.gate.report import add_artifact_comparison
 from policy_bundle.build.gate.families import by_family, handler
 from policy_bundle.build.gate.recipe_choice import ChosenRecipe, choose_recipe
 from policy_bundle.build.source.memory_plan import check_memory, plan_memory
@@ -249,7 +249,7 @@ def calibrate_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedMode
 def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, calibrated: CalibratedModels,
                             candidates: List[Tuple[str, recipes.RecipeConfig]], golden: GoldenSplit, tmp: Path,
                             final: Path) -> ChosenRecipe:
-    with stages.run("convert + accuracy canary") as s:
+    with stages.run("convert + accuracy gate") as s:
         chosen = choose_recipe(cfg, loaded.policy, calibrated, candidates, loaded.tok, golden, tmp, final)
         s.detail = (f"{chosen.recipe.scheme}: {chosen.outcome.verdict.label}, "
                     f"{len(chosen.outcome.fp32_layers)} layers kept in float")

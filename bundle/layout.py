@@ -2,7 +2,7 @@
 ``BundleLayout(root)``, the same names as paths under one bundle directory.
 
 A model-store entry has the same layout (a subset: its artifact directories beside the manifest and the
-golden set), and a rejected build's report directory (``<out>.canary-rejected/``) holds the canary
+golden set), and a rejected build's report directory (``<out>.gate-rejected/``) holds the gate
 report under the same names.
 """
 
@@ -21,8 +21,8 @@ GOLDEN = "golden.jsonl"  # the held-out golden set the gate judged
 MANIFEST = "bundle.json"
 SIGNATURE = "bundle.json.sig"  # the manifest's Ed25519 signature (bundle/signing.py); outside the file table
 DRIFT_REPORT = "drift_report.json"  # only in a bundle the drift monitor rebuilt
-CANARY_REPORT = "canary_report.md"
-CANARY_REPORT_JSON = "canary_report.json"
+GATE_REPORT = "gate_report.md"
+GATE_REPORT_JSON = "gate_report.json"
 SENSITIVITY_PLOT = "sensitivity.png"
 KL_PLOT = "kl_distribution.png"
 
@@ -69,12 +69,12 @@ class BundleLayout:
         return self.root / DRIFT_REPORT
 
     @property
-    def canary_report(self) -> Path:
-        return self.root / CANARY_REPORT
+    def gate_report(self) -> Path:
+        return self.root / GATE_REPORT
 
     @property
-    def canary_report_json(self) -> Path:
-        return self.root / CANARY_REPORT_JSON
+    def gate_report_json(self) -> Path:
+        return self.root / GATE_REPORT_JSON
 
     @property
     def sensitivity_plot(self) -> Path:

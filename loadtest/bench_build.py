@@ -135,7 +135,7 @@ def run_build(config: Path, out: Path, log: Path, extra_env: Optional[dict] = No
         peak["verdict"] = peak["stopped"]
     elif manifest.is_file():
         m = json.loads(manifest.read_text())
-        peak["verdict"] = m.get("canary", {}).get("verdict")
+        peak["verdict"] = m.get("gate", {}).get("verdict")
         peak["fp32_layers"] = len(m.get("recipe", {}).get("fp32_layers", []))
     else:
         lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
@@ -151,7 +151,7 @@ def current_stage(log: Path) -> str:
 
 
 def write_config(path: Path, source: Path, procs: Optional[int]) -> Path:
-    lines = ["name: bench-build", "policy:", f"  source: {source}", "recipe:", "  scheme: auto", "canary:"]
+    lines = ["name: bench-build", "policy:", f"  source: {source}", "recipe:", "  scheme: auto", "gate:"]
     lines += [f"  {k}: {v}" for k, v in GATE.items()]
     lines += ["register:", "  bentoml: false"]
     if procs is not None:

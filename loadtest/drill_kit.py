@@ -73,7 +73,7 @@ def _build(home: Path, out: Path, broken: bool) -> str:
     args = [sys.executable, "-m", "policy_bundle.build.cli", "build", "--config", "build/configs/main.yaml", "--out", str(out),
             "--force", *SMALL, "--set", f"name={name}"]
     if broken:  # a deliberately broken INT8 policy that a gated build would refuse: gate off, one scale x400
-        args += ["--set", "canary.enabled=false"]
+        args += ["--set", "gate.enabled=false"]
         env["POLICY_BUNDLE_TEST_FAULT"] = "scale:layer=layers.0.mlp.down_proj:factor=400"
     try:  # bounded: a drill in another process may be waiting on the lock this build holds
         res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)

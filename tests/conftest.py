@@ -99,7 +99,7 @@ def pytest_runtest_makereport(item, call):
 # while the first builds the small bundle instead of waiting on its lock. Within a file the order stays as written.
 LONGEST_FIRST = ("test_real_lm", "test_drills", "test_torchtitan", "test_w8a8_build", "test_drills_faults",
                  "test_serve", "test_serve_rollback", "test_mesh", "test_build_cli", "test_container", "test_rollout_replicas", "test_watch",
-                 "test_serve_faults", "test_serve_failure_paths", "test_canary", "test_real_lm_quick",
+                 "test_serve_faults", "test_serve_failure_paths", "test_gate", "test_real_lm_quick",
                  "test_serve_lifecycle", "test_serve_access", "test_serve_formats", "test_artifact_gate", "test_outliers", "test_bento",
                  "test_batching", "test_vllm_launch", "test_gguf_peer", "test_build_output", "test_tokenizer")
 

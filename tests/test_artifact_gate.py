@@ -43,25 +43,25 @@ def test_the_gate_judges_on_golden_prompts_the_float_layer_search_never_saw(faul
     from policy_bundle.quantize.reference import task
 
     _, out, m = faulty_onnx
-    split = m["canary"]["golden_split"]
+    split = m["gate"]["golden_split"]
     assert (split["search"], split["gate"]) == (64, 64) and "held out" in split["rule"]  # the task: golden=64 gated
     every = [g.prompt for g in task.golden_set(128)]
     shipped = [json.loads(line)["prompt"] for line in (out / "golden.jsonl").read_text().splitlines()]
     assert shipped == every[::2] and not set(shipped) & set(every[1::2])  # golden.jsonl is the held-out part
     assert all(f["items"] == 64 for f in m["fidelity"].values() if "items" in f)
-    report = json.loads((out / "canary_report.json").read_text())
+    report = json.loads((out / "gate_report.json").read_text())
     assert report["metrics"]["items"] == 64 and all(a["metrics"]["items"] == 64 for a in report["attempts"])
 
 
 def test_a_candidate_the_search_passes_is_rejected_when_the_held_out_prompts_fail_it():
     from torch import nn
 
-    from policy_bundle.build.gate.canary_report import CanaryOutcome
+    from policy_bundle.build.gate.report import GateOutcome
     from policy_bundle.build.gate.recipe_choice import held_out_verdict
     from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds, GateVerdict
 
     gate = GateThresholds(min_top1_agreement=0.9)
-    searched = CanaryOutcome(GateVerdict(True, []), FidelityReport(16, 100, 0.99, 0.001, 0.01), ["lm_head"], nn.Identity())
+    searched = GateOutcome(GateVerdict(True, []), FidelityReport(16, 100, 0.99, 0.001, 0.01), ["lm_head"], nn.Identity())
     judged = held_out_verdict(searched, FidelityReport(16, 100, 0.80, 0.001, 0.01), gate)
     assert not judged.verdict.passed and judged.report.top1_agreement == 0.80
     assert judged.search_metrics["top1_agreement"] == 0.99

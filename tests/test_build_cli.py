@@ -53,7 +53,7 @@ def test_manifest_records_versions_config_calibration_and_fidelity(small_bundle)
     assert fid["top1_agreement"] >= 0.95 and fid["reward_candidate"] >= 0.9
     # the file as loaded back gave the gated module's logits on every held-out token: the gate's greedy run stands
     assert any(n.startswith("greedy completions: the gate's") for n in fid["notes"]) and fid["greedy_agreement"] > 0.5
-    gate = json.loads((small_bundle / "canary_report.json").read_text())
+    gate = json.loads((small_bundle / "gate_report.json").read_text())
     assert fid["greedy_agreement"] == gate["metrics"]["greedy_agreement"]
 
 
@@ -209,14 +209,14 @@ def test_the_cli_has_a_version_shown_defaults_and_one_bundle_argument():
     watch = run_cli("watch", "--help").stdout
     assert "(default: 1000)" in watch and "(default: 30.0)" in watch and "--bundle" not in watch.split("options:")[1]
     assert run_cli("serve", "--help").stdout.count("(default: 3000)") == 1
-    twice = run_cli("canary", "a", "--bundle", "b")
+    twice = run_cli("gate", "a", "--bundle", "b")
     assert twice.returncode == 2 and "BUNDLE given twice" in twice.stderr
     none = run_cli("canary")
     assert none.returncode == 2 and "canary: BUNDLE is required" in none.stderr
 
 
 def test_each_kind_of_failure_has_its_own_exit_code_and_help_lists_them(tmp_path):
-    """2 usage, 3 a refused input, 4 a failed gate (tests/test_w8a8_build.py, test_canary.py), 1 unexpected: each
+    """2 usage, 3 a refused input, 4 a failed gate (tests/test_w8a8_build.py, test_gate.py), 1 unexpected: each
     kind distinct, as ``policy-bundle --help`` documents them."""
     helptext = " ".join(run_cli("--help").stdout.split())
     for code in ("2 a usage error", "3 an input or state refused", "4 the accuracy gate failed", "1 an unexpected error"):

@@ -16,7 +16,7 @@ from cli_helpers import run_cli
 
 FAST = ("--set", "calibration.procs=0", "--set", "calibration.samples=64", "--set", "calibration.batch_size=16",
         "--set", "calibration.golden=32", "--set", "export.onnx=false", "--set", "export.int8_vllm=false",
-        "--set", "canary.enabled=false")
+        "--set", "gate.enabled=false")
 
 
 def not_a_bundle(kind: str, out: Path) -> Path:

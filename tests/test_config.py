@@ -25,12 +25,12 @@ def test_reference_config_loads_with_mesh_by_default():
         ("recipe.smooth_alpha=1.5", r"recipe.smooth_alpha: 1.5 is out of range \[0.0, 1.0\]"),
         ("recipe.gptq_damp=2", r"recipe.gptq_damp: 2 is out of range \(0.0, 1.0\]"),
         ("recipe.smooth_alphas=[0.5, 1.5]", r"recipe.smooth_alphas\[1\]: 1.5 is out of range \[0.0, 1.0\]"),
-        ("canary.min_top1_agreement=5", r"canary.min_top1_agreement: 5 is out of range \[0.0, 1.0\]"),
+        ("gate.min_top1_agreement=5", r"gate.min_top1_agreement: 5 is out of range \[0.0, 1.0\]"),
         ("rollouts.batch_size=0", r"rollouts.batch_size: 0 is out of range \[1, 1024\]"),
         ("calibration.batch_size=abc", r"calibration.batch_size: expected int, got str 'abc'"),
         ("calibration.bogus=1", r"calibration.bogus: unknown field"),
-        ("canary.bogus=1", r"canary.bogus: unknown field \(known: enabled, max_fp_layers, max_kl_mean"),
-        ("canary.max_kl_p99=-1", r"canary.max_kl_p99: -1 is out of range \[0.0, 100.0\]"),
+        ("gate.bogus=1", r"gate.bogus: unknown field \(known: enabled, max_fp_layers, max_kl_mean"),
+        ("gate.max_kl_p99=-1", r"gate.max_kl_p99: -1 is out of range \[0.0, 100.0\]"),
         ("export.onnx=3", r"export.onnx: expected bool"),
         ("export.int8_vllm=maybe", r"export.int8_vllm: 'maybe' is not one of \['auto', 'true', 'false'\]"),
         ("calibration.batch_size=999", r"calibration.batch_size: 999 exceeds calibration.samples"),
@@ -50,8 +50,8 @@ def test_missing_config_file_is_named(tmp_path):
 
 
 def test_sections_hold_the_library_dataclasses_with_their_yaml_keys():
-    cfg = load_config("build/configs/smollm2.yaml", ("canary.max_kl_mean=0.01", "recipe.overrides={down_proj: fp32}"))
-    assert cfg.canary.gate == GateThresholds(0.02, 0.98, 0.01, 0.5, 0.5)
+    cfg = load_config("build/configs/smollm2.yaml", ("gate.max_kl_mean=0.01", "recipe.overrides={down_proj: fp32}"))
+    assert cfg.gate.thresholds == GateThresholds(0.02, 0.98, 0.01, 0.5, 0.5)
     assert cfg.recipe_config() == W8A8Recipe(scheme="smooth-w8a8", skip=("embed_tokens",),
                                              overrides=(("down_proj", "fp32"),))  # typed by its family
 
@@ -71,10 +71,30 @@ def test_auto_scheme_gates_every_candidate_starting_with_the_first():
     assert cfg.recipe.candidates() == ["dynamic", "static"] and cfg.recipe_config().scheme == "dynamic"
 
 
+def test_the_gate_section_is_read_under_its_old_name_canary(tmp_path, capsys):
+    import policy_bundle.build.config.build_config as bc
+
+    bc._warned.clear()
+    old = tmp_path / "old.yaml"
+    old.write_text("canary:\n  max_kl_mean: 0.007\n  max_fp_layers: 3\n")
+    cfg = load_config(str(old), ("canary.min_top1_agreement=0.9",),
+                      env={"POLICY_BUNDLE_BUILD__CANARY__MAX_KL_P99": "0.4"})
+    assert (cfg.gate.thresholds.max_kl_mean, cfg.gate.max_fp_layers) == (0.007, 3)
+    assert (cfg.gate.thresholds.min_top1_agreement, cfg.gate.thresholds.max_kl_p99) == (0.9, 0.4)
+    assert capsys.readouterr().err.count("`canary` is now `gate`") == 1  # once per process, whatever the sources
+    assert config_from_dict({"canary": {"enabled": False}}).gate.enabled is False  # a stored manifest's config
+    both = tmp_path / "both.yaml"
+    both.write_text("canary:\n  max_kl_mean: 0.007\ngate:\n  max_kl_mean: 0.005\n")
+    with pytest.raises(ConfigError, match=r"^gate: given twice, also under its old name `canary`"):
+        load_config(str(both))
+    fresh = load_config(None, ("gate.max_kl_mean=0.004",))  # the new name alone: nothing said
+    assert fresh.gate.thresholds.max_kl_mean == 0.004 and capsys.readouterr().err == ""
+
+
 def test_resolved_config_round_trips_through_its_manifest_shape():
     cfg = load_config("build/configs/smollm2.yaml")
     stored = json.loads(json.dumps(cfg.to_dict()))
-    assert stored["canary"]["max_kl_mean"] == 0.005 and stored["recipe"]["overrides"] == {}
+    assert stored["gate"]["max_kl_mean"] == 0.005 and stored["recipe"]["overrides"] == {}
     assert config_from_dict(stored) == cfg
 
 
@@ -119,10 +139,10 @@ def test_a_bad_auto_candidate_is_named(entry, message):
 
 def test_every_build_setting_also_comes_from_the_environment_and_set_wins():
     env = {"POLICY_BUNDLE_BUILD__CALIBRATION__SAMPLES": "64", "POLICY_BUNDLE_BUILD__SEED": "3",
-           "POLICY_BUNDLE_BUILD__CANARY__MIN_TOP1_AGREEMENT": "0.9",  # a gate threshold, written inline in canary:
+           "POLICY_BUNDLE_BUILD__GATE__MIN_TOP1_AGREEMENT": "0.9",  # a gate threshold, written inline in canary:
            "POLICY_BUNDLE_BUILD__EXPORT__ONNX": "", "POLICY_BUNDLE_VERSION": "not a build setting"}
     cfg = load_config(None, (), env=env)
-    assert (cfg.calibration.samples, cfg.seed, cfg.canary.gate.min_top1_agreement) == (64, 3, 0.9)
+    assert (cfg.calibration.samples, cfg.seed, cfg.gate.thresholds.min_top1_agreement) == (64, 3, 0.9)
     assert load_config(None, ("calibration.samples=80",), env=env).calibration.samples == 80  # --set wins
     assert load_config(None, (), env={}).calibration.samples is None  # the control: unset without the variable
     # a string field takes the value as written (YAML would make 2024 an integer), a misspelt variable is refused

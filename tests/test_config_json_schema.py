@@ -37,7 +37,7 @@ def test_the_shipped_build_configs_validate(build_schema):
     {"calibration": {"samples": 0}},  # off its limit
     {"calibration": {"sample": 64}},  # unknown key
     {"recipe": {"scheme": "int4"}},  # not one of the schemes
-    {"canary": {"max_kl_mean": "small"}},  # the wrong type
+    {"gate": {"max_kl_mean": "small"}},  # the wrong type
 ])
 def test_what_the_reader_refuses_the_schema_refuses(build_schema, doc):
     with pytest.raises(ConfigError):
@@ -155,7 +155,7 @@ def test_the_config_models_are_pydantic_models_that_check_themselves_in_python_t
     from policy_bundle.serve.settings import RouterSettings
 
     models = [BuildConfig, bc.PolicySection, bc.PromptsSection, bc.RolloutsSection, bc.CalibrationSection,
-              bc.RecipeSection, bc.CanarySection, bc.ExportSection, bc.RegisterSection, bc.TorchtitanSection,
+              bc.RecipeSection, bc.GateSection, bc.ExportSection, bc.RegisterSection, bc.TorchtitanSection,
               RecipeConfig, GateThresholds, RouterSettings, RolloutConfig]
     assert all(is_pydantic_dataclass(m) for m in models)
     with pytest.raises(FieldError, match=r"^calibration.procs: 300 is out of range \[0, 256\]$"):

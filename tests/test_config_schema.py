@@ -176,8 +176,8 @@ def test_a_number_written_as_a_string_is_refused_in_code_too():
 def test_a_section_written_empty_takes_its_defaults_and_an_optional_one_stays_unset():
     from policy_bundle.build.config.build_config import RegisterSection, config_from_dict
 
-    cfg = config_from_dict({"register": None, "canary": None, "policy": {"torchtitan": None}})
-    assert cfg.register == RegisterSection() and cfg.canary.gate == GateThresholds() and cfg.policy.torchtitan is None
+    cfg = config_from_dict({"register": None, "gate": None, "policy": {"torchtitan": None}})
+    assert cfg.register == RegisterSection() and cfg.gate.thresholds == GateThresholds() and cfg.policy.torchtitan is None
 
 
 def test_a_choice_read_by_its_own_reader_refuses_what_the_reader_cannot_make_an_option():

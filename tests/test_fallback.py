@@ -129,7 +129,7 @@ def test_the_held_out_walk_stops_at_the_budget_and_says_so():
     search.confirm = held_out(100, judged)  # never passes held out
     out = search_fallback(search, lambda: RANKING, max_fp_layers=6)
     assert judged == [2, 3, 6] and not out.verdict.passed and len(out.fp32_layers) == 6
-    assert "still fail with 6 layer(s) in float, walked up from 2; canary.max_fp_layers=6" in out.rejected
+    assert "still fail with 6 layer(s) in float, walked up from 2; gate.max_fp_layers=6" in out.rejected
 
 
 def test_a_candidate_passing_the_search_with_nothing_in_float_is_ranked_when_held_out_fails():

@@ -135,7 +135,7 @@ def test_the_build_ships_the_cache_its_recipe_names_and_records_it(small_bundle,
         k, _ = module.new_cache(1, 32)
         assert k.dtype == getattr(torch, dtype)
         assert info.kv_cache["bytes_per_token"] == 2 * k.numel() // 32 * k.element_size()
-        report = json.loads((bundle / "canary_report.json").read_text())
+        report = json.loads((bundle / "gate_report.json").read_text())
         kl[dtype] = report["metrics"]["kl_mean"]
     assert kl["float16"] != kl["float32"]
 

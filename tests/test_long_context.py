@@ -33,7 +33,7 @@ def long_server(tmp_path_factory, bentoml_home):
     policy = sentencepiece_policy(tmp / "policy", max_positions=CONTEXT)
     out = tmp / "bundle"
     res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
-                  "--set", f"policy.source={policy}", "--set", "canary.enabled=false", "--set", "export.onnx=false",
+                  "--set", f"policy.source={policy}", "--set", "gate.enabled=false", "--set", "export.onnx=false",
                   "--set", "calibration.procs=0", "--set", "name=long")  # policy.max_seq_len unset: the model's own
     assert res.returncode == 0, res.stderr[-3000:]
     config = tmp / "router.yaml"

@@ -86,16 +86,16 @@ def outlier_dir():
 def test_plain_int8_fails_the_gate_on_massive_activations(outlier_dir, tmp_path):
     res = run_cli("build", "--out", str(tmp_path / "plain"), "--config", "build/configs/main.yaml", *FAST,
                   "--set", f"policy.source={outlier_dir}", "--set", "recipe.scheme=static",
-                  "--set", "canary.max_fp_layers=0")
+                  "--set", "gate.max_fp_layers=0")
     assert res.returncode == 4 and "accuracy gate failed" in res.stderr
-    report = json.loads((tmp_path / "plain.canary-rejected" / "canary_report.json").read_text())
+    report = json.loads((tmp_path / "plain.gate-rejected" / "gate_report.json").read_text())
     assert report["metrics"]["top1_agreement"] < 0.9
 
 
 def test_auto_picks_a_passing_recipe_and_ships_it(outlier_dir, tmp_path):
     out = tmp_path / "auto"
     res = run_cli("build", "--out", str(out), "--config", "build/configs/main.yaml", *FAST,
-                  "--set", f"policy.source={outlier_dir}", "--set", "recipe.scheme=auto", "--set", "canary.max_fp_layers=2")
+                  "--set", f"policy.source={outlier_dir}", "--set", "recipe.scheme=auto", "--set", "gate.max_fp_layers=2")
     assert res.returncode == 0, res.stderr[-3000:]
     manifest = json.loads((out / "bundle.json").read_text())
     cands = {c["scheme"]: c for c in manifest["recipe"]["candidates"]}
@@ -104,9 +104,9 @@ def test_auto_picks_a_passing_recipe_and_ships_it(outlier_dir, tmp_path):
     winner = manifest["recipe"]["scheme"]
     assert cands[winner]["verdict"] == "pass"
     assert cands[winner]["decode_tok_s"] == max(c["decode_tok_s"] for c in cands.values() if c["verdict"] == "pass")
-    report = json.loads((out / "canary_report.json").read_text())
+    report = json.loads((out / "gate_report.json").read_text())
     assert report["winner"] == winner and "fastest" in report["why"]
-    assert "## Recipe candidates (auto)" in (out / "canary_report.md").read_text()
+    assert "## Recipe candidates (auto)" in (out / "gate_report.md").read_text()
     # The shipped TorchScript reproduces the eager winner the gate measured.
     shipped = manifest["fidelity"]["int8_torchscript"]
     assert shipped["top1_agreement"] == report["metrics"]["top1_agreement"]

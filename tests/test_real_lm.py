@@ -25,7 +25,7 @@ DEFAULT_CANDIDATES = ["smooth-w8a8 skip=[embed_tokens]", "smooth-w8a8", "w8a8"] 
 def default_config(path, source, **recipe) -> str:
     lines = ["name: smollm2-default", "policy:", f"  source: {source}", "recipe:"]
     lines += [f"  {k}: {v}" for k, v in {"scheme": "auto", **recipe}.items()]
-    lines += ["canary:"] + [f"  {k}: {v}" for k, v in GATE.items()]
+    lines += ["gate:"] + [f"  {k}: {v}" for k, v in GATE.items()]
     lines += ["register:", "  bentoml: false"]  # the store is not what this test is about
     path.write_text("\n".join(lines) + "\n")
     return str(path)
@@ -52,7 +52,7 @@ def smollm2_bundle(smollm2_source, tmp_path_factory):
 def test_auto_with_the_defaults_passes_the_shipped_gate_on_held_out_prompts_within_8_float_linears(smollm2_bundle):
     out, _ = smollm2_bundle
     m = json.loads((out / "bundle.json").read_text())
-    assert m["canary"]["verdict"] == "pass" and m["recipe"]["scheme"] in ("smooth-w8a8", "w8a8")
+    assert m["gate"]["verdict"] == "pass" and m["recipe"]["scheme"] in ("smooth-w8a8", "w8a8")
     # the default candidates, tried in order until one passes the held-out prompts: which one does sits at the gate's
     # edge (the first passes at top-1 0.9804 on an AMD EPYC with AVX2, fails at 0.9785 on an Intel Xeon with AMX),
     # so any of them may ship, each judged by the same gate below
@@ -62,8 +62,8 @@ def test_auto_with_the_defaults_passes_the_shipped_gate_on_held_out_prompts_with
     shipped = verdicts.index("pass")  # the first to pass ships; those after it are not gated (one family, one kernel)
     assert all(v not in ("pass", "not gated") for v in verdicts[:shipped]), trials
     assert all(v == "not gated" for v in verdicts[shipped + 1:]), trials
-    assert len(m["recipe"]["fp32_layers"]) <= 8, m["recipe"]["fp32_layers"]  # canary.max_fp_layers' default
-    split = m["canary"]["golden_split"]
+    assert len(m["recipe"]["fp32_layers"]) <= 8, m["recipe"]["fp32_layers"]  # gate.max_fp_layers' default
+    split = m["gate"]["golden_split"]
     assert split["search"] == 20 and split["gate"] == 80  # disjoint prompts: the gate's were never searched on
     ts = m["fidelity"]["int8_torchscript"]  # the exported file as loaded back, on the held-out gate prompts
     assert ts["items"] == 80 and ts["tokens"] >= 2000, ts["tokens"]  # enough evidence for a 0.98 bar to mean something
@@ -110,7 +110,7 @@ def test_int8_artifact_decodes_on_one_packed_weight_copy_at_one_row_and_at_more(
 @pytest.mark.real_lm
 def test_negative_control_static_without_fallback_fails_the_same_gate(smollm2_source, tmp_path):
     cfg = default_config(tmp_path / "c.yaml", smollm2_source, auto_candidates="[static]")
-    res = run_cli("build", "--config", cfg, "--out", str(tmp_path / "static"), "--set", "canary.max_fp_layers=0",
+    res = run_cli("build", "--config", cfg, "--out", str(tmp_path / "static"), "--set", "gate.max_fp_layers=0",
                   timeout=3600)
     assert res.returncode == 4 and "accuracy gate failed" in res.stderr, res.stderr[-3000:]
 

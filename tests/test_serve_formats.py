@@ -22,7 +22,7 @@ def spm(tmp_path_factory, bentoml_home):
     out = tmp / "bundle"
     res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
                   "--set", f"policy.source={policy}", "--set", f"policy.max_seq_len={CONTEXT}",
-                  "--set", "canary.enabled=false", "--set", "export.onnx=false", "--set", "calibration.procs=0",
+                  "--set", "gate.enabled=false", "--set", "export.onnx=false", "--set", "calibration.procs=0",
                   "--set", "name=spm")
     assert res.returncode == 0, res.stderr[-3000:]
     env = {"POLICY_BUNDLE_VERSION": bundle_version(out), "POLICY_BUNDLE_STATE_DIR": str(tmp / "state"),

@@ -161,7 +161,7 @@ def test_an_engine_that_opens_files_by_path_gets_the_bytes_that_were_hashed(smal
 def test_a_build_with_a_signing_key_signs_its_bundle_and_a_bad_key_stops_it_before_its_first_stage(tmp_path):
     pub = generate_key(tmp_path / "build.key")
     (tmp_path / "bad.key").write_text("not a key\n")
-    args = ("build", "--config", "build/configs/main.yaml", *SMALL, "--set", "canary.enabled=false",
+    args = ("build", "--config", "build/configs/main.yaml", *SMALL, "--set", "gate.enabled=false",
             "--set", "export.onnx=false", "--set", "calibration.procs=0", "--set", "name=signed")
     bad = run_cli(*args, "--out", str(tmp_path / "refused"), env={"POLICY_BUNDLE_SIGNING_KEY": str(tmp_path / "bad.key")})
     assert bad.returncode != 0 and "POLICY_BUNDLE_SIGNING_KEY" in bad.stderr and "Traceback" not in bad.stderr

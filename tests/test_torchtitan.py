@@ -78,9 +78,9 @@ def test_trainer_checkpoint_builds_a_bundle_that_passes_its_gate(trained, tmp_pa
     titan = manifest["policy"]["torchtitan"]
     assert titan["checkpoint"] == str(step) and titan["step"] == STEPS
     assert titan["adapter"].endswith("Llama3StateDictAdapter.to_hf")
-    assert manifest["canary"]["verdict"] == "pass" and not manifest["canary"]["failures"]
+    assert manifest["gate"]["verdict"] == "pass" and not manifest["gate"]["failures"]
     assert run_cli("verify", str(tmp_path / "out")).returncode == 0
-    assert run_cli("canary", "--bundle", str(tmp_path / "out")).returncode == 0
+    assert run_cli("gate", "--bundle", str(tmp_path / "out")).returncode == 0
 
 
 @pytest.mark.slow
@@ -102,7 +102,7 @@ def test_watch_rebuilds_from_a_later_trainer_checkpoint_whose_calibration_moved(
     assert report["step"] == 60 and report["drifted_layers"] and report["max_drift"] > 0.05
     manifest = json.loads((new / "bundle.json").read_text())
     assert manifest["policy"]["torchtitan"]["step"] == 60 and manifest["drift"]["previous_step"] == 20
-    assert manifest["canary"]["verdict"] == "pass"
+    assert manifest["gate"]["verdict"] == "pass"
     assert run_cli("verify", str(new)).returncode == 0
 
 

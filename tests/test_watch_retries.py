@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from policy_bundle.build.errors import CanaryGateError, ConfigError, MeshError, RegistrationError
+from policy_bundle.build.errors import GateError, ConfigError, MeshError, RegistrationError
 from policy_bundle.build.source.memory_plan import BuildMemoryError
 from policy_bundle.build.watch import monitor
 from policy_bundle.build.watch.watch_state import BUILD_FAILED, CHECK_FAILED, MAX_CHECKS, WatchState, prune
@@ -39,7 +39,7 @@ def test_a_failing_checkpoint_is_retried_until_max_retries_then_given_up(tmp_pat
 
 
 @pytest.mark.parametrize("exc, transient", [(MeshError("actor died"), True), (RegistrationError("store"), True),
-                                            (CanaryGateError("gate"), False), (ConfigError("x"), False),
+                                            (GateError("gate"), False), (ConfigError("x"), False),
                                             (BuildMemoryError("too big"), False)])
 def test_a_build_failure_that_may_pass_is_retried_and_one_that_would_fail_again_is_not(tmp_path, exc, transient):
     """One transient build failure skipped a checkpoint for good; a failed gate was retried like a broken mesh."""

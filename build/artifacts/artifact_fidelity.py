@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, ONNX_NOT_INSTALLED, BuildConfig
-from policy_bundle.build.errors import CanaryGateError
+from policy_bundle.build.errors import GateError
 from policy_bundle.build.gate.measure import fidelity_kwargs, greedy_completion
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.bundle.layout import INT8_ONNX, INT8_TORCHSCRIPT, BundleLayout
@@ -47,7 +47,7 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
     scripted = load_torchscript(layout.int8_torchscript)
     ref = dict(reference_outputs=[g.completion_ids for g in golden], reference_logits=reference_logits)
     out = {"int8_torchscript": gated(torchscript_fidelity(policy, scripted, golden, reference_logits, kw, gate_report),
-                                     cfg.canary.gate)}
+                                     cfg.gate.thresholds)}
     del scripted  # one artifact in memory at a time
     release_freed_memory()
     # The FP16 artifact's own distance from FP32 on the same golden set, so a reader can tell whether INT8 is as
@@ -61,7 +61,7 @@ def quick_fidelity(cfg: BuildConfig, policy: Policy, tok, golden, bundle: Path,
     if cfg.onnx_export():
         set_status(f"{INT8_ONNX} in onnxruntime: {n} golden items teacher-forced")
         out["int8_onnx"] = gated(onnx_fidelity(policy, layout.int8_onnx, golden, kw, ref["reference_logits"]),
-                                 cfg.canary.gate)
+                                 cfg.gate.thresholds)
     return out
 
 
@@ -97,18 +97,18 @@ def gated(report: FidelityReport, thresholds: GateThresholds) -> dict:
 
 
 def gate_artifacts(cfg: BuildConfig, fidelity: dict, bundle: Path) -> Optional[str]:
-    """With the canary on: the TorchScript as loaded back must pass the gate (else the build fails); an
+    """With the gate on: the TorchScript as loaded back must pass the gate (else the build fails); an
     ONNX model that misses it is removed from ``bundle``. Returns why ONNX is not shipped (None: it is)."""
     if not cfg.onnx_export():
         if cfg.export.onnx is False:
             return "export.onnx: false"
         return ONNX_AUTO_OFF if not any(type(cfg.recipe_config(c)).onnx_carries_activations
                                         for c in cfg.recipe.candidates()) else ONNX_NOT_INSTALLED
-    if not cfg.canary.enabled:
+    if not cfg.gate.enabled:
         return None
     ts = fidelity["int8_torchscript"]
     if ts["gate"] != "pass":
-        raise CanaryGateError(f"{INT8_TORCHSCRIPT} as loaded back fails the accuracy gate ({'; '.join(ts['failures'])})")
+        raise GateError(f"{INT8_TORCHSCRIPT} as loaded back fails the accuracy gate ({'; '.join(ts['failures'])})")
     onnx = fidelity["int8_onnx"]
     if onnx["gate"] == "pass":
         return None

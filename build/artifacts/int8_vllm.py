@@ -26,7 +26,7 @@ from policy_bundle.build.artifacts.fp16check import trim_at_eos
 from policy_bundle.build.artifacts.vllm_golden import (VllmGoldenRequest, VllmGoldenResult, VllmGoldenRun, VllmRunError,
                                                        run_vllm_golden)
 from policy_bundle.build.config.build_config import BuildConfig
-from policy_bundle.build.errors import BuildError, CanaryGateError, ConfigError
+from policy_bundle.build.errors import BuildError, GateError, ConfigError
 from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.build.source.policy_source import is_task_policy
@@ -193,10 +193,10 @@ def check_int8_vllm(cfg: BuildConfig, policy: Policy, tok, golden: List[GoldenIt
     if len(golden) < gate_items:
         outcome.fidelity["notes"].append(f"the gate's first {len(golden)} of its {gate_items} items (vLLM's W8A8 is "
                                          "slow on CPUs: INT8_VLLM_ITEMS)")
-    if cfg.canary.enabled and outcome.fidelity["gate"] != "pass":
+    if cfg.gate.enabled and outcome.fidelity["gate"] != "pass":
         why = "; ".join(outcome.fidelity["failures"])
         if strict:
-            raise CanaryGateError(f"export.int8_vllm: {INT8_VLLM_DIR}/ failed the accuracy gate in vLLM ({why})")
+            raise GateError(f"export.int8_vllm: {INT8_VLLM_DIR}/ failed the accuracy gate in vLLM ({why})")
         return _skip(bundle, outcome, f"failed the accuracy gate in vLLM ({why})")
     return outcome
 
@@ -227,7 +227,7 @@ def vllm_fidelity_summary(cfg: BuildConfig, policy: Policy, tok, golden: List[Go
     refs = [trim_at_eos(g.completion_ids, eos) for g in golden]
     outs = [trim_at_eos(c, eos) for c in result.completions]
     report = completion_metrics(report, golden, refs, outs, kw["decode"], kw["reward"])
-    verdict = evaluate_gate(report, cfg.canary.gate)
+    verdict = evaluate_gate(report, cfg.gate.thresholds)
     return {**report.summary(), "engine": f"vllm {result.vllm} ({DTYPE})", "load_s": result.load_s,
             "gate": verdict.label, "failures": verdict.failures}
 

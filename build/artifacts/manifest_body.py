@@ -23,7 +23,7 @@ from policy_bundle.build.source.policy_source import is_task_policy
 from policy_bundle.build.source.torchtitan_checkpoint import provenance
 from policy_bundle.bundle.faults import fault_spec
 from policy_bundle.bundle.info import serving_section
-from policy_bundle.bundle.layout import (CANARY_REPORT, DRIFT_REPORT, FP16_DIR, GOLDEN, INT8_ONNX, INT8_TORCHSCRIPT,
+from policy_bundle.bundle.layout import (GATE_REPORT, DRIFT_REPORT, FP16_DIR, GOLDEN, INT8_ONNX, INT8_TORCHSCRIPT,
                                          BundleLayout)
 from policy_bundle.bundle.manifest import FORMAT
 from policy_bundle.quantize import recipes
@@ -55,11 +55,11 @@ def recipe_section(policy: Policy, chosen: ChosenRecipe) -> dict:
             "fp32_layers": list(recipe.fp32_layers)}
 
 
-def canary_section(cfg: BuildConfig, chosen: ChosenRecipe) -> dict:
+def gate_section(cfg: BuildConfig, chosen: ChosenRecipe) -> dict:
     outcome = chosen.outcome
-    return {"verdict": outcome.verdict.label if cfg.canary.enabled else "not-run",
+    return {"verdict": outcome.verdict.label if cfg.gate.enabled else "not-run",
             "failures": outcome.verdict.failures, "fallback_layers": outcome.fp32_layers,
-            "report": CANARY_REPORT if cfg.canary.enabled else None, "golden_split": chosen.golden_split}
+            "report": GATE_REPORT if cfg.gate.enabled else None, "golden_split": chosen.golden_split}
 
 
 def calibration_section(cfg: BuildConfig, seqs: List[List[int]], batches: list, summary: dict) -> dict:
@@ -110,12 +110,12 @@ def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: Ch
         "versions": versions(),
         "config": cfg.to_dict(),
         "recipe": recipe_section(policy, chosen),
-        "canary": canary_section(cfg, chosen),
+        "gate": gate_section(cfg, chosen),
         "calibration": calibration,
         "artifacts": artifacts_section(cfg, chosen.recipe, int8_vllm, onnx_skipped),
         "fidelity": fidelity,
         "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, is_task_policy(cfg),
-                                   cfg.canary.gate, chosen.recipe.rows_independent, kv_cache_section(policy, chosen)),
+                                   cfg.gate.thresholds, chosen.recipe.rows_independent, kv_cache_section(policy, chosen)),
         "test_fault": fault_spec(),
     }
 

@@ -23,7 +23,7 @@ def _labels(manifest: dict, manifest_sha: str) -> Dict[str, str]:
     for key in ("top1_agreement", "kl_mean", "reward_candidate", "reward_reference"):
         if fid.get(key) is not None:
             labels[key] = f"{fid[key]:.4f}"
-    labels["canary"] = str(manifest.get("canary", {}).get("verdict", "not-run"))
+    labels["gate"] = str(manifest.get("gate", {}).get("verdict", "not-run"))
     vllm = manifest.get("fidelity", {}).get("int8_vllm") or {}
     if manifest.get("artifacts", {}).get("int8_vllm") and vllm.get("greedy_agreement") is not None:
         labels["int8_vllm_greedy_agreement"] = f"{vllm['greedy_agreement']:.4f}"

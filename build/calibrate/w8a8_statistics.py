@@ -133,7 +133,7 @@ def rank_sensitivity(policy: nn.Module, plan: W8A8Plan, names: Sequence[str], pr
 
     def progress(done: int, total: int, worst: str, kl: float) -> None:
         set_status(status(f"sensitivity {done}/{total} linears, most sensitive so far {worst} (KL {kl:.3g})"))
-        tick(done, total, f"[canary] sensitivity: linears done, most sensitive so far {worst} (KL {kl:.3g})")
+        tick(done, total, f"[gate] sensitivity: linears done, most sensitive so far {worst} (KL {kl:.3g})")
 
     return plan_sensitivity(policy, plan, names, probe, progress=progress)
 

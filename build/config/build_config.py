@@ -4,6 +4,7 @@ keys inlined)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -149,15 +150,16 @@ class RecipeSection:
         return list(self.auto_candidates) if self.scheme == "auto" else [self.scheme]
 
 
-@config_model("canary")
-class CanarySection:
-    """``canary:``: the build's accuracy gate; its ``GateThresholds`` fields (the live canary's too) are keys here."""
+@config_model("gate")
+class GateSection:
+    """``gate:``: the build's accuracy gate; its ``GateThresholds`` fields (the live canary's too) are keys here.
+    The section's old name, ``canary:``, is still read (``LEGACY_SECTIONS``)."""
 
     enabled: bool = setting(True, help="gate the INT8 candidates on the held-out golden items (false: ship unjudged)")
     max_fp_layers: int = ranged(8, 0, 10_000, help=(
         "layer fallback budget: linears a failing candidate may keep in float to pass; 0: no fallback (a failure "
         "still ranks layers for the report)"))
-    gate: GateThresholds = inline(GateThresholds)
+    thresholds: GateThresholds = inline(GateThresholds)
 
 
 ONNX_NOT_INSTALLED = "export.onnx: auto, not built: the [onnx] extra is not installed (pip install 'policy-bundle[onnx]')"
@@ -195,7 +197,7 @@ class BuildConfig:
     rollouts: RolloutsSection = setting(default_factory=RolloutsSection, help="how completions are made")
     calibration: CalibrationSection = setting(default_factory=CalibrationSection, help="calibration and its mesh")
     recipe: RecipeSection = setting(default_factory=RecipeSection, help="the INT8 recipe, or auto")
-    canary: CanarySection = setting(default_factory=CanarySection, help="the build's accuracy gate")
+    gate: GateSection = setting(default_factory=GateSection, help="the build's accuracy gate")
     export: ExportSection = setting(default_factory=ExportSection, help="the artifacts beside policy.ts")
     register: RegisterSection = setting(default_factory=RegisterSection, help="the BentoML model store")
 
@@ -232,8 +234,58 @@ class BuildConfig:
         return self.recipe.candidate_config(candidate) if candidate else self.recipe.base
 
 
+# a section's old name -> its name: read from a file, a stored manifest, ``--set`` and the environment, with one
+# line on stderr per process. "canary" is the live traffic's word; the build's accuracy check is the gate.
+LEGACY_SECTIONS = {"canary": "gate"}
+_warned: set = set()
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    if old not in _warned:
+        _warned.add(old)
+        print(f"policy-bundle: the config section `{old}` is now `{new}` (the old name is read, and will be dropped)",
+              file=sys.stderr)
+
+
+def renamed_sections(data: dict) -> dict:
+    """``data`` with each legacy section under its name; a section given under both names is refused."""
+    if not isinstance(data, dict) or not any(old in data for old in LEGACY_SECTIONS):
+        return data
+    data = dict(data)
+    for old, new in LEGACY_SECTIONS.items():
+        if old in data:
+            if new in data:
+                raise ConfigError(f"{new}: given twice, also under its old name `{old}` (keep `{new}`)")
+            _warn_renamed(old, new)
+            data[new] = data.pop(old)
+    return data
+
+
+def renamed_key(key: str) -> str:
+    """A dotted key (``--set``) or its section's old name replaced."""
+    section, dot, rest = key.partition(".")
+    if section in LEGACY_SECTIONS:
+        _warn_renamed(section, LEGACY_SECTIONS[section])
+        return LEGACY_SECTIONS[section] + dot + rest
+    return key
+
+
+def renamed_env(env: Mapping[str, str]) -> Dict[str, str]:
+    """``POLICY_BUNDLE_BUILD__<OLD>__...`` variables under their section's name."""
+    out = {}
+    for var, value in env.items():
+        for old, new in LEGACY_SECTIONS.items():
+            prefix = f"{BUILD_ENV_PREFIX}{old.upper()}__"
+            if var.startswith(prefix):
+                _warn_renamed(old, new)
+                var = f"{BUILD_ENV_PREFIX}{new.upper()}__" + var[len(prefix):]
+        out[var] = value
+    return out
+
+
 def _apply_override(data: dict, override: str) -> None:
     key, sep, raw = override.partition("=")
+    key = renamed_key(key)
     if not sep:
         raise ConfigError(f"--set {override!r}: expected KEY=VALUE (e.g. calibration.procs=2)")
     node = data
@@ -269,8 +321,8 @@ def load_config(path: Optional[Path], overrides: Tuple[str, ...] = (),
     variables (``env``), then ``overrides`` (``section.field=value``, the CLI's ``--set``). An error from a variable
     names it."""
     try:
-        data = read_yaml(Path(path), "config file") if path is not None else {}
-        over, source = env_settings(env or {})
+        data = renamed_sections(read_yaml(Path(path), "config file") if path is not None else {})
+        over, source = env_settings(renamed_env(env or {}))
     except FieldError as exc:
         raise ConfigError(str(exc)) from None
     try:
@@ -287,7 +339,7 @@ def config_from_dict(data: dict, overrides: Tuple[str, ...] = ()) -> BuildConfig
     """Validate a config mapping (e.g. the resolved config stored in a bundle manifest)."""
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
-    data = dict(data)
+    data = renamed_sections(dict(data))
     for o in overrides:
         _apply_override(data, o)
     try:

@@ -3,7 +3,7 @@
     auto_candidates: [smooth-w8a8, "w8a8 rounding=nearest", "smooth-w8a8 skip=[embed_tokens]"]
 
 Each ``key=value`` is a ``recipe`` field (values read as YAML) that replaces the section's own value
-for this candidate only; the entry itself is the candidate's name in logs, the canary report and
+for this candidate only; the entry itself is the candidate's name in logs, the gate report and
 the manifest.
 """
 

@@ -1,1 +1,1 @@
-"""Stage 5, convert + accuracy canary: each recipe candidate gated on the golden set with layer fallback."""
+"""Stage 5, convert + accuracy gate: each recipe candidate gated on the golden set with layer fallback."""

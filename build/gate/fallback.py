@@ -1,5 +1,5 @@
 """The layer-fallback search: the fewest of a candidate's most sensitive layers to keep in float so
-that it passes the gate, or an early answer that no prefix within ``canary.max_fp_layers`` can.
+that it passes the gate, or an early answer that no prefix within ``gate.max_fp_layers`` can.
 
 For the w8a8 recipes (``search_fallback``): the fallback only ever keeps a prefix of the sensitivity ranking, so the best a candidate can reach
 within the budget is with all ``max_fp_layers`` of them in float. That is measured first (teacher-forced
@@ -23,7 +23,7 @@ two judgements. The held-out prompts never pick the layers (the ranking and the
 search prompts do) and never lower the count: they only reject or ask for more. Without ``confirm`` the
 search's own prefix is confirmed with the whole gate on the search prompts; if greedy misses there, the
 bisection goes on with the whole gate between that prefix and the budget. (On SmolLM2-135M the greedy
-runs on the search prompts cost 3 x 40 s of a 473 s canary and decided nothing the held-out judgement
+runs on the search prompts cost 3 x 40 s of a 473 s gate and decided nothing the held-out judgement
 did not decide again.)
 """
 
@@ -34,14 +34,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
-from policy_bundle.build.gate.canary_report import Attempt, CanaryOutcome
+from policy_bundle.build.gate.report import Attempt, GateOutcome
 from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds, GateVerdict, evaluate_gate
 from policy_bundle.quantize.fidelity.sensitivity import layer_sensitivity
 
 Measure = Callable[[nn.Module], FidelityReport]
-Confirm = Callable[[CanaryOutcome], CanaryOutcome]
+Confirm = Callable[[GateOutcome], GateOutcome]
 
 
 def smallest_passing(lo: int, hi: int, passes: Callable[[int], bool]) -> int:
@@ -77,7 +77,7 @@ class FallbackSearch:
         verdict = evaluate_gate(report, self.thresholds)
         self.attempts.append(Attempt(self.kept(k), report.summary(), verdict.label, verdict.failures))
         self.measured[k] = (report, verdict)
-        log(f"[canary] {self.label}, {k} layer(s) in float, {what}: {verdict.label}, top-1 {report.top1_agreement:.4f}, "
+        log(f"[gate] {self.label}, {k} layer(s) in float, {what}: {verdict.label}, top-1 {report.top1_agreement:.4f}, "
             f"KL mean {report.kl_mean:.4g}" + (f", greedy {report.greedy_agreement:.2f}" if report.greedy_agreement
                                               is not None else "")
             + (f" ({'; '.join(verdict.failures)})" if verdict.failures else ""))
@@ -109,10 +109,10 @@ class FallbackSearch:
         confirmation, the teacher-forced metrics; without one, the whole gate."""
         return self.logits_ok(k) if self.confirm is not None else self.gate_ok(k)
 
-    def outcome(self, k: int, rejected: str = "") -> CanaryOutcome:
+    def outcome(self, k: int, rejected: str = "") -> GateOutcome:
         """The candidate with its top-k layers in float (converted again: cheaper than keeping every model)."""
         report, verdict = self.measured[k]
-        out = CanaryOutcome(verdict, report, self.kept(k), self.convert(self.kept(k)), self.attempts, self.ranking)
+        out = GateOutcome(verdict, report, self.kept(k), self.convert(self.kept(k)), self.attempts, self.ranking)
         out.reasons = {n: f"sensitivity rank {i + 1}: KL {kl:.4g} with only this layer quantized"
                        for i, (n, kl) in enumerate(self.ranking[:k])}
         out.rejected = rejected
@@ -128,7 +128,7 @@ def held_out_step(k: int) -> int:
 
 
 def search_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str, float]]],
-                    max_fp_layers: int) -> CanaryOutcome:
+                    max_fp_layers: int) -> GateOutcome:
     """Gate with nothing in float; on failure rank the layers (the report names the most sensitive even
     with no budget) and search the smallest passing prefix: reject at the budget, else bisect; then the
     held-out judgement, widening the prefix while it fails (``held_out_step``)."""
@@ -146,7 +146,7 @@ def search_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[st
 
 
 def walk_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str, float]]],
-                  max_fp_layers: int) -> CanaryOutcome:
+                  max_fp_layers: int) -> GateOutcome:
     """Keep the top 1, 2, 3, ... in float until the gate passes: for rankings where more layers in
     float can be worse (torch.ao static scales on the reference policy: KL 2.4e-5 with the top layer in
     float, 5e-5 with the top 4, 7e-5 with the top 8), so neither bisection nor a budget check holds."""
@@ -159,7 +159,7 @@ def walk_fallback(search: FallbackSearch, rank: Callable[[], Sequence[Tuple[str,
 
 
 def _confirmed(search: FallbackSearch, k: int, rank: Callable[[], Sequence[Tuple[str, float]]], max_fp_layers: int,
-               larger: Callable[[int], int]) -> CanaryOutcome:
+               larger: Callable[[int], int]) -> GateOutcome:
     """The prefix ``k`` that passed the search prompts, judged by ``search.confirm`` (the held-out gate
     prompts); while that fails and the budget allows, the next ``larger(k)`` prefix that passes the search
     prompts is judged instead, and the prefixes a jump stepped over are bisected (``_fewest_held_out``). The last
@@ -176,18 +176,18 @@ def _confirmed(search: FallbackSearch, k: int, rank: Callable[[], Sequence[Tuple
         if k >= hi:
             if k > first:
                 judged.rejected += (f" (held-out gate prompts still fail with {k} layer(s) in float, "
-                                    f"walked up from {first}; canary.max_fp_layers={max_fp_layers})")
-                log(f"[canary] {search.label}: {judged.rejected}")
+                                    f"walked up from {first}; gate.max_fp_layers={max_fp_layers})")
+                log(f"[gate] {search.label}: {judged.rejected}")
             return judged
         failed, k = k, min(hi, larger(k))
         if search.search_ok(k):
-            log(f"[canary] {search.label}: the held-out gate prompts ask for more than {failed} layer(s) in float; "
+            log(f"[gate] {search.label}: the held-out gate prompts ask for more than {failed} layer(s) in float; "
                 f"trying {k}")
             judged = search.confirm(search.outcome(k))
     return _fewest_held_out(search, failed, k, judged) if k > first and k - failed > 1 else judged
 
 
-def _fewest_held_out(search: FallbackSearch, failed: int, k: int, judged: CanaryOutcome) -> CanaryOutcome:
+def _fewest_held_out(search: FallbackSearch, failed: int, k: int, judged: GateOutcome) -> GateOutcome:
     """The walk jumped from ``failed`` (held out: fail) to ``k`` (``judged``, a pass): bisect the prefixes between
     them with the same two judgements (search prompts, then held out), so a greedy miss that doubling stepped over
     does not ship more float layers than the fewest that pass (monotone, as the bisection assumes)."""
@@ -201,7 +201,7 @@ def _fewest_held_out(search: FallbackSearch, failed: int, k: int, judged: Canary
 
     fewest = smallest_passing(failed, k, held)
     if fewest < k:
-        log(f"[canary] {search.label}: the held-out gate prompts pass with {fewest} layer(s) in float (of {k})")
+        log(f"[gate] {search.label}: the held-out gate prompts pass with {fewest} layer(s) in float (of {k})")
     return passed[fewest]
 
 
@@ -211,15 +211,15 @@ def _ranked_after_failure(search: FallbackSearch, rank: Callable[[], Sequence[Tu
         return False
     search.ranking = list(rank())
     top = ", ".join(f"{n} {kl:.3g}" for n, kl in search.ranking[:3])
-    log(f"[canary] {search.label}: most sensitive (KL with only that layer quantized): {top}")
+    log(f"[gate] {search.label}: most sensitive (KL with only that layer quantized): {top}")
     return True
 
 
-def _rejected(search: FallbackSearch, hi: int) -> CanaryOutcome:
+def _rejected(search: FallbackSearch, hi: int) -> GateOutcome:
     _, verdict = search.measured[hi]
     why = (f"rejected: it fails the gate even with its {hi} most sensitive layers in float "
-           f"(canary.max_fp_layers): {'; '.join(verdict.failures)}")
-    log(f"[canary] {search.label}: {why}")
+           f"(gate.max_fp_layers): {'; '.join(verdict.failures)}")
+    log(f"[gate] {search.label}: {why}")
     return search.outcome(hi, why)
 
 
@@ -238,7 +238,7 @@ def torch_ao_sensitivity(prepared: nn.Module, recipe: recipes.RecipeConfig, prob
 def gate_torch_ao(prepared: nn.Module, recipe: recipes.RecipeConfig, probe: Tensor,
                   thresholds: GateThresholds, max_fp_layers: int, measure: Measure, measure_logits: Optional[Measure],
                   label: str, status: Callable[[str], str] = lambda s: s,
-                  confirm: Optional[Confirm] = None) -> CanaryOutcome:
+                  confirm: Optional[Confirm] = None) -> GateOutcome:
     """A torch.ao recipe: layers ranked by probe KL with only that layer quantized, walked one by one."""
     def convert(kept: List[str]) -> nn.Module:
         return recipes.convert(prepared, replace(recipe, fp32_layers=recipe.fp32_layers + tuple(kept)))
@@ -248,7 +248,7 @@ def gate_torch_ao(prepared: nn.Module, recipe: recipes.RecipeConfig, probe: Tens
 
         def progress(done: int, total: int, worst: str, kl: float) -> None:
             set_status(status(f"sensitivity {done}/{total} layers, most sensitive so far {worst} (KL {kl:.3g})"))
-            tick(done, total, f"[canary] sensitivity: layers done, most sensitive so far {worst} (KL {kl:.3g})")
+            tick(done, total, f"[gate] sensitivity: layers done, most sensitive so far {worst} (KL {kl:.3g})")
 
         set_status(status("sensitivity: one probe forward per layer"))
         return torch_ao_sensitivity(prepared, recipe, probe, progress)
@@ -260,7 +260,7 @@ def gate_torch_ao(prepared: nn.Module, recipe: recipes.RecipeConfig, probe: Tens
 def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], rank: Callable[[], Sequence[Tuple[str, float]]],
               thresholds: GateThresholds, max_fp_layers: int, measure: Measure, measure_logits: Optional[Measure],
               label: str, status: Callable[[str], str] = lambda s: s,
-              confirm: Optional[Confirm] = None) -> CanaryOutcome:
+              confirm: Optional[Confirm] = None) -> GateOutcome:
     """A w8a8 recipe: the plan converts cheaply for any set of linears kept in float; ``rank`` is the
     probe sensitivity (in this process or on the mesh)."""
     def convert(kept: List[str]) -> nn.Module:

@@ -7,7 +7,7 @@ w8a8 plan, present for that family only) rather than the family.
 - calibrate: observer states (torch.ao), computed once for all candidates of the family; the first w8a8
   candidate's plan, one decoder layer at a time (``quantize.w8a8.stream``: a layer's statistics are dropped once it
   is quantized, so a later candidate streams the calibration again, only if it is gated);
-- gate: convert with the layer-fallback search (``build/gate/fallback.py``) or, with the canary off, measure;
+- gate: convert with the layer-fallback search (``build/gate/fallback.py``) or, with the gate off, measure;
 - calibration_summary: the manifest's calibration section for the recipe that shipped;
 - plan: the w8a8 quantization plan that shipped (None for torch.ao).
 """
@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 
 from policy_bundle.build.calibrate.calibrated import CalibratedModels, layer_key, plan_key
 from policy_bundle.build.config.build_config import BuildConfig
-from policy_bundle.build.gate.canary_report import CanaryOutcome
+from policy_bundle.build.gate.report import GateOutcome
 from policy_bundle.build.gate.fallback import gate_torch_ao, gate_w8a8
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
@@ -45,13 +45,13 @@ class TorchAoFamily:
             calibrated.get(smooth)
 
     def gate(self, cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
-             measure, measure_logits, name: str, status: Status, confirm=None) -> CanaryOutcome:
+             measure, measure_logits, name: str, status: Status, confirm=None) -> GateOutcome:
         prepared, _ = calibrated.get(recipe.smooth)
-        if not cfg.canary.enabled:
+        if not cfg.gate.enabled:
             int8 = recipes.convert(prepared, recipe)
-            return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
-        c = cfg.canary
-        return gate_torch_ao(prepared, recipe, sensitivity_probe(calibrated.batches), c.gate, c.max_fp_layers,
+            return GateOutcome(GateVerdict(True, []), measure(int8), [], int8)
+        c = cfg.gate
+        return gate_torch_ao(prepared, recipe, sensitivity_probe(calibrated.batches), c.thresholds, c.max_fp_layers,
                              measure, measure_logits, name, status, confirm)
 
     def calibration_summary(self, calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> dict:
@@ -76,15 +76,15 @@ class W8A8Family:
         calibrated.plan(candidates[0])
 
     def gate(self, cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels, recipe: recipes.RecipeConfig,
-             measure, measure_logits, name: str, status: Status, confirm=None) -> CanaryOutcome:
+             measure, measure_logits, name: str, status: Status, confirm=None) -> GateOutcome:
         from policy_bundle.build.calibrate.w8a8_statistics import rank_sensitivity
 
         set_status(status("quantization plan (smoothing search, weight rounding)"))
         plan = calibrated.plan(recipe)
         names = recipes.selected_linears(policy, recipe)
-        if not cfg.canary.enabled:
+        if not cfg.gate.enabled:
             int8 = plan.convert(policy, names)
-            return CanaryOutcome(GateVerdict(True, []), measure(int8), [], int8)
+            return GateOutcome(GateVerdict(True, []), measure(int8), [], int8)
         # A rescored int8 head (``lm_head_topk`` > 0) scores its top-k logits against float, int16 or int12 rows (the
         # default; FP32 with only its vocabulary in int12 agreed on 0.9992 of top-1): it is never one of the linears
         # the fallback may keep in float, so it is not ranked (measured on SmolLM2-135M with float rows, the head
@@ -99,14 +99,14 @@ class W8A8Family:
 
         def rank() -> List[Tuple[str, float]]:
             if key in calibrated.rankings:
-                log(f"[canary] {name}: the sensitivity ranking of an earlier candidate with the same int8 linears "
+                log(f"[gate] {name}: the sensitivity ranking of an earlier candidate with the same int8 linears "
                     "reused")
             else:
                 calibrated.rankings[key] = rank_sensitivity(policy, plan, ranked, sensitivity_probe(calibrated.batches),
                                                             status)
             return calibrated.rankings[key]
 
-        return gate_w8a8(policy, plan, names, rank, cfg.canary.gate, cfg.canary.max_fp_layers, measure,
+        return gate_w8a8(policy, plan, names, rank, cfg.gate.thresholds, cfg.gate.max_fp_layers, measure,
                          measure_logits, name, status, confirm)
 
     def calibration_summary(self, calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> dict:

@@ -1,5 +1,5 @@
 """How the build measures fidelity: the keyword arguments every measurement shares (the gate, the exported
-artifacts' checks, ``policy-bundle canary``) and the gate's measurements of a model on a golden set."""
+artifacts' checks, ``policy-bundle gate``) and the gate's measurements of a model on a golden set."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 from policy_bundle.build.calibrate.calibrated import CalibratedModels
 from policy_bundle.build.calibrate.prompt_split import GoldenSplit
 from policy_bundle.build.config.build_config import BuildConfig
-from policy_bundle.build.errors import CanaryGateError
-from policy_bundle.build.gate.canary_report import CanaryOutcome, write_report
+from policy_bundle.build.errors import GateError
+from policy_bundle.build.gate.report import GateOutcome, write_report
 from policy_bundle.build.gate.families import handler
 from policy_bundle.build.gate.measure import decode_batch, fidelity_kwargs, gate_measures, greedy_completion
 from policy_bundle.build.progress import log, set_status
@@ -31,7 +31,7 @@ from policy_bundle.quantize.runtime.script_runner import ScriptRunner, release_f
 class Trial:
     name: str  # the auto_candidates entry (or the configured scheme)
     recipe: recipes.RecipeConfig
-    outcome: CanaryOutcome
+    outcome: GateOutcome
     decode_tok_s: Optional[float]
 
     def summary(self) -> dict:
@@ -52,7 +52,7 @@ class ChosenRecipe:
     """The recipe that ships (its fallback layers included), its gate outcome and every candidate's trial."""
 
     recipe: recipes.RecipeConfig
-    outcome: CanaryOutcome
+    outcome: GateOutcome
     trials: List[dict]
     plan: Any  # the w8a8 quantization plan, None for torch.ao recipes
     golden_split: dict = field(default_factory=dict)  # sizes of the search and held-out gate parts
@@ -73,7 +73,7 @@ def best_so_far(trials: Sequence[Trial]) -> str:
                                 if trials else "")
 
 
-def held_out_verdict(outcome: CanaryOutcome, report: FidelityReport, thresholds: GateThresholds) -> CanaryOutcome:
+def held_out_verdict(outcome: GateOutcome, report: FidelityReport, thresholds: GateThresholds) -> GateOutcome:
     """A candidate the search passed, judged again on the held-out gate prompts: that verdict and those
     metrics are the ones that count (the search's stay in ``search_metrics`` and the attempts)."""
     verdict = evaluate_gate(report, thresholds)
@@ -81,9 +81,9 @@ def held_out_verdict(outcome: CanaryOutcome, report: FidelityReport, thresholds:
     if not verdict.passed:
         judged.rejected = ("passes on the search prompts but fails on the held-out gate prompts: "
                            + "; ".join(verdict.failures))
-        log(f"[canary] {judged.rejected} ({len(outcome.fp32_layers)} layer(s) in float)")
+        log(f"[gate] {judged.rejected} ({len(outcome.fp32_layers)} layer(s) in float)")
     else:
-        log(f"[canary] held-out gate prompts, {len(outcome.fp32_layers)} layer(s) in float: pass, top-1 "
+        log(f"[gate] held-out gate prompts, {len(outcome.fp32_layers)} layer(s) in float: pass, top-1 "
             f"{report.top1_agreement:.4f}, KL mean {report.kl_mean:.4g}")
     return judged
 
@@ -115,8 +115,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
         def logits_only(int8, kv=recipe.kv_cache):
             return search_logits(set_kv_cache(int8, kv))
 
-        def confirm(searched: CanaryOutcome, status=status, kv=recipe.kv_cache, batch=decode_batch(recipe)
-                    ) -> CanaryOutcome:
+        def confirm(searched: GateOutcome, status=status, kv=recipe.kv_cache, batch=decode_batch(recipe)
+                    ) -> GateOutcome:
             """Teacher-forced on the held-out prompts, then the one greedy confirmation where those pass, both on the
             candidate scripted as it ships (``script_int8``), decoding in batches where its rows are independent
             (``decode_batch``: 80 SmolLM2-135M items in 46 s, one at a time 124 s; AMD EPYC, AVX2)."""
@@ -124,12 +124,12 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
             set_status(status(f"teacher-forced metrics on the held-out prompts ({floats} float layers)"))
             scripted = ScriptRunner(script_int8(set_kv_cache(searched.int8, kv)))
             report = judge_logits(scripted)
-            if evaluate_gate(report, cfg.canary.gate).passed:
+            if evaluate_gate(report, cfg.gate.thresholds).passed:
                 set_status(status(f"the whole gate on the held-out prompts ({floats} float layers)"))
                 report = judge_greedy(scripted, report, batch)
             else:
                 report.notes.append("greedy generation not run: the teacher-forced metrics failed")
-            return held_out_verdict(searched, report, cfg.canary.gate)
+            return held_out_verdict(searched, report, cfg.gate.thresholds)
 
         family = handler(recipe)
         settled = next((t for t in trials if t.outcome.verdict.passed and handler(t.recipe) is family), None)
@@ -159,8 +159,8 @@ def choose_recipe(cfg: BuildConfig, policy: Policy, calibrated: CalibratedModels
     winner = max(passing, key=lambda t: t.decode_tok_s or 0.0)
     why = (f"{winner.name} is the fastest of {len(passing)} passing candidate(s)"
            if auto else "the configured recipe")
-    if cfg.canary.enabled:
-        write_report(tmp, winner.outcome, cfg.canary.gate, {"candidates": summary, "winner": winner.recipe.scheme,
+    if cfg.gate.enabled:
+        write_report(tmp, winner.outcome, cfg.gate.thresholds, {"candidates": summary, "winner": winner.recipe.scheme,
                                                            "winner_candidate": winner.name, "why": why,
                                                            "golden_split": golden.summary()})
     recipe = replace(winner.recipe, fp32_layers=winner.recipe.fp32_layers + tuple(winner.outcome.fp32_layers))
@@ -175,12 +175,12 @@ def not_gated(name: str, recipe: recipes.RecipeConfig, why: str) -> dict:
             "metrics": {"top1_agreement": None, "kl_mean": None, "kl_p99": None}}
 
 
-def raise_rejected(cfg: BuildConfig, best: CanaryOutcome, summary: List[dict], final: Path) -> None:
+def raise_rejected(cfg: BuildConfig, best: GateOutcome, summary: List[dict], final: Path) -> None:
     """Write the rejected build's report next to the output directory and raise with its gist."""
-    rejected = final.parent / f"{final.name}.canary-rejected"
+    rejected = final.parent / f"{final.name}.gate-rejected"
     shutil.rmtree(rejected, ignore_errors=True)
-    report = write_report(rejected, best, cfg.canary.gate, {"candidates": summary})
+    report = write_report(rejected, best, cfg.gate.thresholds, {"candidates": summary})
     top = best.sensitivity[0][0] if best.sensitivity else "n/a"
-    raise CanaryGateError(f"accuracy gate failed ({'; '.join(best.verdict.failures)}) after keeping "
-                          f"{len(best.fp32_layers)} layer(s) in float (canary.max_fp_layers="
-                          f"{cfg.canary.max_fp_layers}); most sensitive layer: {top}; report: {report}")
+    raise GateError(f"accuracy gate failed ({'; '.join(best.verdict.failures)}) after keeping "
+                          f"{len(best.fp32_layers)} layer(s) in float (gate.max_fp_layers="
+                          f"{cfg.gate.max_fp_layers}); most sensitive layer: {top}; report: {report}")

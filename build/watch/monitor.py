@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from policy_bundle.build.config.build_config import BuildConfig, config_from_dict
-from policy_bundle.build.errors import (EXIT_OK, EXIT_REFUSED, BuildError, CanaryGateError, ConfigError, OutputNotReplaceableError,
-                                        UnsupportedPolicyError)
+from policy_bundle.build.errors import (EXIT_OK, EXIT_REFUSED, BuildError, GateError, ConfigError,
+                                        OutputNotReplaceableError, UnsupportedPolicyError)
 from policy_bundle.build.source.memory_plan import BuildMemoryError
 from policy_bundle.build.gate.families import handler
 from policy_bundle.build.progress import Stages, heartbeat, log
@@ -46,7 +46,7 @@ LIMITS = {"every_steps": (1, 10**9), "threshold": (1e-6, 100.0), "poll_s": (1.0,
           "keep": (0, 10**6)}
 MAX_BACKOFF_S = 3600.0
 # A build that fails with one of these fails again from the same checkpoint: not retried
-PERMANENT = (ConfigError, UnsupportedPolicyError, CanaryGateError, BuildMemoryError, OutputNotReplaceableError)
+PERMANENT = (ConfigError, UnsupportedPolicyError, GateError, BuildMemoryError, OutputNotReplaceableError)
 
 
 def utc_now() -> str:

@@ -1,5 +1,5 @@
-"""The accuracy canary's outcome and its report: what a gate attempt is, what the gate decided, and
-canary_report.md / .json with its plots (the search that produces the outcome: ``build/gate/fallback.py``).
+"""The accuracy gate's outcome and its report: what a gate attempt is, what the gate decided, and
+gate_report.md / .json with its plots (the search that produces the outcome: ``build/gate/fallback.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Attempt:
 
 
 @dataclass
-class CanaryOutcome:
+class GateOutcome:
     verdict: GateVerdict
     report: FidelityReport
     fp32_layers: List[str]
@@ -49,7 +49,7 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def report_json(outcome: CanaryOutcome, thresholds: GateThresholds, extra: Optional[dict] = None) -> dict:
+def report_json(outcome: GateOutcome, thresholds: GateThresholds, extra: Optional[dict] = None) -> dict:
     return {
         "verdict": outcome.verdict.label,
         "failures": outcome.verdict.failures,
@@ -72,18 +72,18 @@ def metrics_table(rows: Sequence[Tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThresholds, extra: Optional[dict] = None) -> Path:
-    """canary_report.json, canary_report.md and its two PNGs (sensitivity, per-token KL)."""
+def write_report(out_dir: Path, outcome: GateOutcome, thresholds: GateThresholds, extra: Optional[dict] = None) -> Path:
+    """gate_report.json, gate_report.md and its two PNGs (sensitivity, per-token KL)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = BundleLayout(out_dir)
     body = report_json(outcome, thresholds, extra)
-    layout.canary_report_json.write_text(json.dumps(body, indent=2))
+    layout.gate_report_json.write_text(json.dumps(body, indent=2))
     pngs = _plots(layout, outcome)
-    md = [f"# Accuracy canary: **{body['verdict'].upper()}**", ""]
+    md = [f"# Accuracy gate: **{body['verdict'].upper()}**", ""]
     if body["failures"]:
         md += ["Missed thresholds:", ""] + [f"- {f}" for f in body["failures"]] + [""]
     md += ["## Final candidate vs FP32 (the held-out gate prompts)", "", metrics_table([("INT8", body["metrics"])]), ""]
-    md += ["## Thresholds", "", "\n".join(f"- `canary.{k}`: {v}" for k, v in body["thresholds"].items()), ""]
+    md += ["## Thresholds", "", "\n".join(f"- `gate.{k}`: {v}" for k, v in body["thresholds"].items()), ""]
     if outcome.fp32_layers:
         md += ["## Layers kept in floating point", ""] + [f"- `{r['layer']}`: {r['reason']}" for r in body["fp32_layers"]] + [""]
     else:
@@ -109,11 +109,11 @@ def write_report(out_dir: Path, outcome: CanaryOutcome, thresholds: GateThreshol
         md += [f"- `{c['candidate']}`: {c.get('rejected') or c['not_gated']}" for c in cands
                if c.get("rejected") or c.get("not_gated")] + [""]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
-    layout.canary_report.write_text("\n".join(md) + "\n")
-    return layout.canary_report
+    layout.gate_report.write_text("\n".join(md) + "\n")
+    return layout.gate_report
 
 
-def _plots(layout: BundleLayout, outcome: CanaryOutcome) -> List[Path]:
+def _plots(layout: BundleLayout, outcome: GateOutcome) -> List[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,7 +152,7 @@ def _plots(layout: BundleLayout, outcome: CanaryOutcome) -> List[Path]:
 def add_artifact_comparison(out_dir: Path, fidelity: dict) -> None:
     """Append the exported artifacts side by side (INT8 TorchScript, ONNX, FP16 weights) vs FP32 to the report."""
     layout = BundleLayout(out_dir)
-    md, js = layout.canary_report, layout.canary_report_json
+    md, js = layout.gate_report, layout.gate_report_json
     if not md.is_file():
         return
     names = {"int8_torchscript": "INT8 TorchScript", "int8_onnx": "INT8 ONNX", "fp16_hf": "FP16 directory",

@@ -1,4 +1,4 @@
-"""Accuracy canary: exact metrics on known logits, the build gate, layer fallback, the canary CLI."""
+"""The build's accuracy gate: exact metrics on known logits, the gate, layer fallback, `policy-bundle gate`."""
 
 import json
 import math
@@ -43,24 +43,24 @@ def test_gate_lists_every_missed_threshold():
 
 def test_reference_policy_passes_default_gate_without_fallback(small_bundle):
     manifest = json.loads((small_bundle / "bundle.json").read_text())
-    assert manifest["canary"]["verdict"] == "pass" and manifest["canary"]["fallback_layers"] == []
-    report = json.loads((small_bundle / "canary_report.json").read_text())
+    assert manifest["gate"]["verdict"] == "pass" and manifest["gate"]["fallback_layers"] == []
+    report = json.loads((small_bundle / "gate_report.json").read_text())
     assert report["verdict"] == "pass" and report["metrics"]["kl_mean"] < 0.05
-    md = (small_bundle / "canary_report.md").read_text()
+    md = (small_bundle / "gate_report.md").read_text()
     assert "![kl_distribution](kl_distribution.png)" in md and (small_bundle / "kl_distribution.png").stat().st_size > 0
 
 
 def test_broken_layer_fails_the_gate_and_is_named_most_sensitive(tmp_path, reference_dir):
     out = tmp_path / "broken"
     res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST,
-                  "--set", "canary.max_fp_layers=0",
+                  "--set", "gate.max_fp_layers=0",
                   env={"POLICY_BUNDLE_TEST_FAULT": "scale:layer=layers.0.mlp.down_proj:factor=50"})
     assert res.returncode == 4 and "accuracy gate failed" in res.stderr and "Traceback" not in res.stderr
     assert "most sensitive layer: layers.0.mlp.down_proj" in res.stderr
     assert not out.exists()
-    report = json.loads((tmp_path / "broken.canary-rejected" / "canary_report.json").read_text())
+    report = json.loads((tmp_path / "broken.gate-rejected" / "gate_report.json").read_text())
     assert report["verdict"] == "fail" and report["sensitivity"][0]["layer"] == "layers.0.mlp.down_proj"
-    assert (tmp_path / "broken.canary-rejected" / "sensitivity.png").stat().st_size > 0
+    assert (tmp_path / "broken.gate-rejected" / "sensitivity.png").stat().st_size > 0
 
 
 def test_broken_layer_is_fixed_by_fallback(tmp_path, reference_dir):
@@ -69,7 +69,7 @@ def test_broken_layer_is_fixed_by_fallback(tmp_path, reference_dir):
                   env={"POLICY_BUNDLE_TEST_FAULT": "scale:layer=layers.0.mlp.down_proj:factor=50"})
     assert res.returncode == 0, res.stderr[-2000:]
     manifest = json.loads((out / "bundle.json").read_text())
-    assert manifest["canary"]["fallback_layers"] == ["layers.0.mlp.down_proj"]
+    assert manifest["gate"]["fallback_layers"] == ["layers.0.mlp.down_proj"]
     # The shipped TorchScript really runs that layer in floating point, the rest in INT8.
     scripted = dict(torch.jit.load(str(out / "int8/policy.ts")).named_modules())
     assert scripted["layers.0.mlp.down_proj"].original_name == "Linear"
@@ -86,37 +86,45 @@ def test_float_layers_found_on_the_search_prompts_must_hold_on_the_held_out_ones
     (each prefix passing the search prompts' teacher-forced metrics first) up to the budget (4 here), falls short there too, and the
     build is refused with the held-out numbers, nothing ships. (Before the gate and the search used disjoint
     prompts this build passed, judged on what it was tuned on.)"""
-    shipped = json.loads((small_bundle / "canary_report.json").read_text())["metrics"]
+    shipped = json.loads((small_bundle / "gate_report.json").read_text())["metrics"]
     plain = shipped["kl_mean"]
     assert shipped["greedy_agreement"] is not None  # a passing held-out judgement ran its greedy confirmation
     out = tmp_path / "strict"
     res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST,
-                  "--set", f"canary.max_kl_mean={plain * 0.35}", "--set", "canary.max_fp_layers=4")
+                  "--set", f"gate.max_kl_mean={plain * 0.35}", "--set", "gate.max_fp_layers=4")
     assert res.returncode == 4 and "Traceback" not in res.stderr and not out.exists(), res.stderr[-2000:]
     found = re.search(r"passes on the search prompts but fails on the held-out gate prompts: .* \((\d+) layer\(s\) in "
                       r"float\)$", res.stderr, re.M)
     assert found and 0 < int(found[1]) < 4, res.stderr[-3000:]  # the search's count, below the budget
     n = int(found[1])
     assert f"the held-out gate prompts ask for more than {n} layer(s) in float; trying {n + 1}" in res.stderr
-    report = json.loads((tmp_path / "strict.canary-rejected" / "canary_report.json").read_text())
+    report = json.loads((tmp_path / "strict.gate-rejected" / "gate_report.json").read_text())
     kept = [r["layer"] for r in report["fp32_layers"]]
     assert len(kept) == 4 and all("sensitivity rank" in r["reason"] for r in report["fp32_layers"])
     assert report["metrics"]["kl_mean"] > plain * 0.35  # the held-out verdict is the one reported
     # it failed teacher-forced, so its greedy generation never ran (the one greedy run is the confirmation)
     assert report["metrics"]["greedy_agreement"] is None
     assert "greedy generation not run: the teacher-forced metrics failed" in report["metrics"]["notes"]
-    assert f"walked up from {n}; canary.max_fp_layers=4" in res.stderr
+    assert f"walked up from {n}; gate.max_fp_layers=4" in res.stderr
 
 
 def manifest_linears(bundle):
     return json.loads((bundle / "bundle.json").read_text())["recipe"]["quantized_linears"]
 
 
-def test_canary_cli_exit_status_follows_the_verdict(small_bundle):
-    ok = run_cli("canary", str(small_bundle))  # BUNDLE positional, as every subcommand takes it
+def test_gate_cli_exit_status_follows_the_verdict(small_bundle):
+    ok = run_cli("gate", str(small_bundle))  # BUNDLE positional, as every subcommand takes it
     assert ok.returncode == 0 and "verdict: PASS" in ok.stdout and "| kl_mean |" in ok.stdout
-    strict = run_cli("canary", "--bundle", str(small_bundle), "--set", "canary.max_kl_mean=1e-9")
+    assert "old name" not in ok.stderr
+    strict = run_cli("gate", "--bundle", str(small_bundle), "--set", "gate.max_kl_mean=1e-9")
     assert strict.returncode == 4 and "verdict: FAIL (kl_mean" in strict.stdout
+
+
+def test_the_old_names_canary_command_and_section_still_work_and_say_so_once(small_bundle):
+    old = run_cli("canary", str(small_bundle), "--set", "canary.max_kl_mean=1e-9")
+    assert old.returncode == 4 and "verdict: FAIL (kl_mean" in old.stdout  # the old key set the gate's threshold
+    assert old.stderr.count("`policy-bundle canary` is now `policy-bundle gate`") == 1
+    assert old.stderr.count("the config section `canary` is now `gate`") == 1
 
 
 def crafted_bundle(root, reference_dir, artifact: str):
@@ -144,10 +152,10 @@ def crafted_bundle(root, reference_dir, artifact: str):
     ("{root}/outside.ts", "is not a relative path inside the bundle"),
     ("int8/other.ts", "is not listed in the manifest's files"),
 ])
-def test_canary_cli_loads_only_an_artifact_the_manifest_lists_inside_the_bundle(artifact, message, tmp_path,
+def test_gate_cli_loads_only_an_artifact_the_manifest_lists_inside_the_bundle(artifact, message, tmp_path,
                                                                                  reference_dir):
     bundle = crafted_bundle(tmp_path, reference_dir, artifact)
-    res = run_cli("canary", "--bundle", str(bundle))
+    res = run_cli("gate", "--bundle", str(bundle))
     assert res.returncode == 3 and res.stdout == "", res.stdout + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: artifacts.int8_torchscript:") and message in lines[0], \
