@@ -324,7 +324,7 @@ def register_stage(cfg: BuildConfig, stages: Stages, bundle: Path, sha: str) -> 
         if not cfg.register.bentoml:
             s.detail = "skipped (register.bentoml: false)"
             return None, None
-        from policy_bundle.build.artifacts.model_store import register_bundle
+        from policy_bundle.build.artifacts.register import register_bundle
 
         try:
             reg = register_bundle(bundle, version=f"{cfg.name}-{sha[:12]}", manifest_sha=manifest_hash(bundle))

@@ -53,7 +53,7 @@ def store_version(bundle: Path) -> str:
     here if the store lacks it."""
     import bentoml
 
-    from policy_bundle.build.artifacts.model_store import register_bundle
+    from policy_bundle.build.artifacts.register import register_bundle
 
     name = json.loads(BundleLayout(bundle).manifest.read_text())["config"]["name"]
     sha = manifest_hash(bundle)

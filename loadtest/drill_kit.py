@@ -26,7 +26,7 @@ BUILD_TIMEOUT_S = 900
 # the copy checked against its manifest, then registered: one process (each start is seconds of both cores)
 VERIFY_AND_REGISTER = ("import sys; from pathlib import Path; "
                        "from policy_bundle.bundle.manifest import verify_bundle; "
-                       "from policy_bundle.build.artifacts.model_store import register_bundle; "
+                       "from policy_bundle.build.artifacts.register import register_bundle; "
                        "verify_bundle(Path(sys.argv[1])); register_bundle(Path(sys.argv[1]), sys.argv[2], sys.argv[3])")
 
 

@@ -33,7 +33,7 @@ def test_an_onnx_model_that_fails_the_gate_is_left_out_and_the_bundle_still_veri
     assert run_cli("verify", str(out)).returncode == 0
 
     # what serving loads: the registered INT8 entry verifies without the ONNX file
-    from policy_bundle.bundle.store import verified_store_path
+    from policy_bundle.bundle.model_store import verified_store_path
 
     int8_tag = re.search(r"model store: (\S+)", res.stdout)[1]
     assert (verified_store_path(int8_tag, "int8") / "policy.ts").is_file()

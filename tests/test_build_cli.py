@@ -104,7 +104,7 @@ def test_both_artifacts_are_in_the_model_store_under_one_version(small_bundle):
     fp16 = [m for m in bentoml.models.list("policy-fp16") if m.info.labels.get("manifest_sha256") == sha[:32]]
     assert len(int8) == len(fp16) == 1 and int8[0].tag.version == fp16[0].tag.version
     assert float(int8[0].info.labels["top1_agreement"]) >= 0.95
-    from policy_bundle.bundle.store import verified_store_path
+    from policy_bundle.bundle.model_store import verified_store_path
 
     assert (verified_store_path(str(int8[0].tag), "int8") / "policy.ts").is_file()
 
@@ -124,7 +124,7 @@ def test_store_refuses_an_entry_whose_file_changed(small_bundle):
     import bentoml
 
     from policy_bundle.bundle.manifest import BundleVerificationError, manifest_hash
-    from policy_bundle.bundle.store import verified_store_path
+    from policy_bundle.bundle.model_store import verified_store_path
 
     sha = manifest_hash(small_bundle)
     model = next(m for m in bentoml.models.list("policy-fp16") if m.info.labels.get("manifest_sha256") == sha[:32])

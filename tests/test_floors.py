@@ -9,7 +9,7 @@ installed namespace.
              (errors and progress below all of them; containerize beside config, for the CLI)
     quantize/: config, percentile, extras <- model <- runtime <- calibration <- recipes <- recipe_types <- fidelity
              <- w8a8 <- export <- reference
-    serve/:  rollout <- settings, store_entries;  schemas <- http;  wire, logs
+    serve/:  rollout <- settings, model_entries;  schemas <- http;  wire, logs
              <- variants (the variant workers) <- router (the router process)
 """
 
@@ -57,7 +57,7 @@ BUILD_ALLOWED = {
 }
 # inside serve/: by the process a unit runs in. rollout/ (the control plane's state machine and store) sits at the
 # bottom, the modules both processes share above it, the variant workers above those, the router on top.
-SERVE_SHARED = {"schemas", "wire", "logs", "http", "settings", "store_entries"}
+SERVE_SHARED = {"schemas", "wire", "logs", "http", "settings", "model_entries"}
 SERVE_ALLOWED = {
     "__init__": set(),
     "rollout": set(),
@@ -66,7 +66,7 @@ SERVE_ALLOWED = {
     "logs": set(),
     "http": {"schemas"},
     "settings": {"rollout"},
-    "store_entries": {"rollout"},
+    "model_entries": {"rollout"},
     "variants": SERVE_SHARED | {"rollout"},
     "router": SERVE_SHARED | {"rollout", "variants"},
 }

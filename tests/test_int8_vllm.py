@@ -31,7 +31,7 @@ def test_reference_bundle_ships_a_w8a8_dir_that_vllm_runs_and_passes_the_gate(sm
 
 @needs_vllm
 def test_the_int8_store_entry_holds_the_w8a8_dir_verified(small_bundle):
-    from policy_bundle.bundle.store import verified_store_path
+    from policy_bundle.bundle.model_store import verified_store_path
 
     path = verified_store_path(f"policy-int8:{bundle_version(small_bundle)}", "int8-vllm")
     assert json.loads((path / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"

@@ -68,7 +68,7 @@ def test_store_entry_verifies_against_the_registered_manifest_hash(tmp_path):
     import json
 
     from policy_bundle.bundle.manifest import hash_tree
-    from policy_bundle.bundle.store import verify_entry
+    from policy_bundle.bundle.model_store import verify_entry
 
     entry, sha = store_entry(tmp_path)
     assert verify_entry(entry, "int8", sha) == entry / "int8"
@@ -90,7 +90,7 @@ def test_store_entry_verifies_against_the_registered_manifest_hash(tmp_path):
     (lambda e: (e / "surprise.bin").write_text("x"), "surprise.bin: not part of the store entry"),
 ])
 def test_store_entry_refuses_added_changed_and_missing_files(tmp_path, tamper, message):
-    from policy_bundle.bundle.store import verify_entry
+    from policy_bundle.bundle.model_store import verify_entry
 
     entry, sha = store_entry(tmp_path)
     tamper(entry)
@@ -99,7 +99,7 @@ def test_store_entry_refuses_added_changed_and_missing_files(tmp_path, tamper, m
 
 
 def test_int8_entry_verifies_its_int8_vllm_dir_whichever_it_serves(tmp_path):
-    from policy_bundle.bundle.store import verify_entry
+    from policy_bundle.bundle.model_store import verify_entry
 
     entry, sha = store_entry(tmp_path, dirs=("int8", "int8-vllm"))
     assert verify_entry(entry, "int8-vllm", sha) == entry / "int8-vllm"
@@ -115,7 +115,7 @@ def test_paths_hashed_as_they_are_read_are_checked_here_for_size_only(tmp_path, 
     the entry's verification too: it is read once. Its presence and size are still checked here, and every other
     file is hashed (without the deferral the same change is refused here: the negative control)."""
     from policy_bundle.bundle import manifest as mf
-    from policy_bundle.bundle.store import verify_entry
+    from policy_bundle.bundle.model_store import verify_entry
 
     entry, sha = store_entry(tmp_path, dirs=("int8", "int8-vllm"))
     hashed = []

@@ -178,7 +178,7 @@ def test_int8_engine_vllm_refuses_a_bundle_without_int8_vllm(tmp_path, small_bun
 
     import bentoml
 
-    from policy_bundle.build.artifacts.model_store import register_bundle
+    from policy_bundle.build.artifacts.register import register_bundle
     from policy_bundle.bundle.manifest import manifest_hash
 
     bundle = tmp_path / "reference"  # the same manifest, registered without its int8-vllm/ dir

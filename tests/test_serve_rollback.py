@@ -55,7 +55,7 @@ def test_a_new_bundle_starts_its_own_rollout_at_the_first_step(small_bundle, bro
 def test_an_int8_and_fp16_entry_from_different_builds_are_refused(small_bundle, broken_version):
     import bentoml
 
-    from policy_bundle.serve.store_entries import bundle_pair
+    from policy_bundle.serve.model_entries import bundle_pair
 
     with pytest.raises(SystemExit, match="come from different builds"):
         bundle_pair(bentoml.models.BentoModel(f"policy-int8:{bundle_version(small_bundle)}"),
@@ -127,7 +127,7 @@ def test_golden_runs_judge_the_items_pooled_over_a_window_not_one_small_run(brok
 def test_tampered_store_entry_stops_the_variant_from_starting(small_bundle):
     import bentoml
 
-    from policy_bundle.serve.store_entries import verified_artifact
+    from policy_bundle.serve.model_entries import verified_artifact
 
     model = bentoml.models.get(f"policy-int8:{bundle_version(small_bundle)}")
     target = model.path_of("int8/config.json")

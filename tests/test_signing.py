@@ -13,7 +13,7 @@ import pytest
 from cli_helpers import SMALL, run_cli
 from policy_bundle.bundle.manifest import BundleVerificationError, manifest_hash, sha256_file
 from policy_bundle.bundle.signing import generate_key, sign_bundle, verify_signature
-from policy_bundle.bundle.store import verify_entry
+from policy_bundle.bundle.model_store import verify_entry
 from serve_helpers import Server, bundle_version, complete, env_for
 
 
@@ -98,7 +98,7 @@ def test_a_symlink_in_a_store_entry_is_refused(small_bundle, tmp_path):
 SIGN_AND_REGISTER = """
 import sys
 from pathlib import Path
-from policy_bundle.build.artifacts.model_store import register_bundle
+from policy_bundle.build.artifacts.register import register_bundle
 from policy_bundle.bundle.manifest import manifest_hash
 from policy_bundle.bundle.signing import sign_bundle
 bundle, key, version = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -144,7 +144,7 @@ def test_an_engine_that_opens_files_by_path_gets_the_bytes_that_were_hashed(smal
     file changed after the entry's verification is refused, not loaded."""
     from policy_bundle.bundle.layout import FP16_DIR
     from policy_bundle.bundle.manifest import read_manifest
-    from policy_bundle.serve.store_entries import verified_copy
+    from policy_bundle.serve.model_entries import verified_copy
 
     bundle = tmp_path / "bundle"
     shutil.copytree(small_bundle, bundle)
@@ -177,7 +177,7 @@ def test_a_torchscript_changed_after_verification_is_refused_not_loaded(small_bu
     """The INT8 TorchScript is loaded from the bytes that were hashed: a file swapped after the entry's check is
     refused (the control: the file as verified loads)."""
     from policy_bundle.bundle.layout import INT8_TORCHSCRIPT
-    from policy_bundle.serve.store_entries import verified_bytes
+    from policy_bundle.serve.model_entries import verified_bytes
 
     bundle = tmp_path / "bundle"
     shutil.copytree(small_bundle, bundle)
@@ -192,7 +192,7 @@ def test_a_verified_copy_of_a_process_that_is_gone_is_removed_at_the_next_start(
     import tempfile
 
     from policy_bundle.bundle.layout import FP16_DIR
-    from policy_bundle.serve.store_entries import verified_copy
+    from policy_bundle.serve.model_entries import verified_copy
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = sp.Popen([sys.executable, "-c", "pass"])

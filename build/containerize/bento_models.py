@@ -13,7 +13,7 @@ from typing import List, Sequence
 import yaml
 
 from policy_bundle.bundle.manifest import BundleVerificationError
-from policy_bundle.bundle.store import verify_entry
+from policy_bundle.bundle.model_store import verify_entry
 
 BENTO_INFO = "bento.yaml"
 
@@ -45,7 +45,7 @@ def _entry_root(bento: Path, tag: str) -> Path:
 
 
 def verify_bento_models(bento: Path, trusted: Sequence[Path] = ()) -> List[VerifiedModel]:
-    """Every model ``bento.yaml`` lists, verified (``bundle.store.verify_entry``, signed by one of ``trusted`` when
+    """Every model ``bento.yaml`` lists, verified (``bundle.model_store.verify_entry``, signed by one of ``trusted`` when
     given); raises on the first mismatch."""
     bento = Path(bento)
     tags = [m["tag"] for m in (yaml.safe_load((bento / BENTO_INFO).read_text()).get("models") or [])]

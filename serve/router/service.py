@@ -37,7 +37,7 @@ from policy_bundle.serve.rollout.state import BundlePair, RolloutDatabase, Store
 from policy_bundle.serve.router.routing import choose, forced_variant, matched_variant
 from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest, openapi_operation, parse_request
 from policy_bundle.serve.settings import settings_or_exit
-from policy_bundle.serve.store_entries import bundle_pair, refuse, verified_artifact
+from policy_bundle.serve.model_entries import bundle_pair, refuse, verified_artifact
 from policy_bundle.serve.variants.services import VERSION, Fp16Policy, Int8Policy
 
 log = logging.getLogger("policy_bundle.router")

@@ -23,14 +23,14 @@ from bentoml.exceptions import BentoMLException, InvalidArgument, NotFound
 from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_TORCHSCRIPT, INT8_VLLM_DIR, BundleLayout
-from policy_bundle.bundle.store import pair_version
+from policy_bundle.bundle.model_store import pair_version
 from policy_bundle.quantize.runtime.vllm_launch import vllm_available, vllm_switched_off
 from policy_bundle.serve import logs, wire
 from policy_bundle.serve.variants.batching import policy_engine
 from policy_bundle.serve.variants.engines import CapacityError, SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import TRAFFIC_TIMEOUT_S, patch_bentoml_timeout
 from policy_bundle.serve.settings import settings_or_exit
-from policy_bundle.serve.store_entries import manifest_sha, refuse, verified_artifact, verified_bytes, verified_copy
+from policy_bundle.serve.model_entries import manifest_sha, refuse, verified_artifact, verified_bytes, verified_copy
 
 log = logging.getLogger("policy_bundle.serve")
 logs.configure(settings_or_exit().log_format)

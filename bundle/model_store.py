@@ -30,7 +30,7 @@ def verify_entry(root: Path, sub: str, recorded_sha: str | None, trusted: Sequen
                  hashed_on_read: Sequence[str] = ()) -> Path:
     """Verify a store entry's ``sub`` directory and its sibling artifact directories; returns ``root / sub``.
     ``hashed_on_read``: entry paths (files or directories) the caller reads only through a reader that hashes what
-    it reads against the manifest (``serve/store_entries.py``: ``verified_copy``, ``verified_bytes``); they are checked
+    it reads against the manifest (``serve/model_entries.py``: ``verified_copy``, ``verified_bytes``); they are checked
     here for presence and size, and hashed once, as they are read.
 
     ``recorded_sha`` is the manifest sha256 the registration wrote into the entry's metadata: a

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import bentoml
 
 from policy_bundle.bundle.manifest import BundleVerificationError
-from policy_bundle.bundle.store import verified_store_path
+from policy_bundle.bundle.model_store import verified_store_path
 from policy_bundle.serve.rollout.state import BundlePair
 
 log = logging.getLogger("policy_bundle.serve")
@@ -25,7 +25,7 @@ def verified_artifact(model: bentoml.models.BentoModel, sub: str, trusted: Seque
                       hashed_on_read: Sequence[str] = ()) -> Path:
     """The store entry's artifact dir, verified against the manifest recorded at registration (and signed by one of
     the ``trusted`` public keys, when any is set). ``hashed_on_read``: the entry paths the caller reads only through
-    ``verified_copy`` / ``verified_bytes``, which hash them as they read (``bundle.store.verify_entry``)."""
+    ``verified_copy`` / ``verified_bytes``, which hash them as they read (``bundle.model_store.verify_entry``)."""
     try:
         return verified_store_path(str(model.tag), sub, [Path(k) for k in trusted], hashed_on_read)
     except BundleVerificationError as exc:

@@ -1,4 +1,4 @@
-"""Register a bundle's two artifacts in the BentoML model store (verified reads: ``bundle.store``)."""
+"""Register a bundle's two artifacts in the BentoML model store (verified reads: ``bundle.model_store``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Dict
 
 from policy_bundle.bundle.manifest import read_manifest
-from policy_bundle.bundle.store import ENTRY_DIRS, FP16_MODEL, INT8_MODEL, SHARED_FILES
+from policy_bundle.bundle.model_store import ENTRY_DIRS, FP16_MODEL, INT8_MODEL, SHARED_FILES
 
 
 @dataclass(frozen=True)
