@@ -71,3 +71,25 @@ def test_int8_vllm_is_gated_on_40_items_of_a_general_lm_and_every_item_of_a_task
     items = list(range(80))
     assert vllm_items(resolve_defaults(general_lm(tmp_path)), items) == items[:INT8_VLLM_ITEMS] == list(range(40))
     assert vllm_items(resolve_defaults(load_config(None)), items) == items  # a task's reward bound needs them all
+
+
+def test_the_policy_kind_is_decided_once_and_carried_after_the_source_is_gone(tmp_path):
+    """A directory derived from the reference policy (its reference.json) is a task policy: the resolved config says
+    so, and keeps saying so when the directory is gone (a bundle re-gated after its source was deleted)."""
+    import shutil
+
+    from policy_bundle.build.config.build_config import config_from_dict, is_task_policy
+
+    derived = tmp_path / "derived"
+    derived.mkdir()
+    (derived / "reference.json").write_text("{}")
+    cfg = load_config(None, (f"policy.source={derived}",))
+    resolved = resolve_defaults(cfg)
+    assert resolved.policy.kind == "task" and resolved.prompts.max_new_tokens == 8
+    assert resolve_defaults(general_lm(tmp_path)).policy.kind == "general"
+    shutil.rmtree(derived)
+    stored = config_from_dict(resolved.to_dict())  # as `policy-bundle gate` reads a bundle's manifest
+    assert is_task_policy(stored)
+    assert not is_task_policy(cfg)  # negative control: the unresolved config probes the (gone) source again
+    with pytest.raises(ConfigError, match=r"^policy.kind: task is judged on the reference task's prompts"):
+        load_config(None, ("policy.kind=task", f"prompts.file={GENERAL_PROMPTS}"))

@@ -29,7 +29,7 @@ from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import BuildError, GateError, ConfigError
 from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log, set_status
-from policy_bundle.build.source.policy_source import is_task_policy
+from policy_bundle.build.config.build_config import is_task_policy
 from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.quantize.fidelity.scores import GoldenItem, completion_metrics, evaluate_gate, measure_fidelity
 from policy_bundle.quantize.model.hf_weights import load_hf_config

@@ -19,7 +19,7 @@ import torch
 
 from policy_bundle.build.calibrate.w8a8_statistics import onnx_recipe_note, w8a8_summary
 from policy_bundle.build.config.build_config import BuildConfig
-from policy_bundle.build.source.policy_source import is_task_policy
+from policy_bundle.build.config.build_config import is_task_policy
 from policy_bundle.build.source.torchtitan_checkpoint import provenance
 from policy_bundle.bundle.faults import fault_spec
 from policy_bundle.bundle.info import serving_section

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 from policy_bundle.build.config.build_config import BuildConfig, check_batch_size
 from policy_bundle.build.errors import ConfigError
-from policy_bundle.build.source.policy_source import is_task_policy
+from policy_bundle.build.config.build_config import is_task_policy
 from policy_bundle.quantize.reference import task
 from policy_bundle.quantize.fidelity.scores import GoldenItem
 
@@ -66,14 +66,18 @@ class PromptSplit:
 def resolve_defaults(cfg: BuildConfig) -> BuildConfig:
     """The config with the fields it leaves unset (None) filled in for this policy, as the manifest records them.
 
+    ``policy.kind`` auto becomes task or general (``is_task_policy``), so every later stage and a bundle's
+    stored config read the decision instead of probing the source again.
     A task policy: ``prompts.max_new_tokens`` 8, ``calibration.samples`` 256, ``calibration.golden``
     DEFAULT_TASK_GOLDEN (the gate's items; ``split_prompts`` gives the float-layer search as many more).
     A general LM on a prompts file (the shipped general set by default): 32 new tokens per
     item, ``default_general_golden`` golden items, and every other prompt once as calibration (at most 256: a
     repeated prompt's greedy rollout is the same sequence again, work that adds nothing). Set fields are kept.
     """
+    task = is_task_policy(cfg)  # decided here, once: the resolved config carries it (policy.kind)
+    if cfg.policy.kind == "auto":
+        cfg = replace(cfg, policy=replace(cfg.policy, kind="task" if task else "general"))
     p, c = cfg.prompts, cfg.calibration
-    task = is_task_policy(cfg)
     if p.max_new_tokens is None:
         p = replace(p, max_new_tokens=TASK_NEW_TOKENS if task else GENERAL_NEW_TOKENS)
     if task and c.golden is None:

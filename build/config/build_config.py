@@ -57,6 +57,11 @@ class PolicySection:
         "max_seq_len_cap. The served KV cache grows with what requests use (serve's kv_cache_bytes bounds it)"))
     max_seq_len_cap: int = ranged(8192, 8, 262144, help="the most context an unset max_seq_len takes from the model")
     torchtitan: Optional[TorchtitanSection] = setting(None, help="set when source is a torchtitan DCP checkpoint")
+    kind: str = choice("auto", ("auto", "task", "general"), help=(
+        "task: judged on the reference task's prompts and exact-match reward; general: a general LM, judged on its "
+        "prompts' logits and greedy text; auto: task for the reference policy and what derives from it (a "
+        "reference.json beside the weights, a torchtitan checkpoint with the task's tokenizer) unless prompts.file is "
+        "set. Decided once when the build starts; the manifest records the decision"))
 
 
 @config_model("prompts")
@@ -348,7 +353,24 @@ def config_from_dict(data: dict, overrides: Tuple[str, ...] = ()) -> BuildConfig
         raise ConfigError(str(exc)) from None
     if cfg.calibration.hosts and not cfg.calibration.procs:
         raise ConfigError("calibration.procs: 0 (in-process) cannot be combined with calibration.hosts > 0")
+    if cfg.policy.kind == "task" and cfg.prompts.file is not None:
+        raise ConfigError("policy.kind: task is judged on the reference task's prompts, and prompts.file names others "
+                          "(unset one of them)")
     return check_batch_size(cfg)
+
+
+def is_task_policy(cfg: BuildConfig) -> bool:
+    """Whether the policy is judged on the reference task: ``policy.kind`` once set or resolved
+    (``resolve_defaults`` decides it when the build starts, so a stored config keeps its answer after the source is
+    gone); for ``auto``, the reference policy, a directory derived from it (marked by its reference.json), or a
+    torchtitan checkpoint with the task's tokenizer, unless the config names its own prompts."""
+    if cfg.policy.kind != "auto":
+        return cfg.policy.kind == "task"
+    if cfg.prompts.file is not None:
+        return False
+    if cfg.policy.torchtitan is not None:
+        return cfg.policy.torchtitan.tokenizer == "reference"
+    return cfg.policy.source == "reference" or (Path(cfg.policy.source) / "reference.json").is_file()
 
 
 def check_batch_size(cfg: BuildConfig) -> BuildConfig:

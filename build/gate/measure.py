@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 from policy_bundle.build.config.build_config import BuildConfig
-from policy_bundle.build.source.policy_source import is_task_policy
+from policy_bundle.build.config.build_config import is_task_policy
 from policy_bundle.quantize.reference import task
 from policy_bundle.quantize.fidelity.scores import (GATE_DECODE_BATCH, LOGITS_ONLY_NOTE, FidelityReport, GoldenItem,
                                                     completion_metrics, greedy_completions, measure_fidelity,

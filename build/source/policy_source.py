@@ -37,13 +37,3 @@ def resolve_policy_dir(cfg: BuildConfig, log: Callable[[str], None] = print) -> 
     if not list(path.glob("*.safetensors")):
         raise UnsupportedPolicyError(f"policy.source: {path} holds no *.safetensors weights")
     return path
-
-
-def is_task_policy(cfg: BuildConfig) -> bool:
-    """The reference policy, a directory derived from it (marked by its reference.json), or a torchtitan
-    checkpoint with the task's tokenizer, scored on the task unless the config names its own prompts."""
-    if cfg.prompts.file is not None:
-        return False
-    if cfg.policy.torchtitan is not None:
-        return cfg.policy.torchtitan.tokenizer == "reference"
-    return cfg.policy.source == "reference" or (Path(cfg.policy.source) / "reference.json").is_file()
