@@ -94,7 +94,7 @@ def test_the_real_lm_int8_torchscript_decodes_with_int8_kernels_like_eager(real,
                                        in m.rows.code for m in kernels.values())
     assert all(m.int_mm_weight.numel() == 0 and m.unit_scales == n.endswith("down_proj") for n, m in kernels.items())
     ids = real["held"][0][:, :12]
-    with torch.no_grad():
+    with torch.no_grad(), torch.jit.optimized_execution(False):  # as served (script_runner): no profiling runs
         k, v = ts.new_cache(1, 24)
         logits = ts.prefill(ids, k, v)
         nxt = ts.decode(logits[:, -1:].argmax(-1), ids.shape[1], k, v)
@@ -116,7 +116,7 @@ def test_a_prefill_gives_the_full_forwards_last_row_bitwise_with_the_int8_head(r
     float_ts = torch.jit.script(int8)
     int8.lm_head = Int8RescoredHead(Int8TokenLinear.from_float(int8.lm_head), int8.lm_head.weight.detach(), 64)
     ids = real["held"][0][:, :12]
-    with torch.no_grad():
+    with torch.no_grad(), torch.jit.optimized_execution(False):  # as served (script_runner): no profiling runs
         for ts, bitwise in ((torch.jit.script(int8), True), (float_ts, False)):
             full = ts(ids, 0, *ts.new_cache(1, 12))
             last = ts.prefill(ids, *ts.new_cache(1, 12))
