@@ -95,7 +95,7 @@ def cmd_config_defaults(args: argparse.Namespace) -> int:
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
     """The JSON Schema of the build config or the router settings: the keys, types, limits and defaults the readers
-    enforce (``quantize.config.schema.json_schema``), for editors and CI checks of a config file."""
+    enforce (``quantize.config.json_schema.json_schema``), for editors and CI checks of a config file."""
     import json
 
     if args.what == "router":

@@ -5,7 +5,7 @@ handler per config type): a caller registers a handler per type and looks it up 
   static, dynamic and weight-only, smoothed or not; per-tensor activation scales, which onnxruntime's static
   INT8 carries too.
 - ``W8A8Recipe``: per-token int8 activations at run time (``quantize.w8a8.linear``): linear statistics ->
-  ``w8a8_plan.build_plan`` -> ``plan.convert``; no per-tensor ONNX carries them.
+  ``w8a8.plan.build_plan`` -> ``plan.convert``; no per-tensor ONNX carries them.
 
 Both keep every ``RecipeConfig`` field (a config file names one recipe section whatever the family); the type
 says which fields its handler reads. ``typed`` is the one place where a scheme name decides the family.

@@ -26,7 +26,7 @@ from policy_bundle.build.artifacts.fp16check import trim_at_eos
 from policy_bundle.build.artifacts.vllm_golden import (VllmGoldenRequest, VllmGoldenResult, VllmGoldenRun, VllmRunError,
                                                        run_vllm_golden)
 from policy_bundle.build.config.build_config import BuildConfig
-from policy_bundle.build.errors import BuildError, GateError, ConfigError
+from policy_bundle.build.errors import BuildError, ConfigError, GateError
 from policy_bundle.build.gate.measure import fidelity_kwargs
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.build.config.build_config import is_task_policy

@@ -182,5 +182,5 @@ def raise_rejected(cfg: BuildConfig, best: GateOutcome, summary: List[dict], fin
     report = write_report(rejected, best, cfg.gate.thresholds, {"candidates": summary})
     top = best.sensitivity[0][0] if best.sensitivity else "n/a"
     raise GateError(f"accuracy gate failed ({'; '.join(best.verdict.failures)}) after keeping "
-                          f"{len(best.fp32_layers)} layer(s) in float (gate.max_fp_layers="
-                          f"{cfg.gate.max_fp_layers}); most sensitive layer: {top}; report: {report}")
+                    f"{len(best.fp32_layers)} layer(s) in float (gate.max_fp_layers="
+                    f"{cfg.gate.max_fp_layers}); most sensitive layer: {top}; report: {report}")

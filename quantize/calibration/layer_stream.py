@@ -3,7 +3,7 @@ hidden states enter a layer, its input groups' statistics are collected, the cal
 layer's float output becomes the next layer's input. Memory is one layer's weights, its statistics (Hessians) and
 the calibration set's hidden states, not the model.
 
-A layer run here computes what the whole model's teacher-forced forward (``model.full_logits``) computes at that
+A layer run here computes what the whole model's teacher-forced forward (``model.policy.full_logits``) computes at that
 layer, bitwise: the same embedding, rotary tables, mask and cache shapes, one batch at a time. So the statistics
 are those of hooks on a whole forward (``quantize.calibration.linear_stats``), in either process and in any number of
 them:

@@ -72,7 +72,7 @@ def export_w8a8_checkpoint(float_policy: Policy, cfg: PolicyConfig, int8: Int8We
     generation_config); returns the linears kept in float.
 
     ``float_policy`` holds every float weight (smoothing already folded in), or ``tensor_of`` (parameter name ->
-    tensor) gives them from it as they are written (``w8a8_plan.smoothed_tensors``: no smoothed copy of the model);
+    tensor) gives them from it as they are written (``w8a8.plan.smoothed_tensors``: no smoothed copy of the model);
     ``int8`` the quantized linears' weights. Linears ``vllm_float_linears`` keeps in float are written from the float
     weights. The file is written one tensor at a time (``safetensors_io.write_streaming``).
     ``rot_blocks``: the quantized linears whose ``int8`` weight is of a rotated input (linear -> Hadamard block,

@@ -97,7 +97,7 @@ class ReferenceLogits:
 
 
 def item_kl(ref_logits: Tensor, cand_logits: Tensor) -> Tensor:
-    """KL(ref || cand) per row in nats (``fidelity.kl_per_token``'s arithmetic, on one item's rows)."""
+    """KL(ref || cand) per row in nats (``scores.kl_per_token``'s arithmetic, on one item's rows)."""
     ref_lp = torch.log_softmax(ref_logits.double(), dim=-1)
     cand_lp = torch.log_softmax(cand_logits.double(), dim=-1)
     return (ref_lp.exp() * (ref_lp - cand_lp)).sum(-1).clamp_min(0.0)

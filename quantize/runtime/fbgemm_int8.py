@@ -20,7 +20,7 @@ from torch import Tensor, nn
 def quantize_weight(w: Tensor, qmax: int = 127, dtype: torch.dtype = torch.int8,
                     min_scale: float = 1e-8) -> Tuple[Tensor, Tensor]:
     """Per output channel symmetric int8 of a [out, in] weight: (int8 [out, in], scales [out]); ``qmax``, ``dtype``
-    and ``min_scale`` give other widths (``w8a8_head.quantize_rows_int16``)."""
+    and ``min_scale`` give other widths (``w8a8.head.quantize_rows_int16``)."""
     scales = (w.abs().amax(dim=1) / float(qmax)).clamp_min(min_scale)
     return torch.round(w / scales.unsqueeze(1)).clamp(-qmax, qmax).to(dtype), scales
 
@@ -153,7 +153,7 @@ class FbgemmWeight(nn.Module):
     right after the load, one at a time, each read copy freed as its packed one is made.
 
     ``share``: the int8 weight itself is read elsewhere too (an int8 LM head's rows, which the tied int8 embedding
-    gathers and the rescoring reads: ``w8a8.Int8Embedding``); it is held as ``shared`` and saved as that tensor, so the
+    gathers and the rescoring reads: ``w8a8.head.Int8Embedding``); it is held as ``shared`` and saved as that tensor, so the
     file and the loaded policy hold it once beside the packed copy. It changes no kernel path (``kept`` does)."""
 
     def __init__(self, weight_int8: Tensor, scales: Tensor, keep: bool = False, share: bool = False):

@@ -4,7 +4,7 @@ search, rotation and GPTQ rounding, then its Hessians and row samples are droppe
 
 ``plan_layers`` does a contiguous share of the layers from that share's input: the whole model in one process, or
 one share per process of a mesh (each holding only its layers' weights), the output of one share being the input
-of the next. ``merge_plans`` puts the shares' plans together; the result is the plan ``w8a8_plan.build_plan`` makes
+of the next. ``merge_plans`` puts the shares' plans together; the result is the plan ``plan.build_plan`` makes
 from whole-model statistics (the same statistics, layer by layer).
 """
 

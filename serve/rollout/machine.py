@@ -1,6 +1,6 @@
 """Staged INT8 rollout of one bundle pair: steps with pause durations, analysis verdicts, operator commands.
 
-The state lives in the rollout database (``rollout_db``), one row per bundle pair. Every change is a
+The state lives in the rollout database (``state``, serve/rollout/state.py), one row per bundle pair. Every change is a
 compare-and-set from the version this replica last read: an analysis verdict applies only to the state its
 window was observed under (a verdict another replica beat is dropped, never applied twice), and an operator
 command re-reads and retries, so replicas never undo each other. Each replica re-reads the state every
