@@ -87,6 +87,11 @@ def test_the_gate_section_is_read_under_its_old_name_canary(tmp_path, capsys):
     both.write_text("canary:\n  max_kl_mean: 0.007\ngate:\n  max_kl_mean: 0.005\n")
     with pytest.raises(ConfigError, match=r"^gate: given twice, also under its old name `canary`"):
         load_config(str(both))
+    for var, value, says in (("POLICY_BUNDLE_BUILD__CANARY__MAX_KL_MEAN", "-1", "max_kl_mean"),
+                             ("POLICY_BUNDLE_BUILD__CANARY__BOGUS", "1", "names no build setting")):
+        with pytest.raises(ConfigError, match=rf"^{var}: .*{says}"):  # the variable as set, not its new name
+            load_config(None, env={var: value})
+    capsys.readouterr()
     fresh = load_config(None, ("gate.max_kl_mean=0.004",))  # the new name alone: nothing said
     assert fresh.gate.thresholds.max_kl_mean == 0.004 and capsys.readouterr().err == ""
 

@@ -275,17 +275,19 @@ def renamed_key(key: str) -> str:
     return key
 
 
-def renamed_env(env: Mapping[str, str]) -> Dict[str, str]:
-    """``POLICY_BUNDLE_BUILD__<OLD>__...`` variables under their section's name."""
-    out = {}
+def renamed_env(env: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """``POLICY_BUNDLE_BUILD__<OLD>__...`` variables under their section's name, and each renamed variable's name as
+    the user set it (so an error names the variable that is really there)."""
+    out, set_as = {}, {}
     for var, value in env.items():
         for old, new in LEGACY_SECTIONS.items():
             prefix = f"{BUILD_ENV_PREFIX}{old.upper()}__"
             if var.startswith(prefix):
                 _warn_renamed(old, new)
-                var = f"{BUILD_ENV_PREFIX}{new.upper()}__" + var[len(prefix):]
+                renamed = f"{BUILD_ENV_PREFIX}{new.upper()}__" + var[len(prefix):]
+                set_as[renamed], var = var, renamed
         out[var] = value
-    return out
+    return out, set_as
 
 
 def _apply_override(data: dict, override: str) -> None:
@@ -325,11 +327,14 @@ def load_config(path: Optional[Path], overrides: Tuple[str, ...] = (),
     """Read, override and validate a build config: the file, then the environment's ``POLICY_BUNDLE_BUILD__*``
     variables (``env``), then ``overrides`` (``section.field=value``, the CLI's ``--set``). An error from a variable
     names it."""
+    variables, set_as = renamed_env(env or {})
     try:
         data = renamed_sections(read_yaml(Path(path), "config file") if path is not None else {})
-        over, source = env_settings(renamed_env(env or {}))
-    except FieldError as exc:
-        raise ConfigError(str(exc)) from None
+        over, source = env_settings(variables)
+    except (FieldError, ConfigError) as exc:
+        var, colon, rest = str(exc).partition(":")
+        raise ConfigError(f"{set_as.get(var, var)}{colon}{rest}") from None
+    source = {key: set_as.get(var, var) for key, var in source.items()}
     try:
         return config_from_dict(merged(data, over), overrides)
     except ConfigError as exc:
