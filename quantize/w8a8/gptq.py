@@ -11,6 +11,9 @@ near-tied top-2 logits, so small systematic errors flip them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -18,11 +21,18 @@ from torch import Tensor
 ROWS_PER_PASS = 4096  # output rows rounded together: a vocabulary-sized head's float64 copies stay ~100 MB each
 
 
-def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = 0.01, block: int = 128,
-                  rows_per_pass: int = ROWS_PER_PASS) -> tuple[Tensor, Tensor]:
-    """int8 [out, in] and per-row scales [out] for ``weight`` given the input Hessian [in, in]. Output rows do not
-    interact (each row's error feedback runs along its own columns), so they are rounded ``rows_per_pass`` at a time:
-    the float64 working copies are of that many rows, not of the whole weight."""
+@dataclass(frozen=True)
+class HessianFactor:
+    """What GPTQ needs of an input Hessian, computed once for all the linears that read the same input (q, k and v;
+    gate and up): act order, its inverse permutation, the dead columns and the upper Cholesky factor of H^-1."""
+    perm: Tensor
+    inverse: Tensor
+    dead: Tensor
+    hinv: Tensor
+
+
+def factor_hessian(hessian: Tensor, damp: float = 0.01) -> HessianFactor:
+    """``hessian`` [in, in] dampened by ``damp`` times its mean diagonal, put in act order and factored."""
     h = hessian.detach().double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
@@ -30,17 +40,28 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = 0.01, block: in
     h = h[perm][:, perm]
     h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    del h
-    inverse = torch.argsort(perm)
+    return HessianFactor(perm, torch.argsort(perm), dead, hinv)
+
+
+def gptq_quantize(weight: Tensor, hessian: Optional[Tensor] = None, damp: float = 0.01, block: int = 128,
+                  rows_per_pass: int = ROWS_PER_PASS, factor: Optional[HessianFactor] = None) -> tuple[Tensor, Tensor]:
+    """int8 [out, in] and per-row scales [out] for ``weight`` given the input Hessian [in, in] (or its
+    ``factor_hessian``, shared by the linears of one input). Output rows do not interact (each row's error feedback
+    runs along its own columns), so they are rounded ``rows_per_pass`` at a time: the float64 working copies are of
+    that many rows, not of the whole weight."""
+    if factor is None:
+        if hessian is None:
+            raise ValueError("gptq_quantize needs the input Hessian or its factor")
+        factor = factor_hessian(hessian, damp)
     codes = torch.empty(weight.shape, dtype=torch.int8)
     scales = torch.empty(weight.shape[0], dtype=torch.float32)
     for r1 in range(0, weight.shape[0], rows_per_pass):
         r2 = min(r1 + rows_per_pass, weight.shape[0])
         w = weight.detach()[r1:r2].double()
         s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
-        w[:, dead] = 0.0
-        q = _rows(w[:, perm], hinv, s.unsqueeze(1), block)
-        codes[r1:r2] = q[:, inverse].to(torch.int8)
+        w[:, factor.dead] = 0.0
+        q = _rows(w[:, factor.perm], factor.hinv, s.unsqueeze(1), block)
+        codes[r1:r2] = q[:, factor.inverse].to(torch.int8)
         scales[r1:r2] = s.float()
     return codes, scales
 

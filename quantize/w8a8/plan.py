@@ -16,30 +16,34 @@ kept in float (the accuracy fallback re-converts without touching the data again
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from policy_bundle.quantize.model.blocks import shared_copy, widen_narrow  # noqa: F401 (shared_copy: public here too)
-from policy_bundle.quantize.w8a8.gptq import gptq_quantize
+from policy_bundle.quantize.w8a8.gptq import factor_hessian, gptq_quantize
+from policy_bundle.quantize.w8a8.rotation import rotate, rotate_both_sides
 from policy_bundle.quantize.calibration.linear_stats import HEAD_GROUP, LinearStats
 from policy_bundle.quantize.fidelity.sensitivity import layer_sensitivity
 from policy_bundle.quantize.calibration.smooth import fold_smoothing, group_scale, input_scale, smoothing_groups
 from policy_bundle.quantize.w8a8.linear import (Int8TokenLinear, fake_quant_rows, quantize_weight, rotated_weight,
-                                                rotation_block, rotation_matrix)
+                                                rotation_block)
 from policy_bundle.quantize.w8a8.head import (Int8Embedding, Int8RescoredHead, Int16Embedding, quantize_rows_int12,
                                               quantize_rows_int16)
 
 
+Rotation = Callable[[Tensor], Tensor]  # x -> x @ R
+
 def relative_output_error(x: Tensor, weight: Tensor, q_weight: Tensor, s_in: Optional[Tensor] = None,
-                          rot: Optional[Tensor] = None) -> float:
+                          rot: Optional[Rotation] = None) -> float:
     """||x W^T - fq(x / s @ R) Wq^T||^2 / ||x W^T||^2 on calibration rows (Wq already smoothed by s and rotated
     by R)."""
     ref = x @ weight.t()
     xs = x if s_in is None else x / s_in
     if rot is not None:
-        xs = xs @ rot
+        xs = rot(xs)
     out = fake_quant_rows(xs) @ q_weight.t()
     return float((ref - out).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-12))
 
@@ -133,7 +137,7 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
     chosen = set(selected)
     work = {p: [c for c in cs if c in chosen] for p, cs in groups.items() if stats[p].sample is not None}
     work = {p: cs for p, cs in work.items() if cs}
-    rotations = {p: _group_rotation(policy, p, groups, max_rot_block) for p in work}  # (block, R) or None
+    rotations = {p: _group_rotation(policy, p, groups, max_rot_block) for p in work}  # (block, x -> x @ R) or None
     if smooth:  # all scales first: a producer linear (up_proj, v_proj) is also another group's consumer
         for i, producer in enumerate(work):
             if producer == HEAD_GROUP:
@@ -162,15 +166,16 @@ def build_plan(policy: nn.Module, stats: LinearStats, groups: Dict[str, List[str
             h = st.hessian * inv.unsqueeze(0) * inv.unsqueeze(1)
         block, rot = rotations[producer] or (0, None)
         if rot is not None:
-            xs = xs @ rot
-            h = None if h is None else rot.t().double() @ h @ rot.double()
+            xs = rot(xs)
+            h = None if h is None else rotate_both_sides(h, block)
+        factor = None if h is None else factor_hessian(h, gptq_damp)  # one per input, shared by its linears
         threshold = _smoothed_threshold(st, s_in, outlier_ratio, rot)
         for c in mine:
             w = smoothed_weight(policy, c, producer, plan.scales)
             if rot is not None:
-                w = w @ rot
+                w = rot(w)
                 plan.rot_blocks[c] = block
-            q, sc = gptq_quantize(w, h, damp=gptq_damp) if h is not None else quantize_weight(w)
+            q, sc = gptq_quantize(w, factor=factor) if factor is not None else quantize_weight(w)
             plan.weights[c], plan.thresholds[c] = (q, sc), threshold
             plan.sensitivity.append((c, relative_output_error(xs, w, q.float() * sc.unsqueeze(1))))
         progress(f"weights {i + 1}/{len(work)}: {producer} ({len(mine)} linears, {rounding})")
@@ -214,24 +219,24 @@ def smoothed_tensors(policy: nn.Module, scales: Dict[str, Tensor]) -> Callable[[
 
 
 def _group_rotation(policy: nn.Module, producer: str, groups: Dict[str, List[str]],
-                    max_block: int) -> Optional[Tuple[int, Tensor]]:
-    """The Hadamard block and dense rotation of a group's (smoothed) input, or None: no rotation asked, or no
-    power-of-two block divides the width. (An int8 LM head's float rescoring reads its input unrotated: the
+                    max_block: int) -> Optional[Tuple[int, Rotation]]:
+    """The Hadamard block and rotation (``x -> x @ R``, applied block by block) of a group's (smoothed) input, or
+    None: no rotation asked, or no power-of-two block divides the width. (An int8 LM head's float rescoring reads its input unrotated: the
     kernel rotates its own copy.)"""
     if max_block <= 0:
         return None
     n = policy.get_submodule(groups[producer][0]).in_features
     block = rotation_block(n, max_block)
-    return (block, rotation_matrix(n, block)) if block else None
+    return (block, partial(rotate, block=block)) if block else None
 
 
-def _smoothed_threshold(st, s_in: Tensor, ratio: float, rot: Optional[Tensor] = None) -> float:
+def _smoothed_threshold(st, s_in: Tensor, ratio: float, rot: Optional[Rotation] = None) -> float:
     """The outlier threshold on the smoothed input: below every calibration outlier row (smoothing
     shrinks their channel, and a missed outlier row is the attention sink quantized), else the
     ratio-times-median rule on the smoothed rows."""
     if st.threshold <= 0:
         return 0.0
-    turn = (lambda x: x @ rot) if rot is not None else (lambda x: x)  # noqa: E731
+    turn = rot if rot is not None else (lambda x: x)  # noqa: E731
     rule = float(turn(st.sample / s_in).abs().amax(dim=1).median()) * ratio
     if st.outliers is None:
         return rule
@@ -247,7 +252,7 @@ def _channels(policy: nn.Module, producer: str, consumers: List[str]) -> int:
 
 
 def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max: Tensor, x: Tensor,
-                  alphas: Sequence[float], rot: Optional[Tensor] = None) -> Tuple[Tensor, Optional[float]]:
+                  alphas: Sequence[float], rot: Optional[Rotation] = None) -> Tuple[Tensor, Optional[float]]:
     """The s (and alpha) with the least summed relative output error (after the group's rotation, if any);
     alpha None = no smoothing."""
     weights = [policy.get_submodule(c).weight.detach().float() for c in consumers]
@@ -259,7 +264,7 @@ def _search_alpha(policy: nn.Module, producer: str, consumers: List[str], x_max:
         err = 0.0
         for w in weights:
             ws = w * s_in.unsqueeze(0)
-            q, sc = quantize_weight(ws if rot is None else ws @ rot)
+            q, sc = quantize_weight(ws if rot is None else rot(ws))
             err += relative_output_error(x, w, q.float() * sc.unsqueeze(1), s_in, rot)
         if err < best[0]:
             best = (err, s, alpha)
