@@ -108,12 +108,15 @@ def run_container(image: str, name: str, *extra: str) -> str:
 
 @pytest.fixture(scope="module")
 def container(image, tmp_path_factory):
-    """The image running as `podman run --network host` on a free port, admin token set; stopped after."""
-    name = f"policy-bundle-test-{os.getpid()}"
+    """The image running as `podman run --network host` on a free port, admin token set, its rollout state on a
+    volume (the last test replaces the container on it); stopped and the volume removed after."""
+    name, volume = f"policy-bundle-test-{os.getpid()}", f"policy-bundle-state-{os.getpid()}"
     try:
-        yield {"url": run_container(image["image"], name), "name": name}
+        yield {"url": run_container(image["image"], name, "-v", f"{volume}:/home/bentoml/state"), "name": name,
+               "volume": volume, "image": image["image"]}
     finally:
         podman("rm", "-f", "-t", "20", name)
+        podman("volume", "rm", "-f", volume)
 
 
 def complete(url: str, variant: str) -> dict:
@@ -324,23 +327,19 @@ def test_a_second_containerize_reuses_the_package_layers(image, home):
 
 @needs_podman
 @pytest.mark.container
-def test_a_rolled_back_int8_stays_rolled_back_when_the_container_is_replaced(image):
+def test_a_rolled_back_int8_stays_rolled_back_when_the_container_is_replaced(container):
     """The rollout state lived in the container's ephemeral HOME: a replaced container started the pair's rollout
-    over at its first step, the rolled-back INT8 included. The image keeps it in /home/bentoml/state, a volume."""
-    volume, admin = f"policy-bundle-state-{os.getpid()}", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    over at its first step, the rolled-back INT8 included. The image keeps it in /home/bentoml/state, a volume.
+    (Last in this file: it rolls the module's container back and replaces it.)"""
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    r = httpx.post(f"{container['url']}/admin/rollout", headers=admin, timeout=60,
+                   json={"action": "rollback", "reason": "container test"})
+    assert r.status_code == 200 and r.json()["state"]["status"] == "rolled-back", r.text
+    podman("rm", "-f", "-t", "20", container["name"])
+    name = f"{container['name']}-replaced"
     try:
-        for attempt in ("first", "replaced"):
-            name = f"policy-bundle-state-{os.getpid()}-{attempt}"
-            try:
-                url = run_container(image["image"], name, "-v", f"{volume}:/home/bentoml/state")
-                if attempt == "first":
-                    r = httpx.post(f"{url}/admin/rollout", headers=admin, timeout=60,
-                                   json={"action": "rollback", "reason": "container test"})
-                    assert r.status_code == 200 and r.json()["state"]["status"] == "rolled-back", r.text
-                else:
-                    state = httpx.get(f"{url}/admin/rollout", headers=admin, timeout=60).json()["state"]
-                    assert (state["status"], state["weight"]) == ("rolled-back", 0.0), state
-            finally:
-                podman("rm", "-f", "-t", "20", name)
+        url = run_container(container["image"], name, "-v", f"{container['volume']}:/home/bentoml/state")
+        state = httpx.get(f"{url}/admin/rollout", headers=admin, timeout=60).json()["state"]
+        assert (state["status"], state["weight"]) == ("rolled-back", 0.0), state
     finally:
-        podman("volume", "rm", "-f", volume)
+        podman("rm", "-f", "-t", "20", name)
