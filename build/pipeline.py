@@ -31,6 +31,7 @@ from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_item
 from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_rollouts, read_rollouts_jsonl,
                                                     screen_odd_samples, vllm_rollouts)
 from policy_bundle.build.config.build_config import BuildConfig
+from policy_bundle.build import build_faults
 from policy_bundle.build.errors import RegistrationError
 from policy_bundle.build.gate.report import add_artifact_comparison
 from policy_bundle.build.gate.families import by_family, handler
@@ -38,7 +39,6 @@ from policy_bundle.build.gate.recipe_choice import ChosenRecipe, choose_recipe
 from policy_bundle.build.source.memory_plan import check_memory, plan_memory
 from policy_bundle.build.progress import Stages, Throttled, bar, heartbeat, log
 from policy_bundle.build.source.policy_source import resolve_policy_dir
-from policy_bundle.bundle.faults import active_fault, apply_onnx_fault
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer, write_golden_jsonl
 from policy_bundle.bundle.layout import INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.manifest import manifest_hash, read_manifest, write_manifest
@@ -86,7 +86,7 @@ def run_build(cfg: BuildConfig, out: Path, force: bool = False, drift: Optional[
     torch.manual_seed(cfg.seed)
     int8_vllm = planned(cfg)  # export.int8_vllm: true without vLLM fails here, before any work
     cfg.require_extras()  # so does a setting whose extra is not installed
-    active_fault()  # announced (and recorded in the manifest) when a test fault is set
+    build_faults.spec()  # announced (and recorded in the manifest) when a test fault is set
     stages = Stages(9)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_work_dirs(out.parent, log=log)
@@ -271,7 +271,7 @@ def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: Chose
         shutil.copy(policy_dir / "config.json", out.int8_dir / "config.json")
         copy_tokenizer_files(policy_dir, out.int8_dir)
         if cfg.onnx_export():
-            apply_onnx_fault(export_onnx_int8(policy, out.int8_dir, rollouts.batches,
+            build_faults.broken_onnx(export_onnx_int8(policy, out.int8_dir, rollouts.batches,
                                               keep_float=list(recipe.skip + recipe.fp32_layers)))
         export_fp16_hf(policy, load_hf_config(policy_dir), policy_dir, out.fp16_dir)
         s.detail = ", ".join(f"{p.relative_to(tmp)} {p.stat().st_size / 1e6:.1f} MB"

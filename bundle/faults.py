@@ -24,6 +24,10 @@
 - ``template``: the router's chat template raises (``raise_exception``, as real templates do) on a
   system message that is not the first message;
 several faults at once: separated by ``;``.
+
+Each package reads them in one module, which installs each fault where its part is made: ``serve/serving_faults.py``
+(an engine's step hook, an engine wrapper, a loop tick, a chat template) and ``build/build_faults.py`` (the mesh
+actors' shard checks, the calibration state, the exported ONNX file, the manifest's record of the spec).
 """
 
 from __future__ import annotations

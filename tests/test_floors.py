@@ -38,11 +38,12 @@ GENERIC = {"build", "serve", "quantize", "loadtest", "bundle"}
 IN_PROCESS_BENCHMARKS = {"loadtest/bench_batching.py", "loadtest/bench_detok.py"}
 EXAMPLES = "docs/examples"  # scripts outside the package; they may import what loadtest may
 # inside build/: what each unit (a stage sub-package, or a top-level module) may import of build/ (itself always)
-BASE = {"errors", "progress"}
+BASE = {"errors", "progress", "build_faults"}  # build_faults: the test faults' one seam in the build
 BUILD_ALLOWED = {
     "__init__": set(),
     "errors": set(),
     "progress": set(),
+    "build_faults": set(),
     "config": BASE,
     "containerize": BASE,
     "rollout_client": BASE,  # the admin API over HTTP: no stage, no serve/
@@ -57,13 +58,14 @@ BUILD_ALLOWED = {
 }
 # inside serve/: by the process a unit runs in. rollout/ (the control plane's state machine and store) sits at the
 # bottom, the modules both processes share above it, the variant workers above those, the router on top.
-SERVE_SHARED = {"schemas", "wire", "logs", "http", "settings", "model_entries"}
+SERVE_SHARED = {"schemas", "wire", "logs", "http", "settings", "model_entries", "serving_faults"}
 SERVE_ALLOWED = {
     "__init__": set(),
     "rollout": set(),
     "schemas": set(),
     "wire": set(),
     "logs": set(),
+    "serving_faults": set(),  # the test faults' one seam (bundle/faults.py) in the serving processes
     "http": {"schemas"},
     "settings": {"rollout"},
     "model_entries": {"rollout"},
@@ -72,9 +74,11 @@ SERVE_ALLOWED = {
 }
 # inside quantize/: each layer may import the layers before it. The model is plain torch; the runtime runs it (decode
 # loop, slots, kernels, the TorchScript and vLLM runners); calibration measures it; fidelity compares two policies;
-# the w8a8 scheme uses all of them; export writes what w8a8 made; the embedded reference policy sits on top.
+# the w8a8 scheme uses all of them; export writes what w8a8 made and the front (``quantize``) dispatches a recipe to its
+# family; the embedded reference policy sits on top.
 QUANTIZE_LAYERS = [{"__init__", "config", "percentile", "extras"}, {"model"}, {"runtime"}, {"calibration"},
-                   {"recipes"}, {"recipe_types"}, {"fidelity"}, {"w8a8"}, {"export"}, {"reference"}]
+                   {"recipes"}, {"recipe_types"}, {"fidelity"}, {"w8a8"}, {"export", "front"},
+                   {"reference"}]
 QUANTIZE_ALLOWED = {unit: set().union(*QUANTIZE_LAYERS[:i]) for i, layer in enumerate(QUANTIZE_LAYERS) for unit in
 layer}
 NAMED_ONCE = ("quantize", "bundle", "build", "serve")  # no two modules of these share a file name
@@ -252,6 +256,34 @@ def import_cycle(graph: dict) -> list:
         return []
 
     return next((c for n in sorted(graph) if n not in state and (c := visit(n, [n]))), [])
+
+
+def fault_readers(root: Path) -> list:
+    """The modules under ``root`` that import ``policy_bundle.bundle.faults`` (the test-fault switches)."""
+    readers = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if any(m == "policy_bundle.bundle.faults" for m in modules) or (
+                    isinstance(node, ast.ImportFrom) and node.module == "policy_bundle.bundle"
+                    and any(a.name == "faults" for a in node.names)):
+                readers.append(str(path.relative_to(root)))
+                break
+    return readers
+
+
+@pytest.mark.parametrize("package,seam", [("serve", "serving_faults.py"), ("build", "build_faults.py")])
+def test_the_test_faults_are_read_only_through_each_package_seam(package, seam):
+    """serve/serving_faults.py and build/build_faults.py install each test fault where its part is made; no request path,
+    engine or stage reads them."""
+    assert fault_readers(ROOT / package) == [seam]
+
+
+def test_the_fault_seam_check_catches_an_engine_reading_a_fault(tmp_path):
+    (tmp_path / "serving_faults.py").write_text("from policy_bundle.bundle.faults import active_fault\n")
+    (tmp_path / "engine.py").write_text("def step():\n    from policy_bundle.bundle import faults\n")
+    assert fault_readers(tmp_path) == ["engine.py", "serving_faults.py"]
 
 
 def test_no_package_has_an_import_cycle():

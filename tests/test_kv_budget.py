@@ -29,6 +29,11 @@ def policy():
     return torch.jit.script(init_random_policy(CFG, seed=3).eval())
 
 
+def sleeps(seconds: float):
+    """An engine step hook that makes each decode step last ``seconds`` longer."""
+    return lambda _step: time.sleep(seconds)
+
+
 def prompt(n: int, seed: int):
     return torch.randint(1, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -98,7 +103,7 @@ def test_admission_counts_kv_over_every_lane_and_gives_it_back(policy):
     budget = footprint(policy, 2, 512)
     engine = policy_engine(policy, CFG.max_seq_len, "kv", max_batch=8, lanes=2, kv_cache_bytes=budget)
     for lane in engine.lanes:
-        lane.delay_s = 0.002  # steps long enough for the requests to overlap
+        lane.step_hook = sleeps(0.002)  # steps long enough for the requests to overlap
 
     async def run():
         return await asyncio.wait_for(asyncio.gather(*[tokens(engine, prompt(10, i), 300) for i in range(6)]), 120)
@@ -120,7 +125,7 @@ def test_a_worst_case_over_the_whole_budget_is_refused_naming_max_tokens(policy)
 
 def test_a_request_that_waits_past_kv_wait_s_gets_a_429_and_the_one_holding_the_memory_finishes(policy):
     engine = BatchedEngine(policy, CFG.max_seq_len, "kv", kv=KvBudget(footprint(policy, 1, 512)), kv_wait_s=0.3)
-    engine.delay_s = 0.004  # the first request decodes 400 tokens for about 1.6 s
+    engine.step_hook = sleeps(0.004)  # the first request decodes 400 tokens for about 1.6 s
 
     async def run():
         first = asyncio.ensure_future(tokens(engine, prompt(10, 0), 400))
@@ -150,7 +155,7 @@ def test_a_long_sequence_costs_its_own_blocks_and_short_ones_theirs(policy):
     assert batch.blocks == 3 and batch.allocated_bytes() == 3 * per
 
     engine = BatchedEngine(policy, CFG.max_seq_len, "kv", max_batch=4, kv=KvBudget(2**30))
-    engine.delay_s = 0.004
+    engine.step_hook = sleeps(0.004)
     async def run():  # one 700-position worst case, three of 40: held 3 + 1 + 1 + 1 blocks
         return await asyncio.gather(tokens(engine, prompt(500, 0), 200),
                                     *[tokens(engine, prompt(10, i), 30) for i in (1, 2, 3)])
@@ -166,7 +171,7 @@ def test_a_cancelled_part_prefilled_prompt_gives_its_cache_back(policy):
     """A long prompt prefilled in chunks beside a running row, its client gone half-way: its staged cache goes
     back, and the next newcomer is answered as alone."""
     engine = BatchedEngine(policy, CFG.max_seq_len, "kv", max_batch=4, prefill_chunk=64, kv=KvBudget(2**30))
-    engine.delay_s = 0.02  # the row's 240 tokens (one block all along) take 5 s or more
+    engine.step_hook = sleeps(0.02)  # the row's 240 tokens (one block all along) take 5 s or more
     alone = [s.token_id for s in decode_steps(policy, prompt(12, 5), 6, greedy_pick, max_seq_len=CFG.max_seq_len)]
 
     async def run():
@@ -210,7 +215,7 @@ def test_a_row_whose_cache_cannot_grow_fails_alone_and_the_budget_lets_go_of_it(
             return getattr(self.module, name)
 
     engine = BatchedEngine(GrowthFails(policy), CFG.max_seq_len, "kv", max_batch=4, kv=KvBudget(2**30))
-    engine.delay_s = 0.002
+    engine.step_hook = sleeps(0.002)
     alone = [s.token_id for s in decode_steps(policy, prompt(10, 1), 200, greedy_pick, max_seq_len=CFG.max_seq_len)]
 
     async def run():
@@ -248,7 +253,7 @@ def test_a_lane_whose_waiting_request_gives_up_stops_blocking_the_others(policy)
     budget = KvBudget(footprint(policy, 1, 512))
     first = BatchedEngine(policy, CFG.max_seq_len, "kv-a", kv=budget, kv_wait_s=0.3)
     second = BatchedEngine(policy, CFG.max_seq_len, "kv-b", kv=budget, kv_wait_s=5.0)
-    first.delay_s = second.delay_s = 0.004
+    first.step_hook = second.step_hook = sleeps(0.004)
 
     async def run():
         long = asyncio.ensure_future(tokens(first, prompt(10, 0), 300))  # holds the whole budget for about 1.2 s

@@ -250,3 +250,31 @@ def test_exported_int8_policy_is_for_inference_without_a_no_grad_block(tmp_path)
     k, v = loaded.new_cache(1, 8)
     out = loaded.prefill(x, k, v)  # no torch.no_grad() here: a plain caller records no autograd graph
     assert not out.requires_grad and out.grad_fn is None
+
+
+def test_the_front_dispatches_each_family_and_keeps_float_layers_on_request():
+    """``quantize(policy, config, statistics)``: a w8a8 config converts its plan, a torch.ao config its prepared model,
+    each with the asked linears left float; a w8a8 config handed torch.ao statistics is refused, naming both."""
+    from policy_bundle.quantize import recipes
+    from policy_bundle.quantize.front import quantize
+    from policy_bundle.quantize.recipe_types import typed
+
+    policy = init_random_policy(CFG, seed=1)
+    data = batches()
+    w8a8 = typed(RecipeConfig(scheme="w8a8", rounding="nearest"))
+    stats = ls.collect_group_stats(policy, data, ls.outlier_thresholds(ls.collect_token_absmax(policy, data), 8.0))
+    names = selected_linears(policy, w8a8)
+    plan = build_plan(policy, stats, ls.input_groups(policy), names, smooth=False, alphas=w8a8.smooth_alphas,
+                      rounding="nearest", gptq_damp=0.01, outlier_ratio=8.0, max_rot_block=w8a8.rotation_block)
+    int8 = quantize(policy, w8a8, plan, float_layers=names[:1])
+    assert isinstance(int8.get_submodule(names[0]), torch.nn.Linear)
+    assert all(isinstance(int8.get_submodule(n), Int8TokenLinear) for n in names[1:])
+
+    static = typed(RecipeConfig(scheme="static"))
+    prepared = recipes.prepare(policy, static)
+    recipes.calibrate(prepared, data)
+    ao = quantize(prepared, static, prepared, float_layers=names[:1])
+    assert type(ao.get_submodule(names[0])) is torch.nn.Linear
+    assert type(ao.get_submodule(names[1])) is not torch.nn.Linear  # a quantized module
+    with pytest.raises(TypeError, match="W8A8Recipe quantizes from a W8A8Plan, not"):
+        quantize(policy, w8a8, prepared)

@@ -21,7 +21,7 @@ from policy_bundle.build.calibrate.w8a8_statistics import onnx_recipe_note, w8a8
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.config.build_config import is_task_policy
 from policy_bundle.build.source.torchtitan_checkpoint import provenance
-from policy_bundle.bundle.faults import fault_spec
+from policy_bundle.build import build_faults
 from policy_bundle.bundle.info import serving_section
 from policy_bundle.bundle.layout import (GATE_REPORT, DRIFT_REPORT, FP16_DIR, GOLDEN, INT8_ONNX, INT8_TORCHSCRIPT,
                                          BundleLayout)
@@ -116,7 +116,7 @@ def manifest_body(cfg: BuildConfig, policy_dir: Path, policy: Policy, chosen: Ch
         "fidelity": fidelity,
         "serving": serving_section(cfg.policy.max_seq_len, cfg.prompts.max_new_tokens, is_task_policy(cfg),
                                    cfg.gate.thresholds, chosen.recipe.rows_independent, kv_cache_section(policy, chosen)),
-        "test_fault": fault_spec(),
+        "test_fault": build_faults.spec(),
     }
 
 

@@ -7,14 +7,13 @@ imports Monarch.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Dict, List, Optional
 
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 from torch import Tensor
 
-from policy_bundle.bundle.faults import Fault
+from policy_bundle.build.build_faults import ShardFaults
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.calibration import observers
 
@@ -27,7 +26,7 @@ class CalibrationActor(Actor):
         self._policy = self._prepared = self.tok = None
         self._layers = None  # (layer indices, a share of the policy with only those layers' weights mapped)
         self._plans: Dict[str, Any] = {}  # a share's plan in progress (``plan_share``), by the controller's key
-        self.fault: Optional[Fault] = None
+        self.faults = ShardFaults("", 0, 0)  # the test faults this actor runs under (set up by ``setup``)
         self.generation = 0
 
     @endpoint
@@ -39,7 +38,7 @@ class CalibrationActor(Actor):
         self.policy_dir, self.max_seq_len = policy_dir, max_seq_len
         self.recipe = recipes.RecipeConfig(**recipe)
         self.smoothing: Optional[Dict[str, Tensor]] = None
-        self.rank, self.fault, self.generation = rank, Fault.parse(fault), generation
+        self.rank, self.faults, self.generation = rank, ShardFaults(fault, rank, generation), generation
         return {"rank": rank, "mesh_rank": current_rank().rank, "pid": os.getpid()}
 
     @property
@@ -82,7 +81,7 @@ class CalibrationActor(Actor):
         """A share's float output from its input (the next share's input), the share's weights mapped for its plan."""
         from policy_bundle.quantize.calibration.layer_stream import run_layer
 
-        self._maybe_fail(shard, 0)
+        self.faults.check(shard, 0)
         share = self._share(layers)
         with torch.no_grad():
             for i in layers:
@@ -104,7 +103,7 @@ class CalibrationActor(Actor):
         share = self._share(layers)
         todo = list(layers[state["done"]:upto])
         for j in range(len(todo)):
-            self._maybe_fail(shard, state["done"] + j)
+            self.faults.check(shard, state["done"] + j)
         part: PlanPart = plan_layers(share, todo, state["hidden"], recipe)
         state["part"] = part if state["part"] is None else absorb_part(state["part"], part)
         state["hidden"], state["done"] = part.hidden, upto
@@ -115,17 +114,6 @@ class CalibrationActor(Actor):
         self._layers = None
         return upto, (done.plan, done.stats, done.hidden)
 
-    def _maybe_fail(self, shard: int, done: int) -> None:
-        f = self.fault
-        if f is None or self.generation > 0:
-            return
-        if f.kind == "kill" and f.rank in (-1, self.rank) and done >= f.after:
-            os._exit(17)  # a hard crash: no cleanup, no reply
-        if f.kind == "hold" and self.rank == f.rank:
-            time.sleep(3600)  # until the test kills this process or its host
-        if f.kind == "raise" and shard == f.shard:
-            raise RuntimeError(f"injected fault in shard {shard}")
-
     @endpoint
     def rollouts(self, shard: int, prompt_ids: List[List[int]], max_new_tokens: int,
                  eos: Optional[int], engine: str, batch_size: int = 16) -> List[List[int]]:
@@ -134,11 +122,11 @@ class CalibrationActor(Actor):
         if engine == "vllm":  # one engine per actor, on this actor's share of the prompts
             from policy_bundle.build.calibrate.rollouts import vllm_rollouts
 
-            self._maybe_fail(shard, 0)
+            self.faults.check(shard, 0)
             return vllm_rollouts(self.policy_dir, prompt_ids, max_new_tokens, eos)
         out: List[List[int]] = []
         for start in range(0, len(prompt_ids), batch_size):  # the fault drills count finished prompts
-            self._maybe_fail(shard, start)
+            self.faults.check(shard, start)
             out += greedy_generate_batch(self.policy, prompt_ids[start:start + batch_size], max_new_tokens, eos,
                                          batch_size)
         return out
@@ -149,7 +137,7 @@ class CalibrationActor(Actor):
             if isinstance(mod, torch.ao.quantization.MinMaxObserver):
                 mod.reset_min_max_vals()
         for i, batch in enumerate(batches):
-            self._maybe_fail(shard, i)
+            self.faults.check(shard, i)
             recipes.calibrate(self.prepared, [batch])
         return observers.observer_state(self.prepared)
 
@@ -158,7 +146,7 @@ class CalibrationActor(Actor):
         """Per input channel max |x| of the smoothing groups' linears over this shard."""
         from policy_bundle.quantize.calibration.smooth import collect_channel_absmax
 
-        self._maybe_fail(shard, 0)
+        self.faults.check(shard, 0)
         return collect_channel_absmax(self.policy, batches)
 
     @endpoint
@@ -172,7 +160,7 @@ class CalibrationActor(Actor):
         """w8a8 pass 1: every row's max |x| per input group, over this shard."""
         from policy_bundle.quantize.calibration.linear_stats import collect_token_absmax
 
-        self._maybe_fail(shard, 0)
+        self.faults.check(shard, 0)
         return collect_token_absmax(self.policy, batches)
 
     @endpoint
@@ -180,7 +168,7 @@ class CalibrationActor(Actor):
         """w8a8 pass 2 for the groups in ``thresholds`` (a few layers per call: Hessians are large)."""
         from policy_bundle.quantize.calibration.linear_stats import collect_group_stats
 
-        self._maybe_fail(shard, 0)
+        self.faults.check(shard, 0)
         return collect_group_stats(self.policy, batches, thresholds, hessians=hessians, seed=shard)
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.progress import bar, log
-from policy_bundle.bundle.faults import apply_scale_fault
+from policy_bundle.build import build_faults
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.calibration import observers
 from policy_bundle.quantize.model.policy import Policy
@@ -94,7 +94,7 @@ class CalibratedModels:
                 from policy_bundle.build.calibrate.mesh import mesh_apply_smoothing
 
                 mesh_apply_smoothing(self.mesh, self.scales)
-            state = apply_scale_fault(calibrate_observers(self.mesh, prepared, self.batches))
+            state = build_faults.scaled(calibrate_observers(self.mesh, prepared, self.batches))
             observers.load_observer_state(prepared, state)
             self.cache[smooth] = (prepared, state)
         return self.cache[smooth]

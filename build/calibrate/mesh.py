@@ -23,6 +23,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 from torch import Tensor
 
+from policy_bundle.build import build_faults
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build.errors import ConfigError, MeshError
 
@@ -80,9 +81,7 @@ class CalibrationMesh:
         self.workers: List[Worker] = []
         self.generation = 0
         self.smoothing = None  # scales every (re)spawned actor applies before calibrating
-        from policy_bundle.bundle.faults import FAULT_ENV
-
-        self.fault = os.environ.get(FAULT_ENV, "")
+        self.fault = build_faults.raw_spec()  # handed to every actor at setup
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> float:

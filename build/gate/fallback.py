@@ -29,7 +29,6 @@ did not decide again.)
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
@@ -37,6 +36,7 @@ from torch import Tensor, nn
 from policy_bundle.build.gate.report import Attempt, GateOutcome
 from policy_bundle.build.progress import Throttled, log, set_status
 from policy_bundle.quantize import recipes
+from policy_bundle.quantize.front import quantize
 from policy_bundle.quantize.fidelity.scores import FidelityReport, GateThresholds, GateVerdict, evaluate_gate
 from policy_bundle.quantize.fidelity.sensitivity import layer_sensitivity
 
@@ -230,8 +230,8 @@ def torch_ao_sensitivity(prepared: nn.Module, recipe: recipes.RecipeConfig, prob
     recipe smooths); each layer's converted module is swapped into the float one for a probe forward.
     (One conversion per layer took over 25 minutes on a 135M LM, a golden-set pass per layer 29.)"""
     layers = recipes.selected_linears(prepared, recipe)
-    quantized = recipes.convert(prepared, recipe)
-    model = recipes.convert(prepared, replace(recipe, fp32_layers=recipe.fp32_layers + tuple(layers)))
+    quantized = quantize(prepared, recipe, prepared)
+    model = quantize(prepared, recipe, prepared, float_layers=layers)
     return layer_sensitivity(model, layers, lambda name, _: quantized.get_submodule(name), probe, progress)
 
 
@@ -241,7 +241,7 @@ def gate_torch_ao(prepared: nn.Module, recipe: recipes.RecipeConfig, probe: Tens
                   confirm: Optional[Confirm] = None) -> GateOutcome:
     """A torch.ao recipe: layers ranked by probe KL with only that layer quantized, walked one by one."""
     def convert(kept: List[str]) -> nn.Module:
-        return recipes.convert(prepared, replace(recipe, fp32_layers=recipe.fp32_layers + tuple(kept)))
+        return quantize(prepared, recipe, prepared, float_layers=kept)
 
     def rank() -> List[Tuple[str, float]]:
         tick = Throttled()
@@ -257,15 +257,14 @@ def gate_torch_ao(prepared: nn.Module, recipe: recipes.RecipeConfig, probe: Tens
     return walk_fallback(search, rank, max_fp_layers)
 
 
-def gate_w8a8(policy: nn.Module, plan, names: Sequence[str], rank: Callable[[], Sequence[Tuple[str, float]]],
+def gate_w8a8(policy: nn.Module, recipe: recipes.RecipeConfig, plan, rank: Callable[[], Sequence[Tuple[str, float]]],
               thresholds: GateThresholds, max_fp_layers: int, measure: Measure, measure_logits: Optional[Measure],
               label: str, status: Callable[[str], str] = lambda s: s,
               confirm: Optional[Confirm] = None) -> GateOutcome:
     """A w8a8 recipe: the plan converts cheaply for any set of linears kept in float; ``rank`` is the
     probe sensitivity (in this process or on the mesh)."""
     def convert(kept: List[str]) -> nn.Module:
-        keep = set(kept)
-        return plan.convert(policy, [n for n in names if n not in keep])
+        return quantize(policy, recipe, plan, float_layers=kept)
 
     search = FallbackSearch(f"w8a8 candidate {label}", convert, thresholds, measure, measure_logits, status, confirm)
     return search_fallback(search, rank, max_fp_layers)

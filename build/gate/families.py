@@ -23,6 +23,7 @@ from policy_bundle.build.gate.fallback import gate_torch_ao, gate_w8a8
 from policy_bundle.build.progress import log, set_status
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.calibration import observers
+from policy_bundle.quantize.front import quantize
 from policy_bundle.quantize.recipe_types import TorchAoRecipe, W8A8Recipe, family_of
 from policy_bundle.quantize.fidelity.scores import GateVerdict
 from policy_bundle.quantize.model.policy import Policy
@@ -48,7 +49,7 @@ class TorchAoFamily:
              measure, measure_logits, name: str, status: Status, confirm=None) -> GateOutcome:
         prepared, _ = calibrated.get(recipe.smooth)
         if not cfg.gate.enabled:
-            int8 = recipes.convert(prepared, recipe)
+            int8 = quantize(prepared, recipe, prepared)
             return GateOutcome(GateVerdict(True, []), measure(int8), [], int8)
         c = cfg.gate
         return gate_torch_ao(prepared, recipe, sensitivity_probe(calibrated.batches), c.thresholds, c.max_fp_layers,
@@ -83,7 +84,7 @@ class W8A8Family:
         plan = calibrated.plan(recipe)
         names = recipes.selected_linears(policy, recipe)
         if not cfg.gate.enabled:
-            int8 = plan.convert(policy, names)
+            int8 = quantize(policy, recipe, plan)
             return GateOutcome(GateVerdict(True, []), measure(int8), [], int8)
         # A rescored int8 head (``lm_head_topk`` > 0) scores its top-k logits against float, int16 or int12 rows (the
         # default; FP32 with only its vocabulary in int12 agreed on 0.9992 of top-1): it is never one of the linears
@@ -106,7 +107,7 @@ class W8A8Family:
                                                             status)
             return calibrated.rankings[key]
 
-        return gate_w8a8(policy, plan, names, rank, cfg.gate.thresholds, cfg.gate.max_fp_layers, measure,
+        return gate_w8a8(policy, recipe, plan, rank, cfg.gate.thresholds, cfg.gate.max_fp_layers, measure,
                          measure_logits, name, status, confirm)
 
     def calibration_summary(self, calibrated: CalibratedModels, recipe: recipes.RecipeConfig) -> dict:

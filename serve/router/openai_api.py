@@ -1,18 +1,22 @@
-"""OpenAI-compatible formats: one adapter per endpoint (request -> token ids, result -> body or SSE chunks),
-and the incremental detokenizer both the streamed and the plain path use, so their texts are equal."""
+"""OpenAI-compatible formats: one adapter per endpoint (request -> token ids, result -> body or SSE chunks), the
+server-sent-events loop of a streamed answer (``sse_events``), and the incremental detokenizer both the streamed and
+the plain path use, so their texts are equal."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import AsyncIterator, Awaitable, Callable, List, Optional
 
 from jinja2 import TemplateError
 
-from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.info import BundleInfo, ContentNotFound, control_token_texts, encode_chat, encode_text
 from policy_bundle.quantize.runtime.text import ids_to_text
+from policy_bundle.serve import serving_faults
+from policy_bundle.serve.router.pool import interleaved
 from policy_bundle.serve.schemas import ApiError, ChatRequest, CompletionRequest
 
 
@@ -239,10 +243,6 @@ class CompletionsAdapter(Adapter):
         return [self.chunk(p, variant, p.prompt_text, index=index)] if p.req.echo else []
 
 
-# Under the test fault ``template``: a check real templates make (Llama's, Gemma's), ahead of the bundle's own
-# template (or of one line per message where it has none).
-FAULT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
-                  "{{ raise_exception('System role must be the first message') }}{% endif %}{% endfor %}")
 LINES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% if not loop.last %}\n{% endif %}{% endfor %}"
 
 
@@ -252,8 +252,7 @@ class ChatAdapter(Adapter):
     def __init__(self, tok, info: BundleInfo, model_name: str, control_tokens: bool = False):
         super().__init__(tok, info, model_name)
         self.control_tokens = control_tokens  # the setting chat_control_tokens: typed control tokens are tokens
-        if active_fault("template"):
-            tok.chat_template = FAULT_TEMPLATE + (getattr(tok, "chat_template", None) or LINES_TEMPLATE)
+        tok.chat_template = serving_faults.chat_template(getattr(tok, "chat_template", None), LINES_TEMPLATE)
 
     def encode(self, req: ChatRequest):
         for i, m in enumerate(req.messages):
@@ -298,3 +297,80 @@ class ChatAdapter(Adapter):
 
     def opening(self, p: Prepared, variant: str, index: int = 0) -> List[dict]:
         return [self.chunk(p, variant, "", index=index, role=True)]
+
+
+# ---- the stream loop ---------------------------------------------------------------------------------------------
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+@dataclass
+class StreamTally:
+    """What a streamed answer came to, for whoever records it: tokens sent, whether it ended with ``[DONE]``, and
+    the failure that cut it short (the client got an error event instead of a finish reason)."""
+    tokens: int = 0
+    done: bool = False
+    error: Optional[BaseException] = None
+
+
+NextStep = Callable[[], Awaitable[Optional[dict]]]
+
+
+async def sse_events(adapter: Adapter, p: Prepared, served: str, opened: list, next_steps: List[NextStep],
+                     eos: Optional[int], tally: StreamTally,
+                     token_gap: Callable[[float], None] = lambda _: None) -> AsyncIterator[str]:
+    """The SSE events of a streamed answer: each choice's opening chunks, then its text chunks interleaved with the
+    other choices' as their tokens come (``opened``: each choice's first step, already in hand; ``next_steps``: how
+    to await its next one, None at its end), the usage chunk if asked and ``[DONE]``. A failure once tokens were
+    sent ends it with an error event (in ``tally``)."""
+    parts = [_choice_chunks(adapter, p, served, i, first, next_steps[i], eos, token_gap)
+             for i, (first, _) in enumerate(opened)]
+    try:
+        for i in range(len(opened)):
+            for chunk in adapter.opening(p, served, i):
+                yield sse(chunk)
+        async with contextlib.aclosing(parts[0] if len(parts) == 1 else interleaved(parts)) as chunks:
+            async for chunk, tokens in chunks:
+                tally.tokens += tokens
+                if chunk is not None:
+                    yield sse(chunk)
+        if p.include_usage:
+            yield sse(adapter.usage_chunk(p, served, tally.tokens))
+        yield "data: [DONE]\n\n"
+        tally.done = True
+    except Exception as exc:  # noqa: BLE001 - tokens were sent: the client gets an error event, not a "stop"
+        tally.error = exc
+        yield sse({"error": {"message": f"variant {served} failed mid-stream ({type(exc).__name__})",
+                             "type": "server_error", "code": "variant_failed", "param": None}})
+
+
+async def _choice_chunks(adapter: Adapter, p: Prepared, served: str, index: int, first: Optional[dict],
+                         next_step: NextStep, eos: Optional[int], token_gap: Callable[[float], None]):
+    """One choice's chunks, each with the tokens it adds (a chunk is None while text is held back); asked for, a
+    chunk carries the logprobs of the tokens its text came from (held-back tokens with the text that frees them,
+    tokens that add no text with the last chunk), so they add up to the plain answer's."""
+    text, n, step, unsent = adapter.text_stream(p), 0, first, []
+    wanted, last = adapter.wants_logprobs(p), time.perf_counter()
+    while step is not None:
+        n += 1
+        unsent += [step] if wanted else []
+        delta = text.push(step["token_id"])
+        if delta:
+            yield adapter.chunk(p, served, delta, index=index, logprobs=adapter.step_logprobs(p, unsent)), 1
+            unsent = []
+        else:
+            yield None, 1
+        if text.stopped or n >= p.max_tokens:
+            break
+        step = await next_step()
+        if step is not None:
+            now = time.perf_counter()
+            token_gap(now - last)
+            last = now
+    tail = text.finish()
+    if tail:
+        yield adapter.chunk(p, served, tail, index=index, logprobs=adapter.step_logprobs(p, unsent)), 0
+        unsent = []
+    yield adapter.closing(p, served, text, n, eos, index, adapter.step_logprobs(p, unsent)), 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import logging
 import os
 import socket
@@ -21,17 +21,16 @@ import bentoml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from policy_bundle.bundle.faults import active_fault
 from policy_bundle.bundle.info import BundleInfo, load_tokenizer
 from policy_bundle.bundle.layout import INT8_DIR
-from policy_bundle.serve import logs
+from policy_bundle.serve import logs, serving_faults
 from policy_bundle.serve.router import admin
 from policy_bundle.serve.router.canary import LiveCanary
 from policy_bundle.serve.http import (TRAFFIC_TIMEOUT_S, ApiKeyGuard, ReleasingStream, error_response, read_json,
                                       require_admin, require_api_key)
 from policy_bundle.serve.router.metrics import Metrics
-from policy_bundle.serve.router.openai_api import Adapter, ChatAdapter, CompletionsAdapter
-from policy_bundle.serve.router.pool import VARIANTS, Admission, VariantPool, close_streams, interleaved
+from policy_bundle.serve.router.openai_api import Adapter, ChatAdapter, CompletionsAdapter, StreamTally, sse_events
+from policy_bundle.serve.router.pool import VARIANTS, Admission, VariantPool, close_streams
 from policy_bundle.serve.rollout.machine import RolloutController
 from policy_bundle.serve.rollout.state import BundlePair, RolloutDatabase, StoreUnavailable, default_url, event_dict
 from policy_bundle.serve.router.routing import choose, forced_variant, matched_variant
@@ -55,10 +54,6 @@ async def method_not_allowed(request: Request, exc) -> JSONResponse:
     err = ApiError(405, f"method {request.method} is not allowed on {request.url.path}", "method", request.method,
                    ", ".join(allowed), code="method_not_allowed")
     return JSONResponse(err.body(), status_code=405, headers={"Allow": ", ".join(allowed)})
-
-
-def sse(body: dict) -> str:
-    return f"data: {json.dumps(body)}\n\n"
 
 
 @bentoml.service(name="policy-router", workers=1, traffic={"timeout": TRAFFIC_TIMEOUT_S})
@@ -93,11 +88,11 @@ class PolicyRouter:
         self.adapters = {a.endpoint: a for a in (CompletionsAdapter(self.tok, self.info, self.settings.model_name),
                                                  ChatAdapter(self.tok, self.info, self.settings.model_name,
                                                              self.settings.chat_control_tokens))}
-        self.fault = active_fault()  # announced in the log; reported by /status
+        self.fault = serving_faults.announced()  # announced in the log; reported by /status
         self._closing: set = set()  # streams being closed after their response ended (strong references)
         r = self.settings.rollout
-        self.loops = {"health": (self.settings.health_interval_s, self._faulty(self.pool.refresh, "health")),
-                      "analysis": (r.analysis_interval_s, self._faulty(self.canary.analysis_tick, "analysis")),
+        self.loops = {"health": (self.settings.health_interval_s, serving_faults.loop_tick(self.pool.refresh, "health")),
+                      "analysis": (r.analysis_interval_s, serving_faults.loop_tick(self.canary.analysis_tick, "analysis")),
                       "sync": (r.sync_interval_s, self.canary.sync_tick),
                       "golden": (r.golden_interval_s, self.canary.golden_tick)}
         self.metrics.set_rollout(self.controller.state)
@@ -117,17 +112,6 @@ class PolicyRouter:
                 if manager is not None and hasattr(manager, "max_requests"):
                     manager.max_requests, manager.max_age = 2**62, float("inf")
         self.canary.ensure_loops(self.loops, first={"health": 0.0})
-
-    def _faulty(self, tick, name: str):
-        """Under the test fault ``loop:name=<loop>:count=N`` the loop's first N ticks raise."""
-        fault, raised = active_fault("loop", name), [0]
-
-        async def run():
-            if fault is not None and raised[0] < fault.count:
-                raised[0] += 1
-                raise RuntimeError(f"injected fault in the {name} loop ({raised[0]}/{fault.count})")
-            await tick()
-        return run
 
     async def __is_ready__(self) -> bool:
         self.ensure_loops()
@@ -204,61 +188,24 @@ class PolicyRouter:
         return error_response(err)
 
     async def _stream(self, adapter: Adapter, p, served: str, opened: list, t0: float, evidence: bool = True):
-        """SSE chunks from each choice's stream, whose first step is in hand: a choice's text made incrementally
-        (the same as plain), the choices' chunks interleaved as their tokens come."""
-        total, ok = 0, False
-        parts = [self._choice_chunks(adapter, p, served, i, first, steps) for i, (first, steps) in enumerate(opened)]
+        """The answer's SSE events (``openai_api.sse_events``), recorded for the canary and logged when it ends."""
+        tally = StreamTally()
+        steps = [s for _, s in opened]
+        nexts = [functools.partial(self.pool.next_step, served, s) for s in steps]
+        events = sse_events(adapter, p, served, opened, nexts, self.tok.eos_token_id, tally,
+                            self.metrics.itl.labels(variant=served).observe)
         try:
-            for i in range(len(opened)):
-                for chunk in adapter.opening(p, served, i):
-                    yield sse(chunk)
-            async with contextlib.aclosing(parts[0] if len(parts) == 1 else interleaved(parts)) as chunks:
-                async for chunk, tokens in chunks:
-                    total += tokens
-                    if chunk is not None:
-                        yield sse(chunk)
-            if p.include_usage:
-                yield sse(adapter.usage_chunk(p, served, total))
-            yield "data: [DONE]\n\n"
-            ok = True
-        except Exception as exc:  # noqa: BLE001 - tokens were sent: the client gets an error event, not a "stop"
-            self.canary.record_error(served, exc, evidence)
-            yield sse({"error": {"message": f"variant {served} failed mid-stream ({type(exc).__name__})",
-                                 "type": "server_error", "code": "variant_failed", "param": None}})
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
         finally:  # the variants' streams are closed by _stream_ended, which also runs if this never starts
-            if ok:
-                self.canary.record(served, time.perf_counter() - t0, total, evidence)
-            log.info("request", extra={"endpoint": adapter.endpoint, "status": 200 if ok else "incomplete",
-                                       "variant": served, "tokens": total, "choices": len(opened),
+            if tally.error is not None:
+                self.canary.record_error(served, tally.error, evidence)
+            if tally.done:
+                self.canary.record(served, time.perf_counter() - t0, tally.tokens, evidence)
+            log.info("request", extra={"endpoint": adapter.endpoint, "status": 200 if tally.done else "incomplete",
+                                       "variant": served, "tokens": tally.tokens, "choices": len(opened),
                                        "seconds": round(time.perf_counter() - t0, 4)})
-
-    async def _choice_chunks(self, adapter: Adapter, p, served: str, index: int, first: Optional[dict], steps):
-        """One choice's chunks, each with the tokens it adds (a chunk is None while text is held back); asked for, a
-        chunk carries the logprobs of the tokens its text came from (held-back tokens with the text that frees them,
-        tokens that add no text with the last chunk), so they add up to the plain answer's."""
-        text, n, step, unsent = adapter.text_stream(p), 0, first, []
-        wanted, itl, last = adapter.wants_logprobs(p), self.metrics.itl.labels(variant=served), time.perf_counter()
-        while step is not None:
-            n += 1
-            unsent += [step] if wanted else []
-            delta = text.push(step["token_id"])
-            if delta:
-                yield adapter.chunk(p, served, delta, index=index, logprobs=adapter.step_logprobs(p, unsent)), 1
-                unsent = []
-            else:
-                yield None, 1
-            if text.stopped or n >= p.max_tokens:
-                break
-            step = await self.pool.next_step(served, steps)
-            if step is not None:
-                now = time.perf_counter()
-                itl.observe(now - last)
-                last = now
-        tail = text.finish()
-        if tail:
-            yield adapter.chunk(p, served, tail, index=index, logprobs=adapter.step_logprobs(p, unsent)), 0
-            unsent = []
-        yield adapter.closing(p, served, text, n, self.tok.eos_token_id, index, adapter.step_logprobs(p, unsent)), 0
 
     def _stream_ended(self, body, steps: list, held: int = 1) -> None:
         """A streamed response is over (sent, cut off mid-stream, or its client gone before the body started,

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Deque, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Deque, List, Optional, Tuple
 
 import torch
 
@@ -133,15 +133,10 @@ class BatchedEngine:
 
     def __init__(self, module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64,
                  threads: int = 1, kv: Optional[KvBudget] = None, kv_wait_s: float = 20.0,
-                 first_token_s: Optional[float] = None):
-        from policy_bundle.bundle.faults import active_fault
-
+                 first_token_s: Optional[float] = None, step_hook: Optional[Callable[[int], None]] = None):
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
         self.max_batch, self.prefill_chunk = max(1, max_batch), max(1, prefill_chunk)
-        fault = active_fault("slow")
-        self.delay_s = fault.factor if fault else 0.0  # test-only fault: seconds per step
-        hang = active_fault("hang")  # test-only fault: the decode thread blocks for good at this step
-        self.hang_after = hang.after if hang is not None and (not hang.name or name.startswith(hang.name)) else None
+        self.step_hook = step_hook  # run on the decode thread before each step (``serve.serving_faults``)
         self.last_step_at = time.monotonic()  # when the decode thread last finished a step (or found work, idle)
         # what the running step may take, so that a long legitimate step (a 512-token prompt chunk on one thread: about
         # 3 s on SmolLM2-135M) is not taken for a hang: the tokens in it x seconds a token, or a whole step, whichever
@@ -356,7 +351,7 @@ class BatchedEngine:
                     self.slots.unstage()
                     r.emit(_prefill_failed(len(self.slots), exc))
                     continue
-                self._sleep_for_fault()
+                self._before_step()
                 self._took(r, end, logits)
             self._settle()
             if len(self.slots):
@@ -369,7 +364,7 @@ class BatchedEngine:
         self._chunked = []
         self.steps += bool(rows)
         self.fused_chunks += len(taken)
-        self._sleep_for_fault()
+        self._before_step()
         self._advance_rows(rows, row_logits)
         for (r, _, end), logits in zip(taken, chunk_logits):
             self._took(r, end, logits)
@@ -402,7 +397,7 @@ class BatchedEngine:
         self.peak_batch = max(self.peak_batch, len(rows))
         logits = self.slots.step([r.last for r in rows])
         self.steps += 1
-        self._sleep_for_fault()
+        self._before_step()
         self._advance_rows(rows, logits)
         self._settle()
 
@@ -463,12 +458,9 @@ class BatchedEngine:
         if self.kv is not None:  # (a request ``_fits`` held memory for may have failed or been put back since)
             self.kv.hold(self.name, self._worst_case(self._admitted()))
 
-    def _sleep_for_fault(self) -> None:
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        if self.hang_after is not None and self.steps >= self.hang_after:
-            log.error("%s: injected fault: the decode thread hangs at step %d", self.name, self.steps)
-            threading.Event().wait()
+    def _before_step(self) -> None:
+        if self.step_hook is not None:
+            self.step_hook(self.steps)
 
 
 def _quantiles(values: List[float]) -> dict:
@@ -482,7 +474,8 @@ def _prefill_failed(rows: int, exc: BaseException) -> RuntimeError:
 
 def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64, threads: int = 1,
                   lanes: int = 1, kv_cache_bytes: Optional[int] = None, kv_wait_s: float = 20.0,
-                  first_token_s: Optional[float] = None):
+                  first_token_s: Optional[float] = None,
+                  step_hooks: Callable[[str], Optional[Callable[[int], None]]] = lambda name: None):
     """The batched engine when the module has ``decode_batch`` (artifacts since batched decode), in ``lanes`` lanes
     (``Lanes``; 0: one per ``threads`` usable cores) that share ``max_batch`` between them (so their KV caches hold no
     more slots than one lane's would), else the one-sequence-at-a-time engine, with one log line naming why."""
@@ -497,10 +490,11 @@ def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, pref
             kv = KvBudget(kv_cache_bytes or auto_kv_budget())
             log.info("%s: KV cache budget %.0f MiB over %d lane(s), grown by %d positions", name, kv.limit / MiB, n,
                      KV_BLOCK)
-        engines = [BatchedEngine(module, max_seq_len, name if n == 1 else f"{name}-lane{i}", max_batch=size,
-                                 prefill_chunk=prefill_chunk, threads=threads, kv=kv, kv_wait_s=kv_wait_s,
-                                 first_token_s=first_token_s)
-                   for i, size in enumerate(sizes)]
+        names = [name if n == 1 else f"{name}-lane{i}" for i in range(n)]
+        engines = [BatchedEngine(module, max_seq_len, lane, max_batch=size, prefill_chunk=prefill_chunk,
+                                 threads=threads, kv=kv, kv_wait_s=kv_wait_s, first_token_s=first_token_s,
+                                 step_hook=step_hooks(lane))
+                   for lane, size in zip(names, sizes)]
         if n == 1:
             return engines[0]
         log.info("%s: %d decode lanes of %d intra-op thread(s), %s sequences at most", name, n, threads,
@@ -508,4 +502,4 @@ def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, pref
         return Lanes(engines, name)
     log.warning("%s: the artifact has no decode_batch (exported before batched decode): decoding one "
                 "sequence at a time; rebuild the bundle for continuous batching", name)
-    return CachedPolicyEngine(module, max_seq_len, name + "-sequential", threads)
+    return CachedPolicyEngine(module, max_seq_len, name + "-sequential", threads, step_hooks(name + "-sequential"))

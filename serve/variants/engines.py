@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -165,12 +164,10 @@ class CachedPolicyEngine:
     thread: fair to concurrent clients, and no oversubscription of the CPU (decode is compute-bound).
     """
 
-    def __init__(self, module, max_seq_len: int, name: str, threads: int = 1):
-        from policy_bundle.bundle.faults import active_fault
-
+    def __init__(self, module, max_seq_len: int, name: str, threads: int = 1,
+                 step_hook: Optional[Callable[[int], None]] = None):
         self.module, self.max_seq_len, self.name = module, max_seq_len, name
-        fault = active_fault("slow")
-        self.delay_s = fault.factor if fault else 0.0  # test-only fault switch
+        self.step_hook = step_hook  # run on the decode thread before each token (``serve.serving_faults``)
         # Grad mode and intra-op threads are per thread: set once on the decode thread (not per generator, whose
         # context managers would interleave across requests).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-decode",
@@ -182,8 +179,8 @@ class CachedPolicyEngine:
         history: List[int] = []
 
         def pick(logits: Tensor) -> Step:
-            if self.delay_s:  # the test fault ``slow``
-                time.sleep(self.delay_s)
+            if self.step_hook is not None:
+                self.step_hook(len(history))
             step = pick_token(logits, params, gen, history)
             history.append(step.token_id)
             return step

@@ -20,12 +20,11 @@ from typing import AsyncGenerator, Dict, List, Optional, Sequence
 import bentoml
 from bentoml.exceptions import BentoMLException, InvalidArgument, NotFound
 
-from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
 from policy_bundle.bundle.info import BundleInfo
 from policy_bundle.bundle.layout import FP16_DIR, INT8_DIR, INT8_TORCHSCRIPT, INT8_VLLM_DIR, BundleLayout
 from policy_bundle.bundle.model_store import pair_version
 from policy_bundle.quantize.runtime.vllm_launch import vllm_available, vllm_switched_off
-from policy_bundle.serve import logs, wire
+from policy_bundle.serve import logs, serving_faults, wire
 from policy_bundle.serve.variants.batching import policy_engine
 from policy_bundle.serve.variants.engines import CapacityError, SamplingParams, Step, VllmEngine
 from policy_bundle.serve.http import TRAFFIC_TIMEOUT_S, patch_bentoml_timeout
@@ -132,7 +131,7 @@ def variant_health(variant, **extra) -> dict:
     batch with the age of its last decode step while work waits (a hung decode thread), the manifest."""
     state = variant.engine.state() if hasattr(variant.engine, "state") else "running"
     return {"ready": variant.ready, "engine": variant.engine.name, "engine_state": state,
-            "max_seq_len": variant.max_seq_len, "test_fault": fault_spec(), "batch": engine_stats(variant.engine),
+            "max_seq_len": variant.max_seq_len, "test_fault": serving_faults.announced(), "batch": engine_stats(variant.engine),
             "manifest_sha256": variant.manifest, "verified_copy": getattr(variant, "verified_copy", False), **extra}
 
 
@@ -168,33 +167,22 @@ def check_input(svc, ids: List[int], max_tokens: int = 0, temperature: float = 0
                               f"top_p {top_p} in (0, 1]")
 
 
-async def _steps(variant: str, engine, prompt_ids: List[int], params: SamplingParams) -> AsyncGenerator[Step, None]:
-    """The engine's steps; under the test fault ``fail:after=N`` a RuntimeError after N of them, under
-    ``stall:after=N:factor=S`` a wait of S seconds before the N-th."""
-    fault = active_fault("fail", variant)
-    fail_after = fault.after if fault is not None else None
-    stalls = {f.after: f.factor for f in active_faults("stall", variant)}
-    n = 0
-    async for step in engine.generate(prompt_ids, params):
-        if fail_after is not None and n >= fail_after:
-            raise RuntimeError(f"injected fault: generation fails after {fail_after} token(s)")
-        if n in stalls:
-            await asyncio.sleep(stalls[n])
-        n += 1
-        yield step
-    if fail_after is not None and n >= fail_after:
-        raise RuntimeError(f"injected fault: generation fails after {fail_after} token(s)")
+def served_engine(svc):
+    """The engine as requests reach it: ``serve.serving_faults.with_faults`` of ``svc.engine``, made once per engine (the
+    warm-up and health read ``svc.engine`` itself)."""
+    if getattr(svc, "_served_for", None) is not svc.engine:
+        svc._served, svc._served_for = serving_faults.with_faults(svc.variant, svc.engine), svc.engine
+    return svc._served
 
 
-async def _collect(variant: str, engine, prompt_ids: List[int], params: SamplingParams,
-                   deadline_s: Optional[float] = None) -> dict:
+async def _collect(engine, prompt_ids: List[int], params: SamplingParams, deadline_s: Optional[float] = None) -> dict:
     """The whole generation; with ``deadline_s``, given up after that many seconds, its decode stopped (the engine
     frees the slot at its next step): a caller gone for good (the router timed out or failed over) cannot keep a
     slot decoding up to ``max_tokens``, since a plain call's handler is not cancelled when its client leaves."""
     steps: List[Step] = []
     try:
         async with asyncio.timeout(deadline_s):
-            async with aclosing(_steps(variant, engine, prompt_ids, params)) as gen:
+            async with aclosing(engine.generate(prompt_ids, params)) as gen:
                 async for s in gen:
                     steps.append(s)
     except TimeoutError:
@@ -255,7 +243,7 @@ def generation_apis():
         params = _params(self, max_tokens, temperature, top_p, seed, stop_token_id, logit_bias, presence_penalty,
                          frequency_penalty, top_logprobs)
         try:
-            out = await _collect(self.variant, self.engine, prompt_ids, params, deadline_s)
+            out = await _collect(served_engine(self), prompt_ids, params, deadline_s)
         except CapacityError as exc:
             raise as_http_error(exc) from None
         log.info("generated", extra={"variant": self.variant, "tokens": len(out["token_ids"]),
@@ -280,9 +268,10 @@ def generation_apis():
             yield wire.error_line(str(exc), 400)
             return
         try:
-            async for s in _steps(self.variant, self.engine, prompt_ids, params):
-                n += 1
-                yield wire.step_line(s.token_id, s.logprob, s.top)
+            async with aclosing(served_engine(self).generate(prompt_ids, params)) as steps:
+                async for s in steps:
+                    n += 1
+                    yield wire.step_line(s.token_id, s.logprob, s.top)
         except CapacityError as exc:  # a request this engine cannot take now (429) or ever (400)
             yield wire.error_line(str(exc)[:500], exc.status)
             return
@@ -323,7 +312,8 @@ class Int8Policy:
         except InexactInt8Error as exc:  # its int8 sums would saturate on this CPU: wrong answers, never served
             log.error("refusing to start: %s", exc)
             raise SystemExit(f"policy-bundle: {exc}"[:500]) from None
-        self.engine = policy_engine(module, self.max_seq_len, "int8-torchscript", **batching)
+        self.engine = policy_engine(module, self.max_seq_len, "int8-torchscript", step_hooks=serving_faults.step_hook,
+                                    **batching)
         self.engine.score([[1, 2, 3]])  # a real forward before we call ourselves ready
         self.ready = True
         log.info("INT8 TorchScript loaded from %s (verified)", path)
@@ -374,8 +364,7 @@ class Fp16Policy:
         self.vllm_expected = require or vllm_available(load=True)
         self.fallback_reason = None
         try:
-            if active_fault("novllm"):
-                raise RuntimeError("injected fault: vLLM failed to load")
+            serving_faults.refuse_vllm()
             if not vllm_available(load=True):
                 raise ImportError(f"vllm is {_vllm_missing()}")
             self.engine = VllmEngine(path, self.max_seq_len, first_token_s=batching_settings()["first_token_s"])
@@ -392,7 +381,7 @@ class Fp16Policy:
             log.warning("FP16 variant: %s", self.fallback_reason)
             # widened whole: a served decode step should not widen every layer again, and requests run on threads
             self.engine = policy_engine(widen_narrow(load_policy(path, max_seq_len=self.max_seq_len)), self.max_seq_len,
-                                        "policy-module-fp32", **batching_settings())
+                                        "policy-module-fp32", step_hooks=serving_faults.step_hook, **batching_settings())
         self.ready = False
 
     @bentoml.on_startup
