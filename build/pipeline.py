@@ -28,8 +28,8 @@ from policy_bundle.build.artifacts.output_dir import (check_output, move_into_pl
 from policy_bundle.build.calibrate.calibrated import CalibratedModels
 from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, resolve_defaults, search_share,
                                                         split_golden, split_prompts)
-from policy_bundle.build.calibrate.rollouts import (calibration_batches, local_rollouts, read_rollouts_jsonl,
-                                                    screen_odd_samples, vllm_rollouts)
+from policy_bundle.build.calibrate.samples import (calibration_batches, local_samples, read_samples_jsonl,
+                                                    screen_odd_samples, vllm_samples)
 from policy_bundle.build.config.build_config import BuildConfig
 from policy_bundle.build import build_faults
 from policy_bundle.build.errors import RegistrationError
@@ -69,7 +69,7 @@ class Loaded:
 
 
 @dataclass
-class Rollouts:
+class CalibrationSamples:
     seqs: List[List[int]]  # calibration sequences (prompt + completion ids)
     golden: GoldenSplit  # search part and held-out gate part
     batches: List[Tensor]  # the calibration batches cut from ``seqs``
@@ -124,7 +124,7 @@ def _build_into(cfg: BuildConfig, tmp: Path, final: Path, stages: Stages, int8_v
     cfg = replace(cfg, policy=replace(cfg.policy, max_seq_len=loaded.policy.max_seq_len))  # as resolved
     candidates = [(name, cfg.recipe_config(name)) for name in cfg.recipe.candidates()]
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
-        rollouts = rollouts_stage(cfg, stages, mesh, loaded)
+        rollouts = samples_stage(cfg, stages, mesh, loaded)
         calibrated = CalibratedModels(cfg, mesh, loaded.policy, rollouts.batches)
         prepare_stage(cfg, stages, calibrated, [r for _, r in candidates])
         calibrate_stage(cfg, stages, calibrated, [r for _, r in candidates], rollouts)
@@ -157,31 +157,31 @@ def load_stage(cfg: BuildConfig, stages: Stages) -> Loaded:
     return Loaded(policy_dir, policy, tok)
 
 
-def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golden_set: bool = True) -> Rollouts:
+def samples_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golden_set: bool = True) -> CalibrationSamples:
     """Calibration sequences (generated or read) and the golden set's FP32 completions (``golden_set=False``: none)."""
     tok = loaded.tok
-    with stages.run("rollouts") as s:
+    with stages.run("samples") as s:
         prompts = split_prompts(cfg)
         cal_ids = [encode_prompt(tok, p) for p in prompts.calibration]
         gold_ids = [encode_prompt(tok, p) for p in prompts.golden]
         t0 = time.monotonic()
         gold_out: Optional[List[List[int]]] = None
-        if cfg.rollouts.jsonl:
-            seqs = read_rollouts_jsonl(Path(cfg.rollouts.jsonl), tok)[: cfg.calibration.samples]
-            source = f"jsonl {cfg.rollouts.jsonl}"
+        if cfg.samples.jsonl:
+            seqs = read_samples_jsonl(Path(cfg.samples.jsonl), tok)[: cfg.calibration.samples]
+            source = f"jsonl {cfg.samples.jsonl}"
         else:
             # the golden set's FP32 completions are the local engine's greedy ones: on the mesh in the same call
             # when the calibration rollouts use that engine there (the actors' greedy equals this process's)
-            golden_too = golden_set and mesh is not None and cfg.rollouts.engine == "local"
-            completions = make_rollouts(cfg, mesh, loaded.policy_dir, loaded.policy, tok,
+            golden_too = golden_set and mesh is not None and cfg.samples.engine == "local"
+            completions = make_samples(cfg, mesh, loaded.policy_dir, loaded.policy, tok,
                                         cal_ids + (gold_ids if golden_too else []))
             if golden_too:
                 completions, gold_out = completions[:len(cal_ids)], completions[len(cal_ids):]
             seqs = [p + c for p, c in zip(cal_ids, completions)]
-            source = f"{cfg.rollouts.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
+            source = f"{cfg.samples.engine} generate" + (f" on {len(mesh.workers)} mesh actors" if mesh else "")
         if golden_set and gold_out is None:
-            gold_out = logged_local_rollouts(loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id,
-                                             "golden rollouts")
+            gold_out = logged_local_samples(loaded.policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id,
+                                             "golden samples")
         golden = split_golden(golden_items(prompts, gold_ids, gold_out) if golden_set else [], search_share(cfg))
         rate = (len(seqs) + len(gold_out or [])) / max(1e-9, time.monotonic() - t0)
         seqs, odd = screen_odd_samples(cfg, loaded.policy, seqs, tok, log=log)
@@ -190,22 +190,22 @@ def rollouts_stage(cfg: BuildConfig, stages: Stages, mesh, loaded: Loaded, golde
                     f"float layers on, {len(golden.gate)} held out for the gate, {rate:.1f} seq/s"
                     + (f", {len(odd['samples'])} odd sample(s)" + (" dropped" if odd["dropped"] else " kept")
                        if odd["samples"] else ""))
-    return Rollouts(seqs, golden, batches, odd)
+    return CalibrationSamples(seqs, golden, batches, odd)
 
 
-def make_rollouts(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok, prompt_ids: List[List[int]]) -> List[List[int]]:
+def make_samples(cfg: BuildConfig, mesh, policy_dir: Path, policy: Policy, tok, prompt_ids: List[List[int]]) -> List[List[int]]:
     """Completions for calibration prompts: on the Monarch mesh, or in-process (vLLM or local generate)."""
     max_new = cfg.prompts.max_new_tokens
     if mesh is not None:
-        from policy_bundle.build.calibrate.mesh import mesh_rollouts
+        from policy_bundle.build.calibrate.mesh import mesh_samples
 
-        return mesh_rollouts(mesh, prompt_ids, tok.eos_token_id)
-    if cfg.rollouts.engine == "vllm":
-        return vllm_rollouts(policy_dir, prompt_ids, max_new, tok.eos_token_id)
-    return logged_local_rollouts(policy, prompt_ids, max_new, tok.eos_token_id, "rollouts")
+        return mesh_samples(mesh, prompt_ids, tok.eos_token_id)
+    if cfg.samples.engine == "vllm":
+        return vllm_samples(policy_dir, prompt_ids, max_new, tok.eos_token_id)
+    return logged_local_samples(policy, prompt_ids, max_new, tok.eos_token_id, "samples")
 
 
-def logged_local_rollouts(policy, prompt_ids, max_new: int, eos, what: str) -> List[List[int]]:
+def logged_local_samples(policy, prompt_ids, max_new: int, eos, what: str) -> List[List[int]]:
     """Local greedy rollouts with a bar on a terminal and a progress line at least every 20 s."""
     b, every = bar(len(prompt_ids), what, "seq"), Throttled()
 
@@ -216,7 +216,7 @@ def logged_local_rollouts(policy, prompt_ids, max_new: int, eos, what: str) -> L
         done[0] += 1
         every(done[0], len(prompt_ids), f"[{what}] sequences done")
 
-    outs = local_rollouts(policy, prompt_ids, max_new, eos, tick=tick)
+    outs = local_samples(policy, prompt_ids, max_new, eos, tick=tick)
     b.close()
     return outs
 
@@ -234,7 +234,7 @@ def prepare_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedModels
 
 
 def calibrate_stage(cfg: BuildConfig, stages: Stages, calibrated: CalibratedModels,
-                    candidates: List[recipes.RecipeConfig], rollouts: Rollouts) -> None:
+                    candidates: List[recipes.RecipeConfig], rollouts: CalibrationSamples) -> None:
     """Each family's calibration (observer states, linear statistics), computed once for its candidates."""
     batches = rollouts.batches
     with stages.run("calibrate") as s:
@@ -257,7 +257,7 @@ def quantize_and_gate_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, ca
 
 
 def export_stage(cfg: BuildConfig, stages: Stages, loaded: Loaded, chosen: ChosenRecipe, calibrated: CalibratedModels,
-                 rollouts: Rollouts, tmp: Path, int8_vllm: Int8Vllm) -> None:
+                 rollouts: CalibrationSamples, tmp: Path, int8_vllm: Int8Vllm) -> None:
     """int8-vllm/ first, handed to the vLLM process the build started (``Int8Vllm.prestart``), which runs while the
     rest is exported and read back (the reference build: 57 s -> 40 s, fresh clone, 2 cores)."""
     policy, policy_dir, recipe, out = loaded.policy, loaded.policy_dir, chosen.recipe, BundleLayout(tmp)

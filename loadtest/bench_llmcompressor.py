@@ -27,7 +27,7 @@ from pathlib import Path
 from policy_bundle.build.artifacts.int8_vllm import DTYPE, TOP_K, vllm_fidelity_summary
 from policy_bundle.build.artifacts.vllm_golden import VllmGoldenRequest, run_vllm_golden
 from policy_bundle.build.calibrate.prompt_split import split_prompts
-from policy_bundle.build.calibrate.rollouts import local_rollouts
+from policy_bundle.build.calibrate.samples import local_samples
 from policy_bundle.build.config.build_config import config_from_dict
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer, read_golden_jsonl
 from policy_bundle.bundle.layout import BundleLayout
@@ -54,7 +54,7 @@ def calibration_sequences(cfg, policy, tok) -> list:
             print(f"[bench] rollouts {done[0]}/{len(prompts)}, {rate:.2f}/s, ETA {(len(prompts) - done[0]) / rate:.0f} s",
                   flush=True)
 
-    outs = local_rollouts(policy, prompts, cfg.prompts.max_new_tokens, tok.eos_token_id, tick=tick)
+    outs = local_samples(policy, prompts, cfg.prompts.max_new_tokens, tok.eos_token_id, tick=tick)
     return [p + c for p, c in zip(prompts, outs)]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from policy_bundle.build.calibrate.mesh import calibration_mesh, mesh_calibrate, mesh_rollouts
+from policy_bundle.build.calibrate.mesh import calibration_mesh, mesh_calibrate, mesh_samples
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.loadtest.bench_models import bench_models
 from policy_bundle.quantize.runtime.vllm_launch import vllm_available
@@ -43,12 +43,12 @@ def run(policy_dir: Path, procs: int, engine: str, prompts, batches, new: int) -
     """Start-up, rollouts and (local engine only: it does not depend on the engine) calibration seconds."""
     cfg = load_config(Path("build/configs/main.yaml"),
                       (f"calibration.procs={procs}", f"prompts.max_new_tokens={new}", "policy.max_seq_len=128",
-                       f"rollouts.engine={engine}"))
+                       f"samples.engine={engine}"))
     t0 = time.perf_counter()
     with calibration_mesh(cfg, policy_dir) as mesh:
         out = {"startup": time.perf_counter() - t0}
         t = time.perf_counter()
-        mesh_rollouts(mesh, prompts, eos=None)
+        mesh_samples(mesh, prompts, eos=None)
         out["rollouts"] = time.perf_counter() - t
         if engine == "local":
             t = time.perf_counter()

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 import torch
 
 from policy_bundle.build.calibrate.mesh import calibration_mesh
-from policy_bundle.build.calibrate.rollouts import calibration_batches
+from policy_bundle.build.calibrate.samples import calibration_batches
 from policy_bundle.build.calibrate.w8a8_statistics import stream_plan
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.loadtest.bench_build import SHAPES, make_policy

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from policy_bundle.build.calibrate.prompt_split import split_prompts
-from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
+from policy_bundle.build.calibrate.samples import calibration_batches, local_samples
 from policy_bundle.build.calibrate.w8a8_statistics import collect_stats, make_plan
 from policy_bundle.build.config.build_config import load_config
 from policy_bundle.build.gate.recipe_choice import decode_speed
@@ -75,8 +75,8 @@ def main() -> None:
     gold_ids = [encode_prompt(tok, p) for p in split.golden]
     t0 = time.monotonic()
     print(f"[bench] FP32 rollouts for {len(cal_ids)} calibration + {len(gold_ids)} golden prompts ...", flush=True)
-    cal = local_rollouts(policy, cal_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
-    gold = local_rollouts(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
+    cal = local_samples(policy, cal_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
+    gold = local_samples(policy, gold_ids, cfg.prompts.max_new_tokens, tok.eos_token_id)
     golden = [GoldenItem(p, i, c) for p, i, c in zip(split.golden, gold_ids, gold)]
     batches = calibration_batches([a + b for a, b in zip(cal_ids, cal)], cfg.calibration.batch_size, 256)
     greedy_prompts = gold_ids[:10]

@@ -197,7 +197,7 @@ def test_torchforge_example_calibrates_on_its_own_mesh_and_its_jsonl_builds(tmp_
     assert torch.jit.load(str(tmp_path / "policy-int8.ts")) is not None
     out = tmp_path / "from-jsonl"
     res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *SMALL,
-                  "--set", f"rollouts.jsonl={tmp_path / 'rollouts.jsonl'}", "--set", "calibration.procs=0",
+                  "--set", f"samples.jsonl={tmp_path / 'samples.jsonl'}", "--set", "calibration.procs=0",
                   "--set", "register.bentoml=false", "--set", "export.onnx=false")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "64 calibration sequences from jsonl" in res.stderr

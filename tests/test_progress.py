@@ -3,7 +3,7 @@
 import re
 
 from policy_bundle.build import progress
-from policy_bundle.build.pipeline import logged_local_rollouts
+from policy_bundle.build.pipeline import logged_local_samples
 from policy_bundle.quantize.model.hf_weights import init_random_policy
 from policy_bundle.quantize.model.policy import PolicyConfig
 
@@ -16,8 +16,8 @@ def test_rollout_progress_counts_sequences_with_a_rate_and_an_eta_off_a_terminal
     # count once read the bar's, which stays 0 when disabled: "0/145" until the end)
     monkeypatch.setattr(progress.Throttled.__init__, "__defaults__", (0.0,))
     prompts = [[3, 14, 15, 9], [2, 7], [1, 8, 2], [5]]
-    logged_local_rollouts(init_random_policy(CFG, 0), prompts, 3, None, "rollouts")
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[rollouts] sequences done")]
+    logged_local_samples(init_random_policy(CFG, 0), prompts, 3, None, "samples")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[samples] sequences done")]
     counts = [int(re.search(r"\((\d+)/4, ", ln).group(1)) for ln in lines]
     assert counts == [1, 2, 3, 4], lines
     assert all(re.search(r"ETA \d+s\)$", ln) for ln in lines[:-1]), lines  # an ETA while work is left

@@ -212,7 +212,7 @@ def test_odd_samples_are_found_against_the_others_and_dropped_on_request(referen
     policy = policy_with_a_one_hot_pad(reference_dir, tmp_path / "policy")
     out = tmp_path / "b"
     res = run_cli("build", "--config", "build/configs/main.yaml", "--out", str(out), *FAST, "--set",
-                  f"policy.source={policy}", "--set", f"rollouts.jsonl={calibration_jsonl(tmp_path / 'r.jsonl')}",
+                  f"policy.source={policy}", "--set", f"samples.jsonl={calibration_jsonl(tmp_path / 'r.jsonl')}",
                   "--set", "calibration.outlier_sigma=4", "--set", "calibration.drop_outliers=true", "--set",
                   "register.bentoml=false", "--set", "gate.enabled=false")
     assert res.returncode == 0, res.stderr[-3000:]

@@ -115,15 +115,15 @@ class CalibrationActor(Actor):
         return upto, (done.plan, done.stats, done.hidden)
 
     @endpoint
-    def rollouts(self, shard: int, prompt_ids: List[List[int]], max_new_tokens: int,
+    def samples(self, shard: int, prompt_ids: List[List[int]], max_new_tokens: int,
                  eos: Optional[int], engine: str, batch_size: int = 16) -> List[List[int]]:
         from policy_bundle.quantize.runtime.decode import greedy_generate_batch
 
         if engine == "vllm":  # one engine per actor, on this actor's share of the prompts
-            from policy_bundle.build.calibrate.rollouts import vllm_rollouts
+            from policy_bundle.build.calibrate.samples import vllm_samples
 
             self.faults.check(shard, 0)
-            return vllm_rollouts(self.policy_dir, prompt_ids, max_new_tokens, eos)
+            return vllm_samples(self.policy_dir, prompt_ids, max_new_tokens, eos)
         out: List[List[int]] = []
         for start in range(0, len(prompt_ids), batch_size):  # the fault drills count finished prompts
             self.faults.check(shard, start)

@@ -223,16 +223,16 @@ def shard(items: Sequence, n: int) -> List[List]:
     return out
 
 
-def mesh_rollouts(mesh: CalibrationMesh, prompt_ids: Sequence[List[int]], eos: Optional[int]) -> List[List[int]]:
+def mesh_samples(mesh: CalibrationMesh, prompt_ids: Sequence[List[int]], eos: Optional[int]) -> List[List[int]]:
     """Greedy completions, sharded over the actors; the order of results follows ``prompt_ids``."""
     cfg = mesh.cfg
-    # Shards of one decode batch (``rollouts.batch_size``): a progress line per shard keeps long rollouts
+    # Shards of one decode batch (``samples.batch_size``): a progress line per shard keeps long rollouts
     # visible. (vLLM starts one engine per call, so it keeps one shard per actor.)
-    b = cfg.rollouts.batch_size
-    n = len(mesh.workers) if cfg.rollouts.engine == "vllm" else max(len(mesh.workers), -(-len(prompt_ids) // b))
+    b = cfg.samples.batch_size
+    n = len(mesh.workers) if cfg.samples.engine == "vllm" else max(len(mesh.workers), -(-len(prompt_ids) // b))
     shards = shard(prompt_ids, n)
-    args = [(s, cfg.prompts.max_new_tokens, eos, cfg.rollouts.engine, b) for s in shards]
-    outs = mesh.run_shards("rollouts", args, [len(s) for s in shards], "seq")
+    args = [(s, cfg.prompts.max_new_tokens, eos, cfg.samples.engine, b) for s in shards]
+    outs = mesh.run_shards("samples", args, [len(s) for s in shards], "seq")
     return [c for part in outs for c in part]
 
 

@@ -82,10 +82,10 @@ def resolve_defaults(cfg: BuildConfig) -> BuildConfig:
         p = replace(p, max_new_tokens=TASK_NEW_TOKENS if task else GENERAL_NEW_TOKENS)
     if task and c.golden is None:
         c = replace(c, golden=DEFAULT_TASK_GOLDEN)
-    if not task and (c.golden is None or (c.samples is None and not cfg.rollouts.jsonl)):
+    if not task and (c.golden is None or (c.samples is None and not cfg.samples.jsonl)):
         n = len(read_prompts_file(_prompts_path(cfg)))
         c = replace(c, golden=default_general_golden(n) if c.golden is None else c.golden)
-        if c.samples is None and not cfg.rollouts.jsonl:
+        if c.samples is None and not cfg.samples.jsonl:
             c = replace(c, samples=min(DEFAULT_SAMPLES, max(1, n - c.golden)))
     if c.samples is None:
         c = replace(c, samples=DEFAULT_SAMPLES)

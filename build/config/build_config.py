@@ -66,17 +66,18 @@ class PolicySection:
 
 @config_model("prompts")
 class PromptsSection:
-    """The prompts rollouts answer: calibration data and the gate's held-out (golden) items."""
+    """The prompts the policy answers: calibration samples and the gate's held-out (golden) items."""
 
     file: Optional[str] = setting(None, help=(
         "JSONL ({\"prompt\": ...} per line) or one prompt per line; unset: the task's prompts (task policies)"))
     max_new_tokens: Optional[int] = ranged(None, 1, 4096, help=(
-        "tokens each rollout generates; unset: 8 for a task policy, 32 for a general LM"))
+        "tokens each sample's completion generates; unset: 8 for a task policy, 32 for a general LM"))
 
 
-@config_model("rollouts")
-class RolloutsSection:
-    """How the calibration and golden completions are made."""
+@config_model("samples")
+class SamplesSection:
+    """``samples:``: how the calibration samples (the policy's rollouts on the prompts) and the golden completions
+    are made. The section's old name, ``rollouts:``, is still read (``LEGACY_SECTIONS``)."""
 
     engine: str = choice("local", ("local", "vllm"), help=(
         "local (batched greedy decode in the actors) or vllm (one float32 vLLM engine per actor)"))
@@ -192,14 +193,14 @@ class RegisterSection:
 
 @config_model("")
 class BuildConfig:
-    """A build: the policy, its rollouts and calibration, the recipe, the gate and the artifacts."""
+    """A build: the policy, its calibration samples and calibration, the recipe, the gate and the artifacts."""
 
     name: str = setting("reference", help=(
         "the bundle's name: its BentoML model versions and watch's bundle directories begin with it"))
     seed: int = ranged(0, 0, 2**31 - 1, help="torch's random seed for the build")
     policy: PolicySection = setting(default_factory=PolicySection, help="the policy and the context it serves")
-    prompts: PromptsSection = setting(default_factory=PromptsSection, help="the prompts rollouts answer")
-    rollouts: RolloutsSection = setting(default_factory=RolloutsSection, help="how completions are made")
+    prompts: PromptsSection = setting(default_factory=PromptsSection, help="the prompts the policy answers")
+    samples: SamplesSection = setting(default_factory=SamplesSection, help="how the calibration samples are made")
     calibration: CalibrationSection = setting(default_factory=CalibrationSection, help="calibration and its mesh")
     recipe: RecipeSection = setting(default_factory=RecipeSection, help="the INT8 recipe, or auto")
     gate: GateSection = setting(default_factory=GateSection, help="the build's accuracy gate")
@@ -240,8 +241,9 @@ class BuildConfig:
 
 
 # a section's old name -> its name: read from a file, a stored manifest, ``--set`` and the environment, with one
-# line on stderr per process. "canary" is the live traffic's word; the build's accuracy check is the gate.
-LEGACY_SECTIONS = {"canary": "gate"}
+# line on stderr per process. "canary" and "rollout" are the live traffic's words: the build's accuracy check is the
+# gate, and the RL rollouts it calibrates on are its calibration samples.
+LEGACY_SECTIONS = {"canary": "gate", "rollouts": "samples"}
 _warned: set = set()
 
 

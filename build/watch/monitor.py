@@ -134,14 +134,14 @@ def shipped_recipe(cfg: BuildConfig, manifest: dict):
 def fresh_statistics(cfg: BuildConfig, manifest: dict) -> dict:
     """The calibration section the shipped recipe would record for the checkpoint in ``cfg``."""
     from policy_bundle.build.calibrate.calibrated import CalibratedModels
-    from policy_bundle.build.pipeline import load_stage, optional_mesh, rollouts_stage
+    from policy_bundle.build.pipeline import load_stage, optional_mesh, samples_stage
 
     stages = Stages(3)
     # The compared statistics (ranges, outlier thresholds, channel maxima) do not depend on rounding: no Hessians.
     recipe = replace(shipped_recipe(cfg, manifest), rounding="nearest")
     loaded = load_stage(cfg, stages)
     with optional_mesh(cfg, loaded.policy_dir) as mesh:
-        rollouts = rollouts_stage(cfg, stages, mesh, loaded, golden_set=False)
+        rollouts = samples_stage(cfg, stages, mesh, loaded, golden_set=False)
         with stages.run("calibration statistics of the shipped recipe") as s:
             calibrated = CalibratedModels(cfg, mesh, loaded.policy, rollouts.batches)
             family = handler(recipe)

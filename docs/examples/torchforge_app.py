@@ -6,7 +6,7 @@ such an app can spawn next to its generator and trainer. Two routes:
 1. In-mesh: spawn ``CalibrationActor`` on the app's procs, send it the rollout token ids it already
    has (tensors in the message; no torchstore needed), get observer state back, merge, convert.
 2. File-based: dump the rollouts as ``{"prompt", "completion"}`` JSONL and point a build config's
-   ``rollouts.jsonl`` at it (``policy-bundle build --set rollouts.jsonl=rollouts.jsonl ...``).
+   ``samples.jsonl`` at it (``policy-bundle build --set samples.jsonl=samples.jsonl ...``).
 
 Run: ``.venv/bin/python docs/examples/torchforge_app.py --out /tmp/forge`` (uses the reference policy).
 """
@@ -21,7 +21,7 @@ import torch
 
 from policy_bundle.build.calibrate.actor import CalibrationActor
 from policy_bundle.build.calibrate.mesh import _import_monarch, shard
-from policy_bundle.build.calibrate.rollouts import calibration_batches, local_rollouts
+from policy_bundle.build.calibrate.samples import calibration_batches, local_samples
 from policy_bundle.bundle.info import encode_prompt, load_tokenizer
 from policy_bundle.quantize import recipes
 from policy_bundle.quantize.calibration import observers
@@ -35,7 +35,7 @@ def collect_rollouts(policy_dir: Path, n: int) -> list[tuple[str, str, list[int]
     policy, tok = load_policy(policy_dir, max_seq_len=32), load_tokenizer(policy_dir)
     prompts = task.rollout_prompts(n)
     ids = [encode_prompt(tok, p) for p in prompts]
-    outs = local_rollouts(policy, ids, 6, tok.eos_token_id)
+    outs = local_samples(policy, ids, 6, tok.eos_token_id)
     return [(p, tok.decode(o, skip_special_tokens=True), i + o) for p, i, o in zip(prompts, ids, outs)]
 
 
@@ -48,8 +48,8 @@ def main() -> None:
     policy_dir = ensure_reference_policy()
     episodes = collect_rollouts(policy_dir, 64)
 
-    # Route 2 (file-based): the JSONL a build config can name in rollouts.jsonl.
-    with (args.out / "rollouts.jsonl").open("w") as f:
+    # Route 2 (file-based): the JSONL a build config can name in samples.jsonl.
+    with (args.out / "samples.jsonl").open("w") as f:
         for prompt, completion, _ in episodes:
             f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
 
@@ -74,7 +74,7 @@ def main() -> None:
     int8 = recipes.convert(prepared, rc)
     torch.jit.save(torch.jit.script(int8), str(args.out / "policy-int8.ts"))
     print(f"calibrated on {len(episodes)} episodes over {args.procs} actors -> {args.out / 'policy-int8.ts'}")
-    print(f"file-based route: {args.out / 'rollouts.jsonl'} (set rollouts.jsonl in a build config)")
+    print(f"file-based route: {args.out / 'samples.jsonl'} (set samples.jsonl in a build config)")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from policy_bundle.quantize.runtime.vllm_launch import apply_vllm_env_defaults, 
 
 
 @torch.no_grad()
-def local_rollouts(
+def local_samples(
     policy, prompt_ids: Sequence[List[int]], max_new_tokens: int, eos: Optional[int], tick: Callable[[], None] = lambda: None,
     batch_size: int = 16,
 ) -> List[List[int]]:
@@ -27,15 +27,15 @@ def local_rollouts(
     return greedy_generate_batch(policy, prompt_ids, max_new_tokens, eos, batch_size, done=lambda i: tick())
 
 
-def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tokens: int,
+def vllm_samples(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tokens: int,
                   eos: Optional[int]) -> List[List[int]]:
     """Greedy completions from a vLLM engine (the CPU build here, CUDA vLLM on GPUs), token ids only; like
-    ``local_rollouts`` they stop after ``eos`` (kept) or ``max_new_tokens``, and never stop with ``eos`` None."""
+    ``local_samples`` they stop after ``eos`` (kept) or ``max_new_tokens``, and never stop with ``eos`` None."""
     apply_vllm_env_defaults()
     try:
         from vllm import SamplingParams
     except ImportError as exc:
-        raise ConfigError(f"rollouts.engine: 'vllm' but vllm cannot be imported ({exc})") from None
+        raise ConfigError(f"samples.engine: 'vllm' but vllm cannot be imported ({exc})") from None
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False, ignore_eos=eos is None,
                             stop_token_ids=None if eos is None else [eos])
     with offline_engine(policy_dir, "float32") as llm:
@@ -43,10 +43,10 @@ def vllm_rollouts(policy_dir: Path, prompt_ids: Sequence[List[int]], max_new_tok
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def read_rollouts_jsonl(path: Path, tok) -> List[List[int]]:
+def read_samples_jsonl(path: Path, tok) -> List[List[int]]:
     """Calibration sequences from TorchForge-style ``{"prompt", "completion"}`` records."""
     if not path.is_file():
-        raise ConfigError(f"rollouts.jsonl: {str(path)!r} does not exist")
+        raise ConfigError(f"samples.jsonl: {str(path)!r} does not exist")
     seqs = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -55,10 +55,10 @@ def read_rollouts_jsonl(path: Path, tok) -> List[List[int]]:
             rec = json.loads(line)
             prompt, completion = str(rec["prompt"]), str(rec["completion"])
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ConfigError(f"rollouts.jsonl: {path}:{n} needs 'prompt' and 'completion' fields") from None
+            raise ConfigError(f"samples.jsonl: {path}:{n} needs 'prompt' and 'completion' fields") from None
         seqs.append(encode_prompt(tok, prompt) + tok(completion, add_special_tokens=False)["input_ids"])
     if not seqs:
-        raise ConfigError(f"rollouts.jsonl: {path} holds no records")
+        raise ConfigError(f"samples.jsonl: {path} holds no records")
     return seqs
 
 
