@@ -27,11 +27,17 @@ def announced() -> Optional[str]:
     return fault_spec()
 
 
-def step_hook(engine: str) -> Optional[StepHook]:
+def spec() -> Optional[str]:
+    """The active fault spec as set, or None (a variant's health reports it on every probe: read, not parsed)."""
+    return fault_spec()
+
+
+def step_hook(engine: str, hang_too: bool = True) -> Optional[StepHook]:
     """What an engine's decode thread runs before each step: ``slow`` sleeps that many seconds, ``hang[:name=]``
-    blocks the thread for good from step ``after`` on (an engine whose name starts with ``name``; its health
-    endpoint still answers, as with a hung kernel). None without either."""
-    slow, hang = active_fault("slow"), active_fault("hang")
+    blocks the thread for good from step ``after`` on (a batched engine whose name starts with ``name``; its health
+    endpoint still answers, as with a hung kernel; ``hang_too`` False: an engine ``hang`` does not apply to). None
+    without either."""
+    slow, hang = active_fault("slow"), active_fault("hang") if hang_too else None
     hang_after = hang.after if hang is not None and (not hang.name or engine.startswith(hang.name)) else None
     if slow is None and hang_after is None:
         return None

@@ -90,9 +90,9 @@ def test_batched_greedy_equals_unbatched_with_requests_joining_and_leaving(artif
     loop = [[s.token_id for s in decode_steps(artifact, p, n, greedy_pick, max_seq_len=32)]
             for p, n in zip(PROMPTS, MAX_TOKENS)]
     assert [[s.token_id for s in steps] for steps in alone] == loop
-    # 20 ms a step (the engine's test-only delay) so the newcomers join while the first half still decodes, however
-    # slowly the event loop runs beside a busy CI worker (in a CI run they arrived after all 4 had left)
-    engine.delay_s = 0.02
+    # 20 ms a step (a step hook on the decode thread) so the newcomers join while the first half still decodes,
+    # however slowly the event loop runs beside a busy CI worker (in a CI run they arrived after all 4 had left)
+    engine.step_hook = lambda _step: time.sleep(0.02)
 
     async def together():
         started = asyncio.Event()

@@ -319,12 +319,12 @@ NextStep = Callable[[], Awaitable[Optional[dict]]]
 
 
 async def sse_events(adapter: Adapter, p: Prepared, served: str, opened: list, next_steps: List[NextStep],
-                     eos: Optional[int], tally: StreamTally,
-                     token_gap: Callable[[float], None] = lambda _: None) -> AsyncIterator[str]:
+                     eos: Optional[int], tally: StreamTally, token_gap: Callable[[float], None] = lambda _: None,
+                     on_error: Callable[[BaseException], None] = lambda _: None) -> AsyncIterator[str]:
     """The SSE events of a streamed answer: each choice's opening chunks, then its text chunks interleaved with the
     other choices' as their tokens come (``opened``: each choice's first step, already in hand; ``next_steps``: how
     to await its next one, None at its end), the usage chunk if asked and ``[DONE]``. A failure once tokens were
-    sent ends it with an error event (in ``tally``)."""
+    sent ends it with an error event, after ``on_error`` has recorded it (and in ``tally``)."""
     parts = [_choice_chunks(adapter, p, served, i, first, next_steps[i], eos, token_gap)
              for i, (first, _) in enumerate(opened)]
     try:
@@ -342,6 +342,7 @@ async def sse_events(adapter: Adapter, p: Prepared, served: str, opened: list, n
         tally.done = True
     except Exception as exc:  # noqa: BLE001 - tokens were sent: the client gets an error event, not a "stop"
         tally.error = exc
+        on_error(exc)
         yield sse({"error": {"message": f"variant {served} failed mid-stream ({type(exc).__name__})",
                              "type": "server_error", "code": "variant_failed", "param": None}})
 

@@ -193,14 +193,13 @@ class PolicyRouter:
         steps = [s for _, s in opened]
         nexts = [functools.partial(self.pool.next_step, served, s) for s in steps]
         events = sse_events(adapter, p, served, opened, nexts, self.tok.eos_token_id, tally,
-                            self.metrics.itl.labels(variant=served).observe)
+                            self.metrics.itl.labels(variant=served).observe,
+                            lambda exc: self.canary.record_error(served, exc, evidence))
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield event
         finally:  # the variants' streams are closed by _stream_ended, which also runs if this never starts
-            if tally.error is not None:
-                self.canary.record_error(served, tally.error, evidence)
             if tally.done:
                 self.canary.record(served, time.perf_counter() - t0, tally.tokens, evidence)
             log.info("request", extra={"endpoint": adapter.endpoint, "status": 200 if tally.done else "incomplete",

@@ -475,7 +475,7 @@ def _prefill_failed(rows: int, exc: BaseException) -> RuntimeError:
 def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, prefill_chunk: int = 64, threads: int = 1,
                   lanes: int = 1, kv_cache_bytes: Optional[int] = None, kv_wait_s: float = 20.0,
                   first_token_s: Optional[float] = None,
-                  step_hooks: Callable[[str], Optional[Callable[[int], None]]] = lambda name: None):
+                  step_hooks: Callable[..., Optional[Callable[[int], None]]] = lambda name, hang_too=True: None):
     """The batched engine when the module has ``decode_batch`` (artifacts since batched decode), in ``lanes`` lanes
     (``Lanes``; 0: one per ``threads`` usable cores) that share ``max_batch`` between them (so their KV caches hold no
     more slots than one lane's would), else the one-sequence-at-a-time engine, with one log line naming why."""
@@ -502,4 +502,6 @@ def policy_engine(module, max_seq_len: int, name: str, max_batch: int = 32, pref
         return Lanes(engines, name)
     log.warning("%s: the artifact has no decode_batch (exported before batched decode): decoding one "
                 "sequence at a time; rebuild the bundle for continuous batching", name)
-    return CachedPolicyEngine(module, max_seq_len, name + "-sequential", threads, step_hooks(name + "-sequential"))
+    # the sequential engine takes ``slow`` only: its steps are counted per request, on a pool thread
+    return CachedPolicyEngine(module, max_seq_len, name + "-sequential", threads,
+                              step_hooks(name + "-sequential", False))

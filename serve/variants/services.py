@@ -131,7 +131,7 @@ def variant_health(variant, **extra) -> dict:
     batch with the age of its last decode step while work waits (a hung decode thread), the manifest."""
     state = variant.engine.state() if hasattr(variant.engine, "state") else "running"
     return {"ready": variant.ready, "engine": variant.engine.name, "engine_state": state,
-            "max_seq_len": variant.max_seq_len, "test_fault": serving_faults.announced(), "batch": engine_stats(variant.engine),
+            "max_seq_len": variant.max_seq_len, "test_fault": serving_faults.spec(), "batch": engine_stats(variant.engine),
             "manifest_sha256": variant.manifest, "verified_copy": getattr(variant, "verified_copy", False), **extra}
 
 
