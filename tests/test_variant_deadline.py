@@ -31,8 +31,8 @@ def test_a_plain_generation_stops_at_its_deadline_and_closes_the_engines_stream(
 
     engine = SlowEngine()
     with pytest.raises(TimeoutError, match=r"deadline_s: generation stopped after 0.5s \(2 tokens\)"):
-        asyncio.run(_collect("int8", engine, [1, 2], SamplingParams(max_tokens=50), deadline_s=0.5))
+        asyncio.run(_collect(engine, [1, 2], SamplingParams(max_tokens=50), deadline_s=0.5))
     assert engine.closed and engine.produced < 4  # not 50 tokens (10 s) later
     done = SlowEngine()  # the control: within its deadline the whole answer comes back
-    out = asyncio.run(_collect("int8", done, [1, 2], SamplingParams(max_tokens=3), deadline_s=5.0))
+    out = asyncio.run(_collect(done, [1, 2], SamplingParams(max_tokens=3), deadline_s=5.0))
     assert out["token_ids"] == [0, 1, 2] and done.closed
