@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from policy_bundle.bundle.faults import FAULT_ENV, Fault, active_fault, apply_onnx_fault, apply_scale_fault, fault_spec
+from policy_bundle.bundle.faults import FAULT_ENV, Fault, announced_spec, apply_onnx_fault, apply_scale_fault
 
 
 def spec() -> Optional[str]:
     """The active fault spec, announced once per process (stderr and log), or None: the manifest records it."""
-    active_fault()
-    return fault_spec()
+    return announced_spec()
 
 
 def raw_spec() -> str:

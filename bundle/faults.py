@@ -101,6 +101,13 @@ def active_faults(kind: Optional[str] = None, name: Optional[str] = None) -> Lis
     return [f for f in faults if (kind is None or f.kind == kind) and (name is None or f.hits(name))]
 
 
+def announced_spec() -> Optional[str]:
+    """The active fault spec, announced once per process (``active_faults``), or None: what a manifest or a
+    router's status records."""
+    active_faults()
+    return fault_spec()
+
+
 def active_fault(kind: Optional[str] = None, name: Optional[str] = None) -> Optional[Fault]:
     """The first injected fault of ``kind`` that hits ``name`` (see ``active_faults``), or None."""
     faults = active_faults(kind, name)

@@ -15,16 +15,15 @@ import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
-from policy_bundle.bundle.faults import active_fault, active_faults, fault_spec
+from policy_bundle.bundle.faults import active_fault, active_faults, announced_spec, fault_spec
 
 log = logging.getLogger("policy_bundle.faults")
 StepHook = Callable[[int], None]  # called on a decode thread before step n
 
 
 def announced() -> Optional[str]:
-    """The active fault spec, announced once per process (stderr and log), or None: for health and status."""
-    active_fault()
-    return fault_spec()
+    """The active fault spec, announced once per process (stderr and log), or None: for the router's status."""
+    return announced_spec()
 
 
 def spec() -> Optional[str]:

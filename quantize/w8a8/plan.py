@@ -221,8 +221,8 @@ def smoothed_tensors(policy: nn.Module, scales: Dict[str, Tensor]) -> Callable[[
 def _group_rotation(policy: nn.Module, producer: str, groups: Dict[str, List[str]],
                     max_block: int) -> Optional[Tuple[int, Rotation]]:
     """The Hadamard block and rotation (``x -> x @ R``, applied block by block) of a group's (smoothed) input, or
-    None: no rotation asked, or no power-of-two block divides the width. (An int8 LM head's float rescoring reads its input unrotated: the
-    kernel rotates its own copy.)"""
+    None: no rotation asked, or no power-of-two block divides the width. (An int8 LM head's float rescoring reads its
+    input unrotated: the kernel rotates its own copy.)"""
     if max_block <= 0:
         return None
     n = policy.get_submodule(groups[producer][0]).in_features

@@ -308,11 +308,10 @@ def sse(body: dict) -> str:
 
 @dataclass
 class StreamTally:
-    """What a streamed answer came to, for whoever records it: tokens sent, whether it ended with ``[DONE]``, and
-    the failure that cut it short (the client got an error event instead of a finish reason)."""
+    """What a streamed answer came to, for whoever records it: tokens sent and whether it ended with ``[DONE]`` (a
+    failure that cut it short goes to ``sse_events``' ``on_error``)."""
     tokens: int = 0
     done: bool = False
-    error: Optional[BaseException] = None
 
 
 NextStep = Callable[[], Awaitable[Optional[dict]]]
@@ -324,7 +323,7 @@ async def sse_events(adapter: Adapter, p: Prepared, served: str, opened: list, n
     """The SSE events of a streamed answer: each choice's opening chunks, then its text chunks interleaved with the
     other choices' as their tokens come (``opened``: each choice's first step, already in hand; ``next_steps``: how
     to await its next one, None at its end), the usage chunk if asked and ``[DONE]``. A failure once tokens were
-    sent ends it with an error event, after ``on_error`` has recorded it (and in ``tally``)."""
+    sent ends it with an error event, after ``on_error`` has recorded it."""
     parts = [_choice_chunks(adapter, p, served, i, first, next_steps[i], eos, token_gap)
              for i, (first, _) in enumerate(opened)]
     try:
@@ -341,7 +340,6 @@ async def sse_events(adapter: Adapter, p: Prepared, served: str, opened: list, n
         yield "data: [DONE]\n\n"
         tally.done = True
     except Exception as exc:  # noqa: BLE001 - tokens were sent: the client gets an error event, not a "stop"
-        tally.error = exc
         on_error(exc)
         yield sse({"error": {"message": f"variant {served} failed mid-stream ({type(exc).__name__})",
                              "type": "server_error", "code": "variant_failed", "param": None}})
