@@ -26,11 +26,11 @@ from policy_bundle.build.artifacts.manifest_body import calibration_section, man
 from policy_bundle.build.artifacts.output_dir import (check_output, move_into_place, new_partial_dir,
                                                       remove_stale_work_dirs)
 from policy_bundle.build.calibrate.calibrated import CalibratedModels
-from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, resolve_defaults, search_share,
-                                                        split_golden, split_prompts)
+from policy_bundle.build.calibrate.prompt_split import (GoldenSplit, golden_items, search_share, split_golden,
+                                                        split_prompts)
 from policy_bundle.build.calibrate.samples import (calibration_batches, local_samples, read_samples_jsonl,
                                                     screen_odd_samples, vllm_samples)
-from policy_bundle.build.config.build_config import BuildConfig
+from policy_bundle.build.config.build_config import BuildConfig, resolve_defaults
 from policy_bundle.build import build_faults
 from policy_bundle.build.errors import RegistrationError
 from policy_bundle.build.gate.report import add_artifact_comparison

@@ -4,9 +4,9 @@ enough to judge, each calibration prompt once, and no ONNX file its per-token re
 import pytest
 
 from policy_bundle.build.artifacts.artifact_fidelity import gate_artifacts
-from policy_bundle.build.calibrate.prompt_split import (GENERAL_PROMPTS, default_general_golden, read_prompts_file,
-                                                         resolve_defaults, search_share, split_golden, split_prompts)
-from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, ConfigError, load_config
+from policy_bundle.build.calibrate.prompt_split import search_share, split_golden, split_prompts
+from policy_bundle.build.config.build_config import ONNX_AUTO_OFF, ConfigError, load_config, resolve_defaults
+from policy_bundle.build.config.defaults import GENERAL_PROMPTS, default_general_golden, read_prompts_file
 
 
 def general_lm(tmp_path, *sets):

@@ -168,7 +168,7 @@ def test_the_held_out_greedy_confirmation_completes_the_teacher_forced_report_as
     the same report: the same figures as the whole gate in one go, the teacher-forced pass not run twice."""
     from dataclasses import asdict
 
-    from policy_bundle.build.calibrate.prompt_split import resolve_defaults
+    from policy_bundle.build.config.build_config import resolve_defaults
     from policy_bundle.build.config.build_config import load_config
     from policy_bundle.build.gate.measure import fidelity_kwargs, gate_measures, greedy_completion
     from policy_bundle.bundle.info import load_tokenizer, read_golden_jsonl

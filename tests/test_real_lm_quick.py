@@ -32,7 +32,7 @@ def agreement(ref: torch.Tensor, cand: torch.Tensor) -> tuple:
 def real():
     from transformers import AutoTokenizer
 
-    from policy_bundle.build.calibrate.prompt_split import read_prompts_file
+    from policy_bundle.build.config.defaults import read_prompts_file
     from policy_bundle.loadtest.real_lm import smollm2_dir
     from policy_bundle.quantize.calibration import linear_stats as ls
     from policy_bundle.quantize.model.hf_weights import load_policy

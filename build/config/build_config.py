@@ -5,12 +5,16 @@ keys inlined)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
 from policy_bundle.build.config.candidates import parse_candidate
+from policy_bundle.build.config.defaults import (DEFAULT_SAMPLES, DEFAULT_TASK_GOLDEN, GENERAL_NEW_TOKENS,
+                                                 TASK_NEW_TOKENS, default_general_golden, prompts_path,
+                                                 read_prompts_file)
 from policy_bundle.build.errors import ConfigError
 from policy_bundle.quantize.config.schema import (FieldError, choice, config_model, env_mapping, from_mapping, inline,
                                                   merged, ranged, read_field, read_yaml, setting, to_mapping,
@@ -388,3 +392,32 @@ def check_batch_size(cfg: BuildConfig) -> BuildConfig:
             f"({cfg.calibration.samples})"
         )
     return cfg
+
+
+def resolve_defaults(cfg: BuildConfig) -> BuildConfig:
+    """The config with the fields it leaves unset (None) filled in for this policy, as the manifest records them.
+
+    ``policy.kind`` auto becomes task or general (``is_task_policy``), so every later stage and a bundle's
+    stored config read the decision instead of probing the source again.
+    A task policy: ``prompts.max_new_tokens`` 8, ``calibration.samples`` 256, ``calibration.golden``
+    DEFAULT_TASK_GOLDEN (the gate's items; ``split_prompts`` gives the float-layer search as many more).
+    A general LM on a prompts file (the shipped general set by default): 32 new tokens per
+    item, ``default_general_golden`` golden items, and every other prompt once as calibration (at most 256: a
+    repeated prompt's greedy rollout is the same sequence again, work that adds nothing). Set fields are kept.
+    """
+    task = is_task_policy(cfg)  # decided here, once: the resolved config carries it (policy.kind)
+    if cfg.policy.kind == "auto":
+        cfg = replace(cfg, policy=replace(cfg.policy, kind="task" if task else "general"))
+    p, c = cfg.prompts, cfg.calibration
+    if p.max_new_tokens is None:
+        p = replace(p, max_new_tokens=TASK_NEW_TOKENS if task else GENERAL_NEW_TOKENS)
+    if task and c.golden is None:
+        c = replace(c, golden=DEFAULT_TASK_GOLDEN)
+    if not task and (c.golden is None or (c.samples is None and not cfg.samples.jsonl)):
+        n = len(read_prompts_file(prompts_path(cfg.prompts.file)))
+        c = replace(c, golden=default_general_golden(n) if c.golden is None else c.golden)
+        if c.samples is None and not cfg.samples.jsonl:
+            c = replace(c, samples=min(DEFAULT_SAMPLES, max(1, n - c.golden)))
+    if c.samples is None:
+        c = replace(c, samples=DEFAULT_SAMPLES)
+    return check_batch_size(replace(cfg, prompts=p, calibration=c))
