@@ -8,7 +8,6 @@ analysis loops), ``admin`` (commands), ``rollout`` (state machine + SQLite), ``h
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -125,7 +124,7 @@ class PolicyRouter:
         logs.REQUEST_ID.set(rid)  # this request's task: its log lines carry it
         response = await self._handle(request, adapter, t0, rid)
         response.headers["x-request-id"] = rid
-        if not isinstance(response, ReleasingStream):  # a stream logs itself when it ends (_stream)
+        if not isinstance(response, ReleasingStream):  # a stream logs itself when it ends (_stream_outcome)
             log.info("request", extra={"endpoint": adapter.endpoint, "status": response.status_code,
                                        "variant": response.headers.get("x-policy-variant"),
                                        "seconds": round(time.perf_counter() - t0, 4)})
@@ -157,10 +156,17 @@ class PolicyRouter:
                 served, opened = await self.pool.open_stream(variant, forced is not None, choices)
                 self.metrics.ttft.labels(variant=served).observe(time.perf_counter() - t0)
                 streaming = True  # from here the response releases the slots, however the stream ends
-                body = self._stream(adapter, p, served, opened, t0, forced is None)
-                steps = [s for _, s in opened]
-                return ReleasingStream(body, lambda: self._stream_ended(body, steps, held),
-                                       media_type="text/event-stream", headers={"x-policy-variant": served})
+                tally, steps, evidence = StreamTally(), [s for _, s in opened], forced is None
+                body = sse_events(adapter, p, served, opened,
+                                  [functools.partial(self.pool.next_step, served, s) for s in steps],
+                                  self.tok.eos_token_id, tally, self.metrics.itl.labels(variant=served).observe,
+                                  lambda exc: self.canary.record_error(served, exc, evidence))
+
+                def ended() -> None:
+                    self._stream_outcome(adapter.endpoint, served, len(steps), tally, t0, evidence)
+                    self._stream_ended(body, steps, held)
+                return ReleasingStream(body, ended, media_type="text/event-stream",
+                                       headers={"x-policy-variant": served})
             served, results = await self.pool.generate(variant, forced is not None, choices)
         except ApiError as err:
             return self._refuse(adapter, err)
@@ -187,24 +193,15 @@ class PolicyRouter:
         self.metrics.rejected.labels(endpoint=adapter.endpoint, status=str(err.status)).inc()
         return error_response(err)
 
-    async def _stream(self, adapter: Adapter, p, served: str, opened: list, t0: float, evidence: bool = True):
-        """The answer's SSE events (``openai_api.sse_events``), recorded for the canary and logged when it ends."""
-        tally = StreamTally()
-        steps = [s for _, s in opened]
-        nexts = [functools.partial(self.pool.next_step, served, s) for s in steps]
-        events = sse_events(adapter, p, served, opened, nexts, self.tok.eos_token_id, tally,
-                            self.metrics.itl.labels(variant=served).observe,
-                            lambda exc: self.canary.record_error(served, exc, evidence))
-        try:
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    yield event
-        finally:  # the variants' streams are closed by _stream_ended, which also runs if this never starts
-            if tally.done:
-                self.canary.record(served, time.perf_counter() - t0, tally.tokens, evidence)
-            log.info("request", extra={"endpoint": adapter.endpoint, "status": 200 if tally.done else "incomplete",
-                                       "variant": served, "tokens": tally.tokens, "choices": len(opened),
-                                       "seconds": round(time.perf_counter() - t0, 4)})
+    def _stream_outcome(self, endpoint: str, served: str, choices: int, tally: StreamTally, t0: float,
+                        evidence: bool) -> None:
+        """A streamed answer is over: recorded for the canary if it ended with ``[DONE]``, and logged either way
+        (a failure mid-stream was recorded by ``sse_events`` as it happened)."""
+        if tally.done:
+            self.canary.record(served, time.perf_counter() - t0, tally.tokens, evidence)
+        log.info("request", extra={"endpoint": endpoint, "status": 200 if tally.done else "incomplete",
+                                   "variant": served, "tokens": tally.tokens, "choices": choices,
+                                   "seconds": round(time.perf_counter() - t0, 4)})
 
     def _stream_ended(self, body, steps: list, held: int = 1) -> None:
         """A streamed response is over (sent, cut off mid-stream, or its client gone before the body started,
