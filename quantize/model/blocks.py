@@ -312,8 +312,8 @@ class Block(nn.Module):
     def _forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, start_pos: int, k_cache: Tensor, v_cache: Tensor
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._mlp_residual(x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, k_cache,
+                                                     v_cache))
 
     def forward_rows(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
@@ -325,7 +325,11 @@ class Block(nn.Module):
     def _forward_rows(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
     ) -> Tensor:
-        x = x + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
+        return self._mlp_residual(x + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin, mask, pos, k_cache,
+                                                                  v_cache))
+
+    def _mlp_residual(self, x: Tensor) -> Tensor:
+        """The block's second half, after the attention's residual: the same for one sequence and for rows."""
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_parts(self, x: Tensor, sizes: List[int], rows: int, cos: List[Tensor], sin: List[Tensor],

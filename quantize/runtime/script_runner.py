@@ -19,10 +19,9 @@ TRIM_POSITIONS = 256  # a call over at least this many token positions hands the
 class ScriptRunner:
     """A TorchScript policy whose every call runs without the graph executor's optimisations.
 
-    Measured on SmolLM2-135M's INT8 TorchScript (2 cores, torch 2.13, ``loadtest/bench_int8.py``'s worker): the
-    profiling executor's shape-specialised graphs raised the process's peak RSS from 0.84 GB to 2.1-3.4 GB, for no
-    speed (four interleaved rounds, medians: decode 35.1 vs 32.7 tok/s, 8 x 64 prefill 621 vs 647 tok/s, batch-32
-    decode 272 vs 261 tok/s, within this machine's noise). The switch is thread-local
+    The profiling executor's shape-specialised graphs recompile at every new cache length and more than double the
+    process's peak memory, for no speed (docs/benchmarks.md, "The batched engine's threads and lanes"). The switch
+    is thread-local
     (``torch.jit.optimized_execution``), so it is set around each call, on whichever thread serves it; attributes
     and methods otherwise pass through.
 

@@ -44,9 +44,7 @@ def auto_kv_budget() -> int:
     """``kv_cache_bytes: 0``: the KV space the FP16 variant's vLLM is given (``VLLM_CPU_KVCACHE_SPACE``, GiB; 1 as this
     project starts vLLM), so the two sides of an A/B split hold the same KV memory and a comparison between them
     compares the engines, not their budgets; at most a tenth of the memory this process may use (its cgroup's limit or
-    the machine's available memory; that tenth at least 256 MiB) and 8 GiB. Measured with a tenth of 22.6 GB instead (2.26
-    GB): 32 long requests on SmolLM2-135M held 1.5 GB of cache, and the INT8 worker peaked at 0.65x vLLM's memory
-    where vLLM had 1 GiB."""
+    the machine's available memory; that tenth at least 256 MiB) and 8 GiB."""
     from policy_bundle.quantize.runtime.memory import memory_limit
     from policy_bundle.quantize.runtime.vllm_launch import vllm_kv_space_bytes
 

@@ -140,11 +140,9 @@ def decode_thread_setup(threads: int) -> None:
 
     OpenMP gives each thread that enters a parallel region its own team; a second team (the decode thread's,
     besides the main thread's from loading and warming up) over-subscribes the cores, so libgomp stops spinning
-    between regions and every small op pays a wake-up. Measured on SmolLM2-135M's INT8 policy (2 cores): a batch-1
-    decode step took 45-49 ms on a side thread with 2 intra-op threads, 20-24 ms with 1, 19-22 ms on the main thread
-    with 2; the batched engine at 1 / 4 / 16 / 32 clients made 38 / 55 / 91 / 101 tok/s with 1 against 18 / 29 / 54 /
-    70 with 2 (``loadtest/bench_batching.py``). Only measured on 2 cores: on a larger host, measure ``engine_threads``
-    with ``bench_batching --threads``. ``torch.set_num_threads`` also sets the count that threads which have not yet
+    between regions and every small op pays a wake-up: a decode step on a side thread with 2 intra-op threads took
+    about twice as long as with 1 (docs/benchmarks.md, "The batched engine's threads and lanes"; measured on 2 cores:
+    on a larger host, measure ``engine_threads`` with ``loadtest/bench_batching.py --threads``). ``torch.set_num_threads`` also sets the count that threads which have not yet
     run a parallel op start with (BentoML's worker threads calling ``score``): one team per core's worth of work."""
     torch.set_grad_enabled(False)
     torch.set_num_threads(threads)

@@ -16,11 +16,9 @@ class Lanes:
     """``generate`` on whichever of several ``BatchedEngine`` lanes (one decode thread each, on one shared module)
     has the fewest requests of its own; ties go to the first, so a lone client always decodes on lane 0.
 
-    Measured on SmolLM2-135M's INT8 policy (2 cores, one intra-op thread per lane, 6-token prompts, 8 new tokens,
-    ``loadtest/bench_batching.py --lanes 0``, each engine in its own process): 2 lanes against 1 made 104.6 against 59.5
-    tok/s at 2 clients, 162.2 against 104.6 at 8 and 248.4 against 136.0 at 32; at 1 client the same. One decode
-    thread cannot use a second core: its intra-op threads stay at one (``engine_threads``: the arithmetic the gate
-    decoded with)."""
+    Why lanes: one decode thread cannot use a second core, as its intra-op threads stay at one (``engine_threads``:
+    the arithmetic the gate decoded with); a second lane decodes other requests beside it (figures in
+    docs/benchmarks.md, "The batched engine's threads and lanes")."""
 
     def __init__(self, engines: List, name: str):
         self.lanes, self.name = engines, name
