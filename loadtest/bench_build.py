@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--stop-after", type=float, default=None, metavar="MIN",
                     help="stop the build after this many minutes and report the stages it reached")
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "policy-bundle" / "bench-build")
+    ap.add_argument("--json", type=Path, help="also write the figures here (docs/results/NAME.json: "
+                    "loadtest/results_doc.py renders them into docs/benchmarks.md)")
     args = ap.parse_args()
     from policy_bundle.loadtest.real_lm import smollm2_dir
 
@@ -194,6 +197,43 @@ def main() -> None:
     for name, st in r["stages"].items():
         print(f"| {name} | {st['rss'] / 1e9:.2f} GB | {st['pss'] / 1e9:.2f} GB | {st['main_rss'] / 1e9:.2f} GB |")
     print(f"CPU: {cpu}, {os.cpu_count()} cores; log: {args.work / (tag + '.log')}")
+    if args.json:
+        from policy_bundle.loadtest.results_doc import write_result
+
+        took = stage_seconds(args.work / f"{tag}.log")
+        figures = {"policy": "SmolLM2-135M-Instruct" if args.shape == "smollm2" else f"random Qwen3-{args.shape} shape",
+                   "dtype": args.dtype, "weights_bytes": weights,
+                   "procs": args.procs if args.procs is not None else "default",
+                   **{k: r[k] for k in ("seconds", "rss", "pss", "main_rss", "vllm_rss", "verdict", "rc")},
+                   "processes": r.get("procs", 0), "fp32_layers": r.get("fp32_layers"),
+                   "gate": gate_summary(args.work / f"bundle-{tag}"),
+                   "stages": {name: {**st, "seconds": took.get(name)} for name, st in r["stages"].items()}}
+        print(f"figures: {write_result(args.json, 'bench_build', figures)}")
+
+
+def stage_seconds(log: Path) -> Dict[str, float]:
+    """Each stage's time, from the build's own "[i/n] NAME done in Xs" lines."""
+    out = {}
+    for ln in log.read_text(errors="replace").splitlines():
+        m = re.match(r"\[\d+/\d+\] (.+?) done in ([\d.]+)s", ln)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def gate_summary(bundle: Path) -> dict:
+    """The shipped recipe and its held-out figures, from the bundle's manifest and gate report (empty when the build
+    wrote neither)."""
+    manifest, report = bundle / "bundle.json", bundle / "gate_report.json"
+    if not manifest.is_file():
+        return {}
+    m = json.loads(manifest.read_text())
+    out = {"recipe": (m.get("recipe") or {}).get("name") or (m.get("recipe") or {}).get("scheme")}
+    if report.is_file():
+        rep = json.loads(report.read_text())
+        held = rep.get("held_out") or rep.get("chosen", {}).get("held_out") or {}
+        out["held_out"] = {k: held[k] for k in ("top1", "kl_mean", "greedy") if isinstance(held.get(k), (int, float))}
+    return out
 
 
 if __name__ == "__main__":

@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", type=Path, help="the GGUF the bundle's FP32 source was dequantized from (the SmolLM2 "
                     "fixture: policy_bundle.loadtest.real_lm.gguf_path()): adds llama.cpp Q8_0 where llama-cpp-python "
                     "is installed")
+    ap.add_argument("--json", type=Path, help="also write the figures here (docs/results/NAME.json: "
+                    "loadtest/results_doc.py renders them into docs/benchmarks.md)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     positions = [int(p) for p in args.positions.split(",")]
@@ -177,6 +179,11 @@ def main(argv=None) -> int:
             print(f"{engine}: failed: {res.stderr[-2000:]}", file=sys.stderr)
             continue
         figures[engine] = json.loads(res.stdout.strip().splitlines()[-1])
+    if args.json:
+        from policy_bundle.loadtest.results_doc import write_result
+
+        write_result(args.json, "bench_context", {"positions": positions, "tokens": args.tokens,
+                                                  "repeats": args.repeats, "engines": figures})
     names = {"int8": "INT8 TorchScript (1 thread)", "float16": "vLLM FP16", "bfloat16": "vLLM BF16",
              **{e: f"INT8 TorchScript, {e.partition(':')[2]} KV cache (1 thread)" for e in also},
              "llama.cpp": "llama.cpp Q8_0 (1 thread, f16 cache)"}
