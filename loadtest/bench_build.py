@@ -207,7 +207,7 @@ def main() -> None:
                    **{k: r[k] for k in ("seconds", "rss", "pss", "main_rss", "vllm_rss", "verdict", "rc")},
                    "processes": r.get("procs", 0), "fp32_layers": r.get("fp32_layers"),
                    "gate": gate_summary(args.work / f"bundle-{tag}"),
-                   "stages": {name: {**st, "seconds": took.get(name)} for name, st in r["stages"].items()}}
+                   "stages": [{"stage": name, **st, "seconds": took.get(name)} for name, st in r["stages"].items()]}
         print(f"figures: {write_result(args.json, 'bench_build', figures)}")
 
 
@@ -227,12 +227,14 @@ def gate_summary(bundle: Path) -> dict:
     manifest, report = bundle / "bundle.json", bundle / "gate_report.json"
     if not manifest.is_file():
         return {}
-    m = json.loads(manifest.read_text())
-    out = {"recipe": (m.get("recipe") or {}).get("name") or (m.get("recipe") or {}).get("scheme")}
+    recipe = json.loads(manifest.read_text()).get("recipe") or {}
+    out = {"recipe": " ".join([str(recipe.get("scheme")), *([f"skip=[{', '.join(recipe['skip'])}]"]
+                                                           if recipe.get("skip") else [])])}
     if report.is_file():
-        rep = json.loads(report.read_text())
-        held = rep.get("held_out") or rep.get("chosen", {}).get("held_out") or {}
-        out["held_out"] = {k: held[k] for k in ("top1", "kl_mean", "greedy") if isinstance(held.get(k), (int, float))}
+        held = json.loads(report.read_text()).get("metrics") or {}  # the gate's verdict: the held-out prompts
+        out["held_out"] = {k: held[name] for k, name in (("top1", "top1_agreement"), ("kl_mean", "kl_mean"),
+                                                         ("greedy", "greedy_agreement"))
+                           if isinstance(held.get(name), (int, float))}
     return out
 
 

@@ -50,7 +50,7 @@ def write_result(path: Path, benchmark: str, figures: dict, argv: List[str] = No
         del args[args.index("--json"):args.index("--json") + 2]
     command = " ".join([".venv/bin/python -m", f"policy_bundle.loadtest.{benchmark}", *args])
     path.write_text(json.dumps({"benchmark": benchmark, "command": command, "cpu": cpu(), "figures": figures},
-                               indent=1, sort_keys=True) + "\n")
+                               indent=1) + "\n")
     return path
 
 
@@ -72,7 +72,8 @@ def render_build(res: dict) -> str:
     verdict = f"{f['verdict']}" + (f", `{gate['recipe']}`" if gate.get("recipe") else "") + (
         f", {f['fp32_layers']} float linears" if f.get("fp32_layers") is not None else "")
     if held:
-        verdict += ": held out " + ", ".join(f"{k} {held[k]:.4g}" for k in ("top1", "kl_mean", "greedy") if k in held)
+        verdict += ": held out " + ", ".join(f"{label} {held[k]:.4g}" for k, label in
+                                             (("top1", "top-1"), ("kl_mean", "KL mean"), ("greedy", "greedy")) if k in held)
     lines = [f"`{res['command']}` on {cpu_text(res['cpu'])}:", "",
              "| policy | build time | peak RSS, all build processes | peak PSS | CLI alone | vLLM check (own line) | gate |",
              "|---|---|---|---|---|---|---|",
@@ -81,7 +82,8 @@ def render_build(res: dict) -> str:
              f"{f['processes']} processes) | {_gb(f['pss'])} | {_gb(f['main_rss'])} | {_gb(f['vllm_rss'])} "
              f"| {verdict} (exit {f['rc']}) |", "",
              "| stage | time | peak RSS, all build processes | peak PSS | CLI alone |", "|---|---|---|---|---|"]
-    for name, st in f["stages"].items():
+    for st in f["stages"]:  # in the build's order
+        name = st["stage"]
         took = f"{st['seconds']:.1f} s" if st.get("seconds") is not None else "-"
         lines.append(f"| {name} | {took} | {_gb(st['rss'])} | {_gb(st['pss'])} | {_gb(st['main_rss'])} |")
     return "\n".join(lines) + "\n"

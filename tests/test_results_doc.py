@@ -14,7 +14,7 @@ def build_figures(seconds=600.0):
             "seconds": seconds, "rss": 4.1e9, "pss": 3.2e9, "main_rss": 2.8e9, "vllm_rss": 2.4e9,
             "verdict": "pass", "rc": 0, "processes": 4, "fp32_layers": 2,
             "gate": {"recipe": "smooth-w8a8", "held_out": {"top1": 0.9804, "kl_mean": 0.0016, "greedy": 0.55}},
-            "stages": {"load policy": {**stage, "seconds": 5.3}, "calibrate": {**stage, "seconds": None}}}
+            "stages": [{"stage": "load policy", **stage, "seconds": 5.3}, {"stage": "calibrate", **stage, "seconds": None}]}
 
 
 def context_figures():
@@ -50,7 +50,9 @@ def test_tables_are_rendered_from_the_results_and_prose_is_kept(docs):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nprose\n\n<!-- results: build -->\n") and "\nmore prose\n" in text
     assert "stale" not in text
-    assert "| 10.0 min |" in text and "7.6x the weights, 4 processes" in text and "| load policy | 5.3 s |" in text
+    assert "| 10.0 min |" in text and "7.6x the weights, 4 processes" in text
+    assert "held out top-1 0.9804, KL mean 0.0016, greedy 0.55 (exit 0)" in text
+    assert text.index("| load policy | 5.3 s |") < text.index("| calibrate | - |")  # the build's order
     assert "`.venv/bin/python -m policy_bundle.loadtest.bench_build --shape smollm2`" in text  # --json left out
     assert "INT8 against llama.cpp Q8_0 (1 thread, float16 cache): 1.25x at 128, 1.00x at 2048, 1.00x at 7000." in text
     assert "| vLLM FP16 | 50.0 | 35.0 | 11.0 | 0.22x | 23040 |" in text
