@@ -110,6 +110,20 @@ def grown_mb(script, extra_positions: int, kind: str = "sequence") -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def retained_mb(script, extra_positions: int, kind: str = "sequence", tries: int = 3) -> int:
+    """The most a call left resident over up to ``tries`` fresh processes (the negative controls). glibc gives the
+    freed temporaries back by itself only when they end up at the heap's top, which depends on the heap the process's
+    start left behind (hash seeds and address-space layout vary it): on a loaded machine an untrimmed call has grown
+    its process by only 9 MB. A handback that is not ``malloc_trim``'s shows in one process, not in all of them; a
+    trim is checked in every process it runs in."""
+    best = 0
+    for _ in range(tries):
+        best = max(best, grown_mb(script, extra_positions, kind))
+        if best >= 48:
+            break
+    return best
+
+
 @pytest.mark.skipif(any(os.environ.get(v) for v in ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")),
                     reason="another allocator or glibc tuning: the heap's growth is not glibc's default")
 def test_a_call_over_trim_positions_hands_its_freed_heap_back(tmp_path):
@@ -118,9 +132,9 @@ def test_a_call_over_trim_positions_hands_its_freed_heap_back(tmp_path):
     freed temporaries resident (the negative controls: trimming after every step slows decoding)."""
     script = tmp_path / "churn.py"  # a file: TorchScript reads the module's source
     script.write_text(CHURN)
-    assert grown_mb(script, -1) >= 48  # one position short of the threshold: nothing handed back
-    assert grown_mb(script, 0, "steps") >= 48  # as many rows of one token each: a decode step, not trimmed
-    assert grown_mb(script, 0) <= 16  # the 2 MB it returns, and the interpreter's own
+    assert retained_mb(script, -1) >= 48  # one position short of the threshold: nothing handed back
+    assert retained_mb(script, 0, "steps") >= 48  # as many rows of one token each: a decode step, not trimmed
+    assert all(grown_mb(script, 0) <= 16 for _ in range(3))  # the 2 MB it returns, and the interpreter's own
     # a step with prompt chunks (``step_and_prefill``): the chunks' positions count, the decode rows' do not
-    assert grown_mb(script, -1, "chunks") >= 48 and grown_mb(script, 0, "chunks") <= 16
+    assert retained_mb(script, -1, "chunks") >= 48 and grown_mb(script, 0, "chunks") <= 16
     assert grown_mb(script, 0, "caches") >= 48  # a step over its sequences' caches (``step_seqs``): not trimmed
