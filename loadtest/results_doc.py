@@ -29,15 +29,14 @@ FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16")
 
 def cpu() -> Dict[str, object]:
     """This machine's CPU: its model name, the instruction sets the kernels choose by, the cores this process may use."""
-    model, flags = "?", set()
+    from policy_bundle.quantize.runtime.fbgemm_int8 import cpu_flags  # torch: only where a result is written
+
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "?":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
+        lines = []
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    flags = cpu_flags()
     return {"model": model, "flags": [f for f in FLAGS if f in flags], "cores": len(os.sched_getaffinity(0))}
 
 

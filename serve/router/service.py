@@ -163,8 +163,10 @@ class PolicyRouter:
                                   lambda exc: self.canary.record_error(served, exc, evidence))
 
                 def ended() -> None:
-                    self._stream_outcome(adapter.endpoint, served, len(steps), tally, t0, evidence)
-                    self._stream_ended(body, steps, held)
+                    try:
+                        self._stream_outcome(adapter.endpoint, served, len(steps), tally, t0, evidence)
+                    finally:  # the slots come back even if recording the outcome fails
+                        self._stream_ended(body, steps, held)
                 return ReleasingStream(body, ended, media_type="text/event-stream",
                                        headers={"x-policy-variant": served})
             served, results = await self.pool.generate(variant, forced is not None, choices)
