@@ -354,3 +354,31 @@ def test_a_hung_decode_thread_is_marked_down_and_its_requests_fail_over(tmp_path
         assert again.status_code == 200 and again.headers["x-policy-variant"] == "fp16"
     finally:
         server.stop()
+
+
+@needs_vllm
+def test_vllm_steps_made_while_the_reader_waits_are_all_sent(tmp_path, small_bundle):
+    """vLLM decodes on while a step waits on its reader (a slow client, a busy router loop: here a 1 s stall after
+    the second token), and the cumulative output it hands over is its live token list, which grows in that wait: the
+    tokens made during it were skipped ("998" came out "99", "46" as "4" in a loaded CI run). Each answer is checked
+    against what FP16 answers without the stall (tests/test_serve.py's ``good`` server: "998", "46")."""
+    server = start(tmp_path, small_bundle, "slowreader", "stall:after=1:factor=1:name=fp16",
+                   POLICY_BUNDLE_DISABLE_VLLM="0")
+    forced = {"x-policy-variant": "fp16", "x-admin-token": "t"}
+    try:
+        assert httpx.get(f"{server.url}/status", timeout=10).json()["variants"]["fp16"]["engine"] == "vllm"
+        plain = httpx.post(f"{server.url}/v1/completions", headers=forced, timeout=60,
+                           json={"model": "policy", "prompt": "358+64=", "max_tokens": 6, "temperature": 0})
+        assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == "998", plain.text
+        for path, body, field in (
+                ("completions", {"prompt": "358+64="}, "text"),
+                ("chat/completions", {"messages": [{"role": "user", "content": "12+34="}]}, "content")):
+            with httpx.stream("POST", f"{server.url}/v1/{path}", headers=forced, timeout=60, json={
+                    "model": "policy", "max_tokens": 6, "temperature": 0, "stream": True, **body}) as r:
+                events = sse_events(r)
+            assert r.headers["x-policy-variant"] == "fp16" and events[-1] == "[DONE]", events
+            chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+            text = "".join((c.get("delta") or {}).get(field) or c.get(field) or "" for c in chunks)
+            assert text == {"text": "998", "content": "46"}[field], events
+    finally:
+        server.stop()
