@@ -1,7 +1,7 @@
 """The INT8 TorchScript file run by a consumer with only torch, against the project's own loader: greedy decode tok/s
 (batch 1), each in a fresh process, side by side in one run.
 
-    .venv/bin/python -m policy_bundle.loadtest.bench_torchscript --bundle BUNDLE [--tokens 128]
+    .venv/bin/python -m policy_bundle.loadtest.bench_torchscript --bundle BUNDLE [--tokens 128] [--json OUT]
 
 Rows: the project's loader (``load_torchscript``: weights packed after the load, the graph executor's optimisations
 off); the manifest's recipe (``artifacts.int8_torchscript_usage``: torch alone); a plain ``torch.jit.load`` with the
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -44,14 +43,16 @@ with torch.no_grad(), ctx:
 print(json.dumps({"tok_s": len(out) / dt, "tokens": out}))
 """
 
-MODES = (("project", "the project's loader (load_torchscript)"), ("recipe", "torch alone, the manifest's recipe"),
-         ("plain", "torch alone, optimisations left on"))
+MODES = (("project", "the project's loader (`load_torchscript`)"),
+         ("recipe", "torch alone, the manifest's recipe (`artifacts.int8_torchscript_usage`)"),
+         ("plain", "torch alone, graph optimisations left on"))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--json", type=Path, help="write the table here (docs/results/NAME.json)")
     args = ap.parse_args(argv)
     path = args.bundle / "int8" / "policy.ts"
     with (args.bundle / "golden.jsonl").open() as f:  # the golden set's first prompt
@@ -68,14 +69,18 @@ def main(argv=None) -> int:
                 print(f"{mode}: failed: {res.stderr[-1500:]}", file=sys.stderr)
                 return 1
             rows[mode] = json.loads(res.stdout.strip().splitlines()[-1])
+    from policy_bundle.loadtest.results_doc import markdown, table, write_tables
+
     base = rows["project"]["tok_s"]
-    print(f"INT8 TorchScript decode, batch 1, {args.tokens} new tokens, one thread ({args.bundle}; "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
-    print("| how it is run | decode tok/s | vs the project's loader | same tokens |")
-    print("|---|---|---|---|")
-    for mode, label in MODES:
-        r = rows[mode]
-        print(f"| {label} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['tokens'] == rows['project']['tokens']} |")
+    lead = (f"bundle `{args.bundle.name}`, batch-1 greedy decode of {args.tokens} new tokens at one thread, each row in "
+            "a fresh process (the two torch-only rows with `python -I` outside the checkout, the project never "
+            "imported)")
+    tab = table(["how it is run", "decode tok/s", "vs the project's loader", "same tokens"],
+                [[label, round(rows[mode]["tok_s"], 1), f"{rows[mode]['tok_s'] / base:.2f}x",
+                  rows[mode]["tokens"] == rows["project"]["tokens"]] for mode, label in MODES])
+    print(lead + "\n" + markdown(tab))
+    if args.json:
+        print(f"figures: {write_tables(args.json, 'bench_torchscript', lead, [tab])}")
     return 0
 
 

@@ -112,7 +112,56 @@ def render_context(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def table(columns: List[str], rows: List[list], title: str = "") -> dict:
+    """A table as a benchmark keeps it in its results (``figures["tables"]``): column names, rows of cells (a number
+    or text, rounded by the benchmark to the precision it means), and an optional line above it."""
+    assert all(len(r) == len(columns) for r in rows), "a row with more or fewer cells than the columns"
+    return {"title": title, "columns": list(columns), "rows": [list(r) for r in rows]}
+
+
+def _cell(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:g}" if abs(v) < 1e6 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown(t: dict) -> str:
+    """One table as docs/benchmarks.md shows it (and the benchmark prints it)."""
+    lines = [t["title"], ""] if t.get("title") else []
+    lines += ["| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
+    lines += ["| " + " | ".join(_cell(v) for v in r) + " |" for r in t["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def render_tables(res: dict) -> str:
+    """A benchmark whose figures are tables (``table``): the command and CPU, what was run (``lead``), each table,
+    then the lines the benchmark derived from them (``notes``: ratios, whether outputs were equal)."""
+    f = res["figures"]
+    head = f"`{res['command']}` on {cpu_text(res['cpu'])}" + (f", {f['lead']}" if f.get("lead") else "") + ":"
+    parts = [head + "\n"] + [markdown(t) for t in f["tables"]]
+    if f.get("notes"):
+        parts.append("\n".join(f["notes"]) + "\n")
+    return "\n".join(parts)
+
+
+def write_tables(path: Path, benchmark: str, lead: str, tables: List[dict], notes: List[str] = (),
+                 **figures) -> Path:
+    """``write_result`` of a benchmark whose figures are tables, with any raw figures beside them."""
+    return write_result(path, benchmark, {"lead": lead, "tables": tables, "notes": list(notes), **figures})
+
+
 RENDERERS: Dict[str, Callable[[dict], str]] = {"bench_build": render_build, "bench_context": render_context}
+
+
+def renderer(res: dict) -> Callable[[dict], str]:
+    """The benchmark's own renderer, else the tables renderer where its figures are tables."""
+    if res.get("benchmark") in RENDERERS:
+        return RENDERERS[res["benchmark"]]
+    if isinstance(res.get("figures"), dict) and "tables" in res["figures"]:
+        return render_tables
+    raise KeyError(res.get("benchmark"))
 
 
 def render(doc: str, results: Path) -> str:
@@ -122,10 +171,12 @@ def render(doc: str, results: Path) -> str:
         if not path.is_file():
             raise SystemExit(f"results_doc: {DOC.name} names {m['name']!r}, but {path} does not exist")
         res = json.loads(path.read_text())
-        if res.get("benchmark") not in RENDERERS:
-            raise SystemExit(f"results_doc: {path}: benchmark {res.get('benchmark')!r} has no renderer "
-                             f"(known: {', '.join(RENDERERS)})")
-        return m.group(1) + RENDERERS[res["benchmark"]](res) + m.group(4)
+        try:
+            how = renderer(res)
+        except KeyError:
+            raise SystemExit(f"results_doc: {path}: benchmark {res.get('benchmark')!r} has no renderer and no tables "
+                             f"(renderers: {', '.join(RENDERERS)})") from None
+        return m.group(1) + how(res) + m.group(4)
 
     return BLOCK.sub(block, doc)
 
