@@ -9,12 +9,10 @@ asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from policy_bundle.loadtest.bench_gate_memory import cpu_description
 
 # (label, each row's position): rows of like lengths (the dense cache's best case), and one long row beside short ones
 CASES = [("8 x ~1000", [1000 + 37 * i for i in range(8)]), ("16 x ~1500", [1500 + 37 * i for i in range(16)]),
@@ -31,7 +29,7 @@ def run(bundle: Path, repeats: int) -> dict:
     module = load_torchscript(bundle / "int8" / "policy.ts")
     k1, v1 = module.new_cache(1, 1)
     per_position = k1.numel() * k1.element_size() * 2
-    out = {"cpu": cpu_description(), "bundle": str(bundle), "cases": []}
+    out = {"bundle": str(bundle), "cases": []}
     with torch.no_grad():
         for label, pos in CASES:
             b = len(pos)
@@ -69,15 +67,24 @@ def run(bundle: Path, repeats: int) -> dict:
 
 
 def main() -> None:
+    from policy_bundle.loadtest.results_doc import markdown, table, write_tables
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the table here (docs/results/NAME.json)")
     args = ap.parse_args()
     out = run(args.bundle, args.repeats)
+    lead = (f"bundle `{args.bundle.name}`, one decode step of the INT8 TorchScript at one thread, interleaved medians "
+            f"of {args.repeats}")
+    tab = table(["rows and their positions", "step, per sequence", "step, dense", "time", "KV held, per sequence",
+                 "KV held, dense", "KV", "logits"],
+                [[c["case"], f"{c['seqs_ms']:.1f} ms", f"{c['dense_ms']:.1f} ms", f"{c['time_ratio']:.2f}x",
+                  f"{c['seqs_kv_mb']:.0f} MB", f"{c['dense_kv_mb']:.0f} MB", f"{c['kv_ratio']:.2f}x",
+                  "bitwise equal" if c["logits_equal"] else "DIFFERENT"] for c in out["cases"]])
+    print(lead + "\n" + markdown(tab))
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
-
+        print(f"figures: {write_tables(args.json, 'bench_paged', lead, [tab], cases=out['cases'])}")
 
 if __name__ == "__main__":
     main()

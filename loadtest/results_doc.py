@@ -115,7 +115,9 @@ def render_context(res: dict) -> str:
 def table(columns: List[str], rows: List[list], title: str = "") -> dict:
     """A table as a benchmark keeps it in its results (``figures["tables"]``): column names, rows of cells (a number
     or text, rounded by the benchmark to the precision it means), and an optional line above it."""
-    assert all(len(r) == len(columns) for r in rows), "a row with more or fewer cells than the columns"
+    for r in rows:
+        if len(r) != len(columns):
+            raise ValueError(f"table row {r!r}: {len(r)} cells for {len(columns)} columns")
     return {"title": title, "columns": list(columns), "rows": [list(r) for r in rows]}
 
 
@@ -147,9 +149,9 @@ def render_tables(res: dict) -> str:
 
 
 def write_tables(path: Path, benchmark: str, lead: str, tables: List[dict], notes: List[str] = (),
-                 **figures) -> Path:
+                 argv: List[str] = None, **figures) -> Path:
     """``write_result`` of a benchmark whose figures are tables, with any raw figures beside them."""
-    return write_result(path, benchmark, {"lead": lead, "tables": tables, "notes": list(notes), **figures})
+    return write_result(path, benchmark, {"lead": lead, "tables": tables, "notes": list(notes), **figures}, argv)
 
 
 RENDERERS: Dict[str, Callable[[dict], str]] = {"bench_build": render_build, "bench_context": render_context}

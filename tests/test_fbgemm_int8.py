@@ -217,21 +217,24 @@ def test_a_loaded_weight_is_packed_at_its_first_use_or_by_the_loader_and_its_rea
     assert runner.module.fbgemm.pending.numel() == 0 and torch.equal(runner(x), m(x))
 
 
-def test_bench_kernels_stream_reports_each_kernel_against_a_plain_read(capsys):
-    """``bench_kernels --stream`` (how far the one-row int8 kernel is from the memory bandwidth, the bound of a decode
-    step) prints, per kernel, milliseconds per step and GB/s of weights, the plain read of the same bytes first."""
+def test_bench_kernels_stream_reports_each_kernel_against_a_plain_read(tmp_path):
+    """``bench_kernels --stream`` (how far the one-row int8 kernels are from the memory bandwidth, the bound of a
+    decode step) reports, per kernel, milliseconds per step, GB/s of weights and the ratio to a plain read of the
+    same bytes, that read first."""
+    import json
+
     from policy_bundle.loadtest.bench_kernels import main
 
-    assert main(["--stream", "--layers", "1", "--repeat", "3"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert "1 layers + head" in lines[0] and "MB of int8" in lines[0]
-    rows = {line.split("  ")[1].strip(): line for line in lines[1:]}
+    assert main(["--stream", "--layers", "1", "--repeat", "3", "--json", str(tmp_path / "k.json")]) == 0
+    figures = json.loads((tmp_path / "k.json").read_text())["figures"]
+    assert "1 layers + head" in figures["lead"] and "MB of int8" in figures["lead"]
+    rows = {r[0]: r[1:] for r in figures["tables"][0]["rows"]}
     assert list(rows) == ["int8 bytes read (max)", "fbgemm one row (linear_dynamic)",
-                          "oneDNN one row (qlinear, input pre-quantized)", "fp32 F.linear"]
-    for line in rows.values():
-        ms, gbs = float(line.split(" ms")[0].split()[-1]), float(line.split(" GB/s")[0].split()[-1])
-        assert ms > 0 and gbs > 0 and "x the read)" in line
-    assert "(1.00x the read)" in rows["int8 bytes read (max)"]
+                          "fbgemm GEMM, sign-split codes (2 rows)", "oneDNN one row (qlinear, input pre-quantized)",
+                          "fp32 F.linear"]
+    for ms, gbs, ratio in rows.values():
+        assert float(ms.removesuffix(" ms")) > 0 and float(gbs.removesuffix(" GB/s")) > 0 and ratio.endswith("x")
+    assert rows["int8 bytes read (max)"][2] == "1.00x"
 
 
 OLD_CODE_SCRIPT = """

@@ -79,3 +79,24 @@ def test_a_table_whose_results_do_not_exist_is_refused(docs):
     doc.write_text(doc.read_text() + "<!-- results: missing -->\n<!-- /results -->\n")
     with pytest.raises(SystemExit, match="'missing'.*does not exist"):
         run(doc, results, "--check")
+
+
+def test_a_benchmark_that_keeps_tables_is_rendered_as_it_printed_them(tmp_path):
+    tab = results_doc.table(["decode", "us per token", "same text"], [["whole", 1017, True], ["stream", 8.25, False]])
+    results_doc.write_tables(tmp_path / "results" / "detok.json", "bench_detok", "2000 tokens", [tab],
+                             ["Incremental against whole: 0.008x."], argv=["--tokens", "2000"])
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("<!-- results: detok -->\n<!-- /results -->\n")
+    assert run(doc, tmp_path / "results") == 0
+    text = doc.read_text()
+    assert "`.venv/bin/python -m policy_bundle.loadtest.bench_detok --tokens 2000` on " in text
+    assert ", 2000 tokens:\n\n" + results_doc.markdown(tab) in text
+    assert "| whole | 1017 | yes |\n| stream | 8.25 | no |\n" in text
+    assert "Incremental against whole: 0.008x.\n<!-- /results -->" in text
+    res = json.loads((tmp_path / "results" / "detok.json").read_text())
+    res["figures"].pop("tables")  # neither a renderer of its own nor tables: refused, not rendered empty
+    (tmp_path / "results" / "detok.json").write_text(json.dumps(res))
+    with pytest.raises(SystemExit, match="bench_detok.*no renderer and no tables"):
+        run(doc, tmp_path / "results", "--check")
+    with pytest.raises(ValueError, match="1 cells for 2 columns"):
+        results_doc.table(["a", "b"], [[1]])  # a row short of the columns
