@@ -3,12 +3,12 @@
 Both on the same TorchScript artifact, side by side in one run, each engine in its own process (two
 engines' threads with several intra-op threads each, in one process, slowed each other's decode ~5x through
 torch's intra-op thread pools; the batched engine's ``--lanes`` are decode threads of one intra-op thread each).
-No HTTP, so it lives beside the engine in serve/ (loadtest/ only talks to the service over HTTP).
+No HTTP: it drives the engine in process, one of the benchmarks the floors test lets import serve/.
 
 Per concurrency level (closed-loop callers, greedy, ``--new-tokens`` each): generated tokens/s,
 requests/s and the inter-token latency p50 / p99 a caller sees. Printed, never asserted.
 Run: ``.venv/bin/python -m policy_bundle.loadtest.bench_batching --artifact bundles/reference/int8/policy.ts``
-(or ``--bundle DIR``; a real LM: ``--bundle bundles/smollm2``).
+(or ``--bundle DIR``; a real LM: ``--bundle bundles/smollm2``; ``--json OUT``: the table as docs/results/ keeps it).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the table here (docs/results/NAME.json)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the decode thread (engine_threads)")
     ap.add_argument("--lanes", type=int, default=1,
                     help="the batched engine's decode lanes (engine_lanes; 0: one per --threads usable cores)")
@@ -103,21 +103,27 @@ def main() -> None:
         out = subprocess.run([sys.executable, "-m", "policy_bundle.loadtest.bench_batching", *sys.argv[1:],
                               "--engine", name], capture_output=True, text=True, check=True).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
-    artifact = artifact_path(args)
-    print(f"{artifact}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.seconds:.0f} s per level, "
-          f"{args.threads} intra-op thread(s) per decode thread; lanes: {args.lanes or 'one per usable core'}")
-    head = " | ".join(f"{n + ' tok/s':>15s} {'ITL p50/p99 ms':>15s}" for n in names)
-    print(f"\n{'clients':>8s} | {head} | {'batched/seq':>11s}" + (f" | {'lanes/batched':>13s}" if len(names) > 2 else ""))
-    for rows in zip(*(results[n] for n in names)):
-        cells = " | ".join(f"{r['tok_s']:15.1f} {r['itl_p50_ms']:7.1f}/{r['itl_p99_ms']:<7.1f}" for r in rows)
-        ratios = f"{rows[1]['tok_s'] / rows[0]['tok_s']:11.2f}" + \
-            (f" | {rows[2]['tok_s'] / rows[1]['tok_s']:13.2f}" if len(rows) > 2 else "")
-        print(f"{rows[0]['clients']:8d} | {cells} | {ratios}")
-    b = results["batched"]
-    print(f"batched: {b[-1]['clients']} clients / 1 client = {b[-1]['tok_s'] / b[0]['tok_s']:.2f}x tokens/s")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    from policy_bundle.loadtest.results_doc import markdown, table, write_tables
 
+    artifact = artifact_path(args)
+    lead = (f"`{artifact.parent.parent.name}`'s INT8 TorchScript, {args.prompt_len}-token prompts, {args.new_tokens} new "
+            f"tokens, {args.seconds:g} s per level, {args.threads} intra-op thread(s) per decode thread, each engine in "
+            f"its own process" + (f", lanes: {args.lanes or 'one per usable core'}" if len(names) > 2 else ""))
+    labels = {"sequential": "one at a time", "batched": "batched, 1 lane", "lanes": "batched, lanes"}
+    columns = ["clients"] + [f"{labels[n]}: tok/s (ITL p50 / p99 ms)" for n in names] + ["batched / one at a time"]
+    columns += ["lanes / 1 lane"] if len(names) > 2 else []
+    rows = []
+    for level_rows in zip(*(results[n] for n in names)):
+        cells = [f"{r['tok_s']:.1f} ({r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f})" for r in level_rows]
+        ratios = [f"{level_rows[1]['tok_s'] / level_rows[0]['tok_s']:.2f}x"]
+        ratios += [f"{level_rows[2]['tok_s'] / level_rows[1]['tok_s']:.2f}x"] if len(level_rows) > 2 else []
+        rows.append([level_rows[0]["clients"], *cells, *ratios])
+    b = results["batched"]
+    notes = [f"Batched, 1 lane: {b[-1]['clients']} clients against 1 = {b[-1]['tok_s'] / b[0]['tok_s']:.2f}x tokens/s."]
+    tab = table(columns, rows)
+    print(lead + "\n" + markdown(tab) + "\n".join(notes))
+    if args.json:
+        print(f"figures: {write_tables(args.json, 'bench_batching', lead, [tab], notes, levels=results)}")
 
 if __name__ == "__main__":
     main()
