@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -47,7 +48,7 @@ def write_result(path: Path, benchmark: str, figures: dict, argv: List[str] = No
     args = list(sys.argv[1:] if argv is None else argv)
     if "--json" in args:  # where the figures went is not part of how they were made
         del args[args.index("--json"):args.index("--json") + 2]
-    command = " ".join([".venv/bin/python -m", f"policy_bundle.loadtest.{benchmark}", *args])
+    command = " ".join([".venv/bin/python -m", f"policy_bundle.loadtest.{benchmark}", shlex.join(args)]).rstrip()
     path.write_text(json.dumps({"benchmark": benchmark, "command": command, "cpu": cpu(), "figures": figures},
                                indent=1) + "\n")
     return path

@@ -3,6 +3,7 @@ the walk goes back to a file it had already left.
 
     .venv/bin/python -m policy_bundle.loadtest.walk [--root CHECKOUT] [--config build/configs/main.yaml] [--set K=V]
     .venv/bin/python -m policy_bundle.loadtest.walk --chat [--root CHECKOUT] [--set KEY=VALUE ...]
+    .venv/bin/python -m policy_bundle.loadtest.walk --compare LABEL=CHECKOUT ... [--json OUT]
 
 The build walk runs one build in this process (the embedded reference policy by default, no mesh, no ONNX, nothing
 registered) under ``sys.setprofile`` and records, in call order, the project file of every call whose arguments hold
@@ -16,7 +17,9 @@ greedy, pinned to the INT8 variant) is answered: three times, keeping each proce
 the fewest calls of background loops, health probes among them).
 
 Both print the files in first-visit order, their count and the returns (a call in a file visited before, other than
-the one just left). A measure of the code's layout, not a test.
+the one just left). A measure of the code's layout, not a test. ``--compare`` runs both walks of each checkout named
+(``this`` is this one), each in a fresh process, and prints them side by side as one table (``--json``: as
+docs/results/ keeps it, ``loadtest/results_doc.py``).
 """
 
 from __future__ import annotations
@@ -147,8 +150,59 @@ def chat_walk(root: Path, overrides: List[str], repeats: int = 3) -> List[dict]:
             log.close()
 
 
+def _json_lines(out: str) -> List[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def _walk_process(root: Path, chat: bool) -> str:
+    """One walk of ``root`` in a fresh process of this file (as a script: another checkout's code comes first)."""
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), *(["--chat"] if chat else []), "--root",
+                          str(root)], capture_output=True, text=True, cwd=ROOT)
+    if res.returncode != 0:
+        raise SystemExit(f"walk: the {'chat' if chat else 'build'} walk of {root} failed:\n{res.stderr[-3000:]}")
+    return res.stdout
+
+
+def chat_figures(out: str) -> dict:
+    """A chat walk's output as {"router", "variant", "chat"}: each server process's walk and both together."""
+    runs = _json_lines(out)
+    return {**{("variant" if "int8" in r["process"].lower() else "router"): r for r in runs[:-1]}, "chat": runs[-1]}
+
+
+def compare(checkouts: List[str], out: Path = None) -> None:
+    """Both walks of each ``LABEL=CHECKOUT``, side by side."""
+    from policy_bundle.loadtest.results_doc import markdown, table, write_tables
+
+    named = [item.partition("=")[::2] for item in checkouts]
+    labels = [label for label, _ in named]
+    roots = [ROOT if where in ("", "this") else Path(where) for _, where in named]
+    # every build walk first, on a quiet machine (no server of a chat walk still stopping): the build chooses among
+    # its recipes by their measured speed, and a loaded machine can send it down another path
+    results = [{"build": _json_lines(_walk_process(root, chat=False))[0]} for root in roots]
+    for label, root, res in zip(labels, roots, results):
+        res.update(chat_figures(_walk_process(root, chat=True)))
+        print(f"[walk] {label}: {json.dumps(res)}", flush=True)
+
+    def cell(w: dict) -> str:
+        return f"{w['files']} files, {w['returns']} returns, {w['calls']} calls" if w else "-"
+    rows = [[what, *[cell(r.get(key)) for r in results]] for what, key in (
+        ("streamed chat: router", "router"), ("streamed chat: INT8 variant", "variant"),
+        ("streamed chat: both processes", "chat"), ("the build config through one build", "build"))]
+    lead = ("project files crossed (tests, loadtest and virtual environments aside), returns to a file already left, "
+            "calls; the chat walk: one streamed chat completion of 16 tokens, greedy, pinned to INT8, each server "
+            "process's shortest of three; the build walk: `main.yaml` (`reference.yaml` where there is none), no mesh")
+    tab = table(["walk", *labels], rows)
+    print(lead + "\n" + markdown(tab))
+    if out:
+        print(f"figures: {write_tables(out, 'walk', lead, [tab], walks=dict(zip(labels, results)))}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--compare", nargs="+", metavar="LABEL=CHECKOUT", help="both walks of each checkout, one table")
+    ap.add_argument("--json", type=Path, help="with --compare: write the table here (docs/results/NAME.json)")
     ap.add_argument("--config", default="build/configs/main.yaml")
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--chat", action="store_true", help="walk a streamed chat request through a served bundle")
@@ -156,6 +210,9 @@ def main(argv=None) -> int:
                     "served bundle) is walked: any version of the project")
     ap.add_argument("--path", action="store_true", help="print the walk call by call (file:function)")
     args = ap.parse_args(argv)
+    if args.compare:
+        compare(args.compare, args.json)
+        return 0
     if args.chat:
         runs = chat_walk(args.root, ["export.onnx=false", *args.overrides])
         for run in runs:
@@ -174,7 +231,10 @@ def main(argv=None) -> int:
     from policy_bundle.build.pipeline import run_build
 
     overrides = ["calibration.procs=0", "export.onnx=false", "register.bentoml=false", *args.overrides]
-    cfg = load_config(args.root / args.config, tuple(overrides))  # relative to the checkout (an absolute path stays)
+    config = args.root / args.config  # relative to the checkout (an absolute path stays)
+    if not config.is_file() and args.config == "build/configs/main.yaml":
+        config = args.root / "build/configs/reference.yaml"  # an older checkout's main config
+    cfg = load_config(config, tuple(overrides))
     watched = {id(cfg)} | {id(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))}
     calls: List[str] = []
     project = Path(policy_bundle.build.__file__).resolve().parents[1]
