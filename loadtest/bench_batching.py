@@ -119,7 +119,8 @@ def main() -> None:
         ratios += [f"{level_rows[2]['tok_s'] / level_rows[1]['tok_s']:.2f}x"] if len(level_rows) > 2 else []
         rows.append([level_rows[0]["clients"], *cells, *ratios])
     b = results["batched"]
-    notes = [f"Batched, 1 lane: {b[-1]['clients']} clients against 1 = {b[-1]['tok_s'] / b[0]['tok_s']:.2f}x tokens/s."]
+    notes = [f"Batched, 1 lane: {b[-1]['clients']} clients against {b[0]['clients']} = "
+             f"{b[-1]['tok_s'] / b[0]['tok_s']:.2f}x tokens/s."]
     tab = table(columns, rows)
     print(lead + "\n" + markdown(tab) + "\n".join(notes))
     if args.json:

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                   rows[mode]["tokens"] == rows["project"]["tokens"]] for mode, label in MODES])
     print(lead + "\n" + markdown(tab))
     if args.json:
-        print(f"figures: {write_tables(args.json, 'bench_torchscript', lead, [tab])}")
+        print(f"figures: {write_tables(args.json, 'bench_torchscript', lead, [tab], argv=argv)}")
     return 0
 
 

@@ -48,7 +48,10 @@ def write_result(path: Path, benchmark: str, figures: dict, argv: List[str] = No
     args = list(sys.argv[1:] if argv is None else argv)
     if "--json" in args:  # where the figures went is not part of how they were made
         del args[args.index("--json"):args.index("--json") + 2]
-    command = " ".join([".venv/bin/python -m", f"policy_bundle.loadtest.{benchmark}", shlex.join(args)]).rstrip()
+    args = [a for a in args if not a.startswith("--json=")]
+    threads = os.environ.get("OMP_NUM_THREADS")  # how many threads torch used is part of how they were made
+    command = " ".join([f"OMP_NUM_THREADS={threads}" if threads else "", ".venv/bin/python -m",
+                        f"policy_bundle.loadtest.{benchmark}", shlex.join(args)]).strip()
     path.write_text(json.dumps({"benchmark": benchmark, "command": command, "cpu": cpu(), "figures": figures},
                                indent=1) + "\n")
     return path
@@ -123,17 +126,16 @@ def table(columns: List[str], rows: List[list], title: str = "") -> dict:
 
 
 def _cell(v) -> str:
+    """A number as the benchmark rounded it (13.0 stays 13.0 beside 0.8), a bool as yes/no; a ``|`` escaped."""
     if isinstance(v, bool):
         return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:g}" if abs(v) < 1e6 else f"{v:.0f}"
-    return str(v)
+    return str(v).replace("|", "\\|")
 
 
 def markdown(t: dict) -> str:
     """One table as docs/benchmarks.md shows it (and the benchmark prints it)."""
     lines = [t["title"], ""] if t.get("title") else []
-    lines += ["| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
+    lines += ["| " + " | ".join(_cell(c) for c in t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
     lines += ["| " + " | ".join(_cell(v) for v in r) + " |" for r in t["rows"]]
     return "\n".join(lines) + "\n"
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from dataclasses import fields, is_dataclass
@@ -165,19 +166,30 @@ def _walk_process(root: Path, chat: bool) -> str:
     return res.stdout
 
 
+SERVICES = {"policy-router": "router", "int8-policy": "variant"}  # the processes a chat walk pinned to INT8 crosses
+
+
 def chat_figures(out: str) -> dict:
-    """A chat walk's output as {"router", "variant", "chat"}: each server process's walk and both together."""
-    runs = _json_lines(out)
-    return {**{("variant" if "int8" in r["process"].lower() else "router"): r for r in runs[:-1]}, "chat": runs[-1]}
+    """A chat walk's output as {"router", "variant", "chat"}: each server process's walk (named by its BentoML
+    service) and both together."""
+    runs, named = _json_lines(out), {}
+    for run in runs[:-1]:
+        service = re.search(r"--service-name (\S+)", run["process"])
+        role = SERVICES.get(service[1]) if service else None
+        if role is None or role in named:
+            raise SystemExit(f"walk: a chat walk's process is not one of {sorted(SERVICES)} once each: "
+                             f"{run['process']!r}")
+        named[role] = run
+    return {**named, "chat": runs[-1]}
 
 
-def compare(checkouts: List[str], out: Path = None) -> None:
+def compare(checkouts: List[str], out: Path = None, argv: List[str] = None) -> None:
     """Both walks of each ``LABEL=CHECKOUT``, side by side."""
     from policy_bundle.loadtest.results_doc import markdown, table, write_tables
 
     named = [item.partition("=")[::2] for item in checkouts]
     labels = [label for label, _ in named]
-    roots = [ROOT if where in ("", "this") else Path(where) for _, where in named]
+    roots = [ROOT if where in ("", "this") else Path(where).resolve() for _, where in named]
     # every build walk first, on a quiet machine (no server of a chat walk still stopping): the build chooses among
     # its recipes by their measured speed, and a loaded machine can send it down another path
     results = [{"build": _json_lines(_walk_process(root, chat=False))[0]} for root in roots]
@@ -196,7 +208,7 @@ def compare(checkouts: List[str], out: Path = None) -> None:
     tab = table(["walk", *labels], rows)
     print(lead + "\n" + markdown(tab))
     if out:
-        print(f"figures: {write_tables(out, 'walk', lead, [tab], walks=dict(zip(labels, results)))}")
+        print(f"figures: {write_tables(out, 'walk', lead, [tab], argv=argv, walks=dict(zip(labels, results)))}")
 
 
 def main(argv=None) -> int:
@@ -211,7 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--path", action="store_true", help="print the walk call by call (file:function)")
     args = ap.parse_args(argv)
     if args.compare:
-        compare(args.compare, args.json)
+        compare(args.compare, args.json, argv)
         return 0
     if args.chat:
         runs = chat_walk(args.root, ["export.onnx=false", *args.overrides])

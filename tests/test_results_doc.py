@@ -24,7 +24,8 @@ def context_figures():
 
 
 @pytest.fixture
-def docs(tmp_path):
+def docs(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite's workers set it; a command records it
     results = tmp_path / "results"
     results_doc.write_result(results / "build.json", "bench_build", build_figures(), argv=["--shape", "smollm2",
                                                                                           "--json", "x.json"])
@@ -81,17 +82,20 @@ def test_a_table_whose_results_do_not_exist_is_refused(docs):
         run(doc, results, "--check")
 
 
-def test_a_benchmark_that_keeps_tables_is_rendered_as_it_printed_them(tmp_path):
-    tab = results_doc.table(["decode", "us per token", "same text"], [["whole", 1017, True], ["stream", 8.25, False]])
+def test_a_benchmark_that_keeps_tables_is_rendered_as_it_printed_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    tab = results_doc.table(["decode", "us per token", "same text"], [["whole", 1017, True], ["stream", 8.25, False],
+                                                                    ["a|b", 13.0, True]])
     results_doc.write_tables(tmp_path / "results" / "detok.json", "bench_detok", "2000 tokens", [tab],
-                             ["Incremental against whole: 0.008x."], argv=["--tokens", "2000"])
+                             ["Incremental against whole: 0.008x."], argv=["--tokens", "2000", "--json=x.json"])
     doc = tmp_path / "benchmarks.md"
     doc.write_text("<!-- results: detok -->\n<!-- /results -->\n")
     assert run(doc, tmp_path / "results") == 0
     text = doc.read_text()
-    assert "`.venv/bin/python -m policy_bundle.loadtest.bench_detok --tokens 2000` on " in text
+    # the threads it ran on recorded, where the figures went left out
+    assert "`OMP_NUM_THREADS=1 .venv/bin/python -m policy_bundle.loadtest.bench_detok --tokens 2000` on " in text
     assert ", 2000 tokens:\n\n" + results_doc.markdown(tab) in text
-    assert "| whole | 1017 | yes |\n| stream | 8.25 | no |\n" in text
+    assert "| whole | 1017 | yes |\n| stream | 8.25 | no |\n| a\\|b | 13.0 | yes |\n" in text  # as rounded
     assert "Incremental against whole: 0.008x.\n<!-- /results -->" in text
     res = json.loads((tmp_path / "results" / "detok.json").read_text())
     res["figures"].pop("tables")  # neither a renderer of its own nor tables: refused, not rendered empty

@@ -358,10 +358,11 @@ def test_a_hung_decode_thread_is_marked_down_and_its_requests_fail_over(tmp_path
 
 @needs_vllm
 def test_vllm_steps_made_while_the_reader_waits_are_all_sent(tmp_path, small_bundle):
-    """vLLM decodes on while a step waits on its reader (a slow client, a busy router loop: here a 1 s stall after
-    the second token), and the cumulative output it hands over is its live token list, which grows in that wait: the
-    tokens made during it were skipped ("998" came out "99", "46" as "4" in a loaded CI run). Each answer is checked
-    against what FP16 answers without the stall (tests/test_serve.py's ``good`` server: "998", "46")."""
+    """vLLM decodes on while a step waits on its reader (a slow client, a busy router loop: here a 1 s stall
+    before the second token is handed on), and the cumulative output it hands over is its live token list, which
+    grows in that wait: the tokens made during it were skipped ("998" came out "99", "46" as "4" in a loaded CI
+    run). Each answer is checked against what FP16 answers without the stall (tests/test_serve.py's ``good``
+    server: "998", "46")."""
     server = start(tmp_path, small_bundle, "slowreader", "stall:after=1:factor=1:name=fp16",
                    POLICY_BUNDLE_DISABLE_VLLM="0")
     forced = {"x-policy-variant": "fp16", "x-admin-token": "t"}

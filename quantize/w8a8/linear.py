@@ -14,7 +14,7 @@ symmetric int8 row scale gave 0.898 / 0.031 (the asymmetric scale spends all 256
 Two entry points to one packed weight (``quantize/runtime/fbgemm_int8.py``), one result:
 
 - **one row** (a batch-1 decode step): fbgemm's dynamic linear over its pre-packed weight, the cheapest int8
-  matmul on this CPU (``loadtest/bench_kernels.py``: 0.07-0.6x of fp32 ``F.linear`` at SmolLM2's shapes);
+  matmul where fbgemm does not saturate (``loadtest/bench_kernels.py`` compares it with fp32 ``F.linear``);
 - **several rows** (prefill, batched decode, the teacher-forced gate): the same quantization computed per row,
   then fbgemm's GEMM over those uint8 codes (``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``, input
   scale 1), the zero-point term added back from the weight's column sums. The integers equal the one-row

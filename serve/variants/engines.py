@@ -140,9 +140,9 @@ def decode_thread_setup(threads: int) -> None:
 
     OpenMP gives each thread that enters a parallel region its own team; a second team (the decode thread's,
     besides the main thread's from loading and warming up) over-subscribes the cores, so libgomp stops spinning
-    between regions and every small op pays a wake-up: a decode step on a side thread with 2 intra-op threads took
-    about twice as long as with 1 (docs/benchmarks.md, "The batched engine's threads and lanes"; measured on 2 cores:
-    on a larger host, measure ``engine_threads`` with ``loadtest/bench_batching.py --threads``). ``torch.set_num_threads`` also sets the count that threads which have not yet
+    between regions and every small op pays a wake-up: a second intra-op thread on a decode thread bought nothing
+    on 2 cores and slowed some CPUs' steps (docs/benchmarks.md, "The batched engine's threads and lanes"; on a larger
+    host, measure ``engine_threads`` with ``loadtest/bench_batching.py --threads``). ``torch.set_num_threads`` also sets the count that threads which have not yet
     run a parallel op start with (BentoML's worker threads calling ``score``): one team per core's worth of work."""
     torch.set_grad_enabled(False)
     torch.set_num_threads(threads)
