@@ -596,8 +596,11 @@ def test_the_vllm_variant_exports_its_batch_queue_and_kv_cache(good):
     r = httpx.post(f"{good.url}/v1/completions", timeout=60, headers=force_fp16, json={
         "model": "policy", "prompt": "12+34=", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.headers.get("x-policy-variant") in (None, "fp16"), r.text
+    # the gauges are the variant's figures at the router's last health poll, which may have come mid-request (or
+    # beside a shadow call): read them until the poll after the request has shown the engine idle
+    idle = 'policy_engine_batch_size{variant="fp16"}'
     deadline, found = time.monotonic() + 20, {}
-    while time.monotonic() < deadline and len(found) < 3:
+    while time.monotonic() < deadline and (len(found) < 3 or found[idle] != 0.0):
         text = httpx.get(f"{good.url}/metrics", timeout=30).text
         found = {m[0]: float(m[1]) for m in re.findall(
             r'^(policy_engine_batch_size\{variant="fp16"\}|policy_engine_pending_requests\{variant="fp16"\}|'
@@ -608,7 +611,7 @@ def test_the_vllm_variant_exports_its_batch_queue_and_kv_cache(good):
     # split compares the engines, not what each may hold
     int8_budget = float(re.search(r'^policy_kv_cache_bytes\{kind="budget",variant="int8"\} (\S+)$', text, re.M)[1])
     assert 256 * 2**20 <= int8_budget <= 2**30, int8_budget
-    assert found.get('policy_engine_batch_size{variant="fp16"}') == 0.0  # idle again after the request
+    assert found.get(idle) == 0.0, found  # idle again after the request
     health = httpx.get(f"{good.url}/status", headers=ADMIN, timeout=30).json()["variants"]["fp16"]
     assert health["engine"].startswith("vllm") and health["batch"]["steps"] > 0 and 0.0 <= health["batch"]["kv_usage"] < 1
 
