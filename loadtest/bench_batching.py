@@ -126,5 +126,6 @@ def main() -> None:
     if args.json:
         print(f"figures: {write_tables(args.json, 'bench_batching', lead, [tab], notes, levels=results)}")
 
+
 if __name__ == "__main__":
     main()

@@ -59,5 +59,6 @@ def main() -> None:
     if args.json:
         print(f"figures: {write_tables(args.json, 'bench_detok', lead, [tab], notes)}")
 
+
 if __name__ == "__main__":
     main()

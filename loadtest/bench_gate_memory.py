@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -24,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from policy_bundle.loadtest.results_doc import cpu, cpu_text
 
 ROUNDS = 3
 
@@ -66,15 +66,6 @@ def run_mode(mode: str, policy_dir: Path, items: int) -> dict:
         resource.RUSAGE_SELF).ru_maxrss / 1e6, "top1": top1, "kl_mean": float(kl.mean()), "tokens": int(kl.numel())}
 
 
-def cpu_description() -> str:
-    from policy_bundle.quantize.runtime.fbgemm_int8 import cpu_flags
-
-    name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                 if ln.startswith("model name")), platform.machine())
-    flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if f in cpu_flags()]
-    return f"{name} ({' '.join(flags)}), {len(os.sched_getaffinity(0))} cores"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", type=Path, default=Path.home() / ".cache/policy-bundle/smollm2-135m-instruct")
@@ -91,7 +82,7 @@ def main() -> None:
                              check=True, capture_output=True, text=True).stdout
         rows[mode] = json.loads(out.strip().splitlines()[-1])
     print(f"policy {args.policy.name}, {args.items} golden items x 32 scored tokens, {ROUNDS} teacher-forced "
-          f"measurements of an int8 candidate; CPU {cpu_description()}")
+          f"measurements of an int8 candidate; CPU {cpu_text(cpu())}")
     print("| mode | peak RSS (GB) | wall (s) | top-1 | KL mean |\n|---|---|---|---|---|")
     for r in rows.values():
         print(f"| {r['mode']} | {r['peak_rss_gb']:.2f} | {r['seconds']:.1f} | {r['top1']:.4f} | {r['kl_mean']:.5f} |")

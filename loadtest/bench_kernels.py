@@ -191,5 +191,6 @@ def linears(row_counts: List[int], repeat: int) -> Tuple[str, dict]:
                         "fbgemm dynamic (one scale per call)", "fbgemm, rows mapped onto [0, 1]",
                         "fbgemm dynamic, one call per row"], rows)
 
+
 if __name__ == "__main__":
     raise SystemExit(main())

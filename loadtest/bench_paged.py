@@ -86,5 +86,6 @@ def main() -> None:
     if args.json:
         print(f"figures: {write_tables(args.json, 'bench_paged', lead, [tab], cases=out['cases'])}")
 
+
 if __name__ == "__main__":
     main()
