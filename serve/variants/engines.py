@@ -260,19 +260,20 @@ class VllmEngine:
         async with contextlib.aclosing(self.engine.generate({"prompt_token_ids": prompt_ids}, vp,
                                                             f"req-{os.getpid()}-{self._n}")) as outputs:
             async for out in self._first_within(outputs):
-                # A cumulative output holds vLLM's live lists, which grow while a step below waits on its reader:
-                # read a copy, or the tokens made in that wait are counted as seen and never sent.
+                # A cumulative output holds vLLM's live lists, which only grow, and grow while a step below waits on
+                # its reader: take their length before yielding, or the tokens made in that wait are counted as seen
+                # and never sent (the next output carries them).
                 comp = out.outputs[0]
-                ids, logprobs = list(comp.token_ids), list(comp.logprobs or ())
-                for i in range(seen, len(ids)):
+                ids, logprobs, end = comp.token_ids, comp.logprobs, len(comp.token_ids)
+                for i in range(seen, end):
                     tok = ids[i]
-                    lp = logprobs[i].get(tok).logprob if i < len(logprobs) and tok in logprobs[i] else 0.0
+                    lp = logprobs[i].get(tok).logprob if logprobs and tok in logprobs[i] else 0.0
                     top = ()
-                    if params.top_logprobs and i < len(logprobs):
+                    if params.top_logprobs and logprobs:
                         ranked = sorted(logprobs[i].items(), key=lambda kv: kv[1].rank or 0)
                         top = tuple((int(t), float(v.logprob)) for t, v in ranked if v.rank)[: params.top_logprobs]
                     yield Step(int(tok), float(lp), top)
-                seen = len(ids)
+                seen = end
 
     async def _first_within(self, outputs) -> AsyncIterator:
         """``outputs``, the first within ``first_token_s`` (else a 429; the wait's cancellation aborts the request
